@@ -1,0 +1,63 @@
+# CapyCTL — `make run` serves it, `make test` checks everything. Both set themselves up.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+ARGS ?=
+PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/capyctl
+PYTEST_ARGS ?=
+
+.PHONY: help venv dev run test lint typecheck djangocheck test-sqlite test-postgres clean
+
+help:
+	@echo "make run    set up .venv and run 'capyctl start standalone' on http://127.0.0.1:8000"
+	@echo "make test   set up .venv and run lint, type checks and the tests (SQLite and PostgreSQL)"
+	@echo "make venv   only create .venv with CapyCTL installed (capyctl on its PATH)"
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "CapyCTL needs Python 3.11 or newer; set PYTHON=/path/to/python3.11")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.runtime-installed: $(BIN)/python requirements.txt pyproject.toml
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.runtime-installed requirements-dev.txt
+	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $@
+
+venv: $(VENV)/.runtime-installed
+
+dev: $(VENV)/.dev-installed
+
+run: venv
+	$(BIN)/capyctl start standalone $(ARGS)
+
+lint: dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: dev
+	$(BIN)/mypy capyctl hostagent tests
+
+djangocheck: dev
+	CAPYCTL_DATA_DIR=$$(mktemp -d) $(BIN)/python manage.py check --fail-level WARNING
+	CAPYCTL_DATA_DIR=$$(mktemp -d) $(BIN)/python manage.py makemigrations --check --dry-run
+
+test-sqlite: dev
+	CAPYCTL_DATA_DIR=$$(mktemp -d) $(BIN)/pytest $(PYTEST_ARGS)
+
+test-postgres: dev
+	@$(BIN)/python -c 'import psycopg; psycopg.connect("$(PG_TEST_URL:/capyctl=/postgres)", connect_timeout=5).close()' \
+	  || { echo "PostgreSQL is not answering at $(PG_TEST_URL:/capyctl=)"; exit 1; }
+	CAPYCTL_DATA_DIR=$$(mktemp -d) CAPYCTL_DATABASE_URL=$(PG_TEST_URL) $(BIN)/pytest --create-db $(PYTEST_ARGS)
+
+test: lint typecheck djangocheck test-sqlite test-postgres
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

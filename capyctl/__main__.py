@@ -1,0 +1,5 @@
+"""``python -m capyctl`` runs the CLI."""
+
+from capyctl.cli import main
+
+main()

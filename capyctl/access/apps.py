@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class AccessConfig(AppConfig):
+    name = "capyctl.access"
+    verbose_name = "Access"

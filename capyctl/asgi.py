@@ -1,0 +1,32 @@
+"""The ASGI application: a Channels protocol router.
+
+HTTP goes to Django (admin, probes) except static assets, which a small ASGI app serves
+directly; later routes (``/v1``, WebSockets) slot in here beside Django's view path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "capyctl.settings")
+
+from channels.routing import ProtocolTypeRouter
+from django.core.asgi import get_asgi_application
+
+django_application = get_asgi_application()
+
+from capyctl.web.staticfiles import StaticFilesApp  # noqa: E402
+
+static_application = StaticFilesApp()
+
+
+async def http_application(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Route one HTTP request to the app that serves its path."""
+    if static_application.handles(scope):
+        await static_application(scope, receive, send)
+    else:
+        await django_application(scope, receive, send)
+
+
+application = ProtocolTypeRouter({"http": http_application})

@@ -1,0 +1,80 @@
+"""The ``capyctl`` command line.
+
+Arguments are parsed before Django loads, so ``--data-dir`` and other start flags can
+become ``CAPYCTL_*`` variables first. A user mistake prints one line,
+``capyctl …: error: …``, and exits with status 2, having changed nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from capyctl.cli.parser import build_parser
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"capyctl: error: {message}", file=sys.stderr)
+    return status
+
+
+def _setup_django() -> None:
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "capyctl.settings")
+    django.setup()
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run one command; return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if getattr(args, "data_dir", None):
+        os.environ["CAPYCTL_DATA_DIR"] = str(Path(args.data_dir).expanduser().resolve())
+    if getattr(args, "mode", None):
+        os.environ["CAPYCTL_MODE"] = args.mode
+
+    from capyctl.conf import ConfigError
+
+    try:
+        _setup_django()
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    if not getattr(args, "mode", None) and "CAPYCTL_LOG_LEVEL" not in os.environ:
+        # Management commands print their own results; routine log lines would be noise.
+        logging.getLogger().setLevel(logging.WARNING)
+
+    from django.db import DatabaseError
+
+    from capyctl.errors import UserError
+
+    try:
+        return int(args.handler(args) or 0)
+    except UserError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except DatabaseError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _fail(f"database error: {first_line}", EXIT_FAILURE)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console-script entry point."""
+    try:
+        status = run(argv)
+    except KeyboardInterrupt:
+        status = 130
+    sys.exit(status)
+
+
+__all__ = ["main", "run"]

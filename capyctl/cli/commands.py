@@ -1,0 +1,312 @@
+"""Handlers of the management commands: engines, deployments, keys, users, status.
+
+Each handler calls the service layer; it only parses, prints and picks exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from django.conf import settings
+
+from capyctl.cli.output import print_json, print_table
+from capyctl.errors import UserError
+from hostagent.units import format_size
+
+
+def prepare() -> None:
+    """Bring the database up to date and make sure the standalone host and admin exist."""
+    from capyctl.bootstrap import ensure_first_admin, migrate_database
+    from capyctl.hosts.models import LOCAL_HOST_NAME, Host
+
+    migrate_database()
+    if settings.MODE == "standalone" and not Host.objects.filter(name=LOCAL_HOST_NAME).exists():
+        from capyctl.hosts.services import ensure_local_host
+        from hostagent.probe import read_inventory
+
+        ensure_local_host(read_inventory(settings.CAPYCTL["SIM_GPUS"]))
+    admin = ensure_first_admin()
+    if admin.created:
+        where = f" (password in {admin.password_file})" if admin.password_file else ""
+        print(f"capyctl: created the first admin account 'admin'{where}", file=sys.stderr)
+
+
+def _actor() -> str:
+    return "cli"
+
+
+# --- engines -----------------------------------------------------------------------------
+
+
+def engine_add(args: argparse.Namespace) -> int:
+    from capyctl.engines.services import add_engine
+
+    prepare()
+    engine = add_engine(
+        args.name, kind=args.kind, command=args.command, host=args.host, actor=_actor()
+    )
+    print(f"engine {engine.name} added ({engine.kind}: {engine.command})")
+    return 0
+
+
+def engine_list(args: argparse.Namespace) -> int:
+    from capyctl.reports import all_engines, engine_data
+
+    prepare()
+    engines = [engine_data(e) for e in all_engines()]
+    if args.json:
+        print_json(engines)
+    else:
+        rows = [[e["name"], e["kind"], e["host"] or "(any)", e["command"]] for e in engines]
+        print_table(["name", "kind", "host", "command"], rows, empty="no engines")
+    return 0
+
+
+def engine_remove(args: argparse.Namespace) -> int:
+    from capyctl.engines.services import remove_engine
+
+    prepare()
+    remove_engine(args.name, actor=_actor())
+    print(f"engine {args.name} removed")
+    return 0
+
+
+# --- deployments -------------------------------------------------------------------------
+
+
+def deployment_add(args: argparse.Namespace) -> int:
+    from capyctl.deployments.services import DeploymentSpec, add_deployment
+    from capyctl.validation import parse_gpu_memory, split_engine_args
+
+    gpu_bytes, fraction = parse_gpu_memory(args.gpu_memory) if args.gpu_memory else (None, None)
+    spec = DeploymentSpec(
+        name=args.name,
+        engine=args.engine,
+        source=args.source,
+        aliases=list(args.alias),
+        host=args.host,
+        gpu_memory_bytes=gpu_bytes,
+        gpu_memory_fraction=fraction,
+        weights_bytes=args.weights_size,
+        gpus=args.gpus,
+        park=args.park,
+        idle_park_seconds=args.idle_park_seconds,
+        min_ready_seconds=args.min_ready_seconds,
+        max_waiting=args.max_waiting,
+        wake_timeout_seconds=args.wake_timeout,
+        start_timeout_seconds=args.start_timeout,
+        drain_timeout_seconds=args.drain_timeout,
+        engine_args=split_engine_args(args.args),
+        priority=args.priority,
+        pinned=args.pinned,
+    )
+    prepare()
+    deployment = add_deployment(spec, actor=_actor())
+    print(f"deployment {deployment.name} added (engine {deployment.engine.name}, desired running)")
+    return 0
+
+
+def _memory_text(data: dict[str, object]) -> str:
+    if data["gpu_memory_bytes"] is not None:
+        return format_size(int(data["gpu_memory_bytes"]))  # type: ignore[call-overload]
+    if data["gpu_memory_fraction"] is not None:
+        return f"{data['gpu_memory_fraction']:g} of GPU"
+    return "estimate"
+
+
+def deployment_list(args: argparse.Namespace) -> int:
+    from capyctl.reports import all_deployments, deployment_data
+
+    prepare()
+    deployments = [deployment_data(d) for d in all_deployments()]
+    if args.json:
+        print_json(deployments)
+        return 0
+    rows = [
+        [
+            d["name"],
+            ",".join(d["aliases"]),
+            d["engine"],
+            d["host"] or "(auto)",
+            d["desired_state"],
+            d["observed_state"] + (f" ({d['parked_mode']})" if d["parked_mode"] else ""),
+            _memory_text(d),
+            d["park"] + (" pinned" if d["pinned"] else ""),
+        ]
+        for d in deployments
+    ]
+    headers = ["name", "aliases", "engine", "host", "desired", "state", "gpu memory", "park"]
+    print_table(headers, rows, empty="no deployments")
+    return 0
+
+
+def deployment_remove(args: argparse.Namespace) -> int:
+    from capyctl.deployments.services import remove_deployment
+
+    prepare()
+    remove_deployment(args.name, actor=_actor())
+    print(f"deployment {args.name} removed (model files left in place)")
+    return 0
+
+
+# --- keys --------------------------------------------------------------------------------
+
+
+def key_create(args: argparse.Namespace) -> int:
+    from capyctl.access.services import issue_api_key
+    from capyctl.validation import parse_duration
+
+    expires = parse_duration(args.expires, field="expires") if args.expires else None
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    prepare()
+    key, full_key = issue_api_key(
+        args.user,
+        name=args.name,
+        models=models,
+        expires_in=expires,
+        admin=args.admin,
+        requests_per_minute=args.rpm,
+        actor=_actor(),
+    )
+    print(full_key)
+    details = [f"id {key.key_id}", f"user {args.user}"]
+    if models:
+        details.append(f"models {','.join(models)}")
+    if key.expires_at:
+        details.append(f"expires {key.expires_at:%Y-%m-%d %H:%M} UTC")
+    if key.is_admin:
+        details.append("admin scope")
+    print(f"capyctl: key created ({', '.join(details)}); it is shown only now", file=sys.stderr)
+    return 0
+
+
+def key_list(args: argparse.Namespace) -> int:
+    from capyctl.reports import all_keys, key_data
+
+    prepare()
+    keys = [key_data(k) for k in all_keys() if not args.user or k.user.username == args.user]
+    if args.json:
+        print_json(keys)
+        return 0
+    rows = [
+        [
+            k["id"],
+            k["user"],
+            k["name"],
+            ",".join(k["models"]) or "(all)",
+            "yes" if k["admin"] else "no",
+            k["expires_at"][:16].replace("T", " ") if k["expires_at"] else "never",
+            "revoked" if k["revoked"] else ("active" if k["active"] else "expired"),
+            k["last_used_at"][:16].replace("T", " ") if k["last_used_at"] else "never",
+        ]
+        for k in keys
+    ]
+    headers = ["id", "user", "name", "models", "admin", "expires", "status", "last used"]
+    print_table(headers, rows, empty="no keys")
+    return 0
+
+
+def key_revoke(args: argparse.Namespace) -> int:
+    from capyctl.access.services import revoke_api_key
+
+    prepare()
+    key = revoke_api_key(args.id, actor=_actor())
+    print(f"key {key.prefix} revoked")
+    return 0
+
+
+# --- users -------------------------------------------------------------------------------
+
+
+def user_add(args: argparse.Namespace) -> int:
+    import secrets
+
+    from capyctl.access.services import add_user
+
+    generated = not args.password_stdin
+    if args.password_stdin:
+        password = sys.stdin.readline().rstrip("\n")
+        if len(password) < 8:
+            raise UserError("the password from standard input is shorter than 8 characters")
+    else:
+        password = secrets.token_urlsafe(12)
+    prepare()
+    add_user(args.name, password=password, staff=args.staff, actor=_actor())
+    role = "staff user" if args.staff else "user"
+    print(f"{role} {args.name} added")
+    if generated:
+        print(f"password: {password}  (shown only now)")
+    return 0
+
+
+def user_list(args: argparse.Namespace) -> int:
+    from django.contrib.auth import get_user_model
+
+    prepare()
+    users = [
+        {
+            "name": u.get_username(),
+            "staff": u.is_staff,
+            "active": u.is_active,
+            "keys": u.api_keys.count(),
+        }
+        for u in get_user_model().objects.order_by("username")
+    ]
+    if args.json:
+        print_json(users)
+    else:
+        rows = [[u["name"], "yes" if u["staff"] else "no", u["keys"]] for u in users]
+        print_table(["name", "staff", "keys"], rows, empty="no users")
+    return 0
+
+
+# --- status ------------------------------------------------------------------------------
+
+
+def status(args: argparse.Namespace) -> int:
+    from capyctl.reports import status_data
+
+    prepare()
+    data = status_data()
+    if args.json:
+        print_json(data)
+        return 0
+    print(f"mode: {data['mode']}")
+    for host in data["hosts"]:
+        gpus = ", ".join(f"{g['name']} {format_size(g['total_bytes'])}" for g in host["gpus"])
+        print(
+            f"\nhost {host['name']} ({host['state']}; probe {host['probe']}): {gpus or 'no GPUs'}"
+        )
+        rows = [
+            [
+                p["pool"],
+                format_size(p["capacity_bytes"]),
+                format_size(p["held_bytes"]),
+                format_size(p["promised_bytes"]),
+                format_size(p["unconfirmed_bytes"]),
+                format_size(p["foreign_bytes"]),
+                format_size(p["free_bytes"]),
+            ]
+            for p in host["pools"]
+        ]
+        headers = ["pool", "capacity", "held", "promised", "unconfirmed", "foreign", "free"]
+        print_table(headers, rows, empty="  (no pools reported yet)")
+    print()
+    deployment_rows = [
+        [
+            d["name"],
+            d["engine"],
+            d["host"] or "(auto)",
+            d["desired_state"],
+            d["observed_state"] + (f" ({d['parked_mode']})" if d["parked_mode"] else ""),
+            _memory_text(d),
+            d["state_reason"],
+        ]
+        for d in data["deployments"]
+    ]
+    headers = ["deployment", "engine", "host", "desired", "state", "gpu memory", "reason"]
+    print_table(headers, deployment_rows, empty="no deployments")
+    active = sum(1 for k in data["keys"] if k["active"])
+    print(f"\nengines: {len(data['engines'])}   keys: {active} active of {len(data['keys'])}")
+    return 0

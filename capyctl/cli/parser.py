@@ -1,0 +1,184 @@
+"""The argument parser of ``capyctl`` (DESIGN §10)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from hostagent.units import SizeError, parse_size
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and exit with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except SizeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def count_arg(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at least {minimum}")
+        return value
+
+    return parse
+
+
+def _handler(name: str) -> Callable[[argparse.Namespace], int]:
+    """Resolve a handler lazily, so parsing never imports Django."""
+
+    def call(args: argparse.Namespace) -> int:
+        from capyctl.cli import commands, start
+
+        module = start if name.startswith("start") else commands
+        result: int = getattr(module, name)(args)
+        return result
+
+    return call
+
+
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _sub(parent: Any, name: str, help_text: str, handler: str | None = None) -> Parser:
+    parser: Parser = parent.add_parser(name, help=help_text, description=help_text)
+    if handler:
+        parser.set_defaults(handler=_handler(handler))
+    return parser
+
+
+def build_parser() -> Parser:
+    from capyctl import __version__
+
+    parser = Parser(
+        prog="capyctl",
+        description="Run many LLMs on few GPUs behind one OpenAI-compatible endpoint.",
+    )
+    parser.add_argument("--version", action="version", version=f"capyctl {__version__}")
+    parser.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="data directory (default: $CAPYCTL_DATA_DIR or ./.capyctl)",
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=Parser)
+
+    _build_start(commands)
+    _build_engine(commands)
+    _build_deployment(commands)
+    _build_key(commands)
+    _build_user(commands)
+
+    status = _sub(commands, "status", "hosts, pools, deployments and the ledger", "status")
+    _add_json(status)
+    return parser
+
+
+def _build_start(commands: Any) -> None:
+    start = _sub(commands, "start", "run CapyCTL")
+    modes = start.add_subparsers(title="modes", metavar="MODE", parser_class=Parser)
+    standalone = _sub(
+        modes, "standalone", "everything in one process, with SQLite", "start_standalone"
+    )
+    standalone.set_defaults(mode="standalone")
+    standalone.add_argument(
+        "--listen", metavar="ADDR", default="127.0.0.1:8000", help="HOST:PORT (127.0.0.1:8000)"
+    )
+    standalone.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        default=argparse.SUPPRESS,
+        help="data directory (default: $CAPYCTL_DATA_DIR or ./.capyctl)",
+    )
+    standalone.add_argument(
+        "--server",
+        choices=("uvicorn", "daphne"),
+        default="uvicorn",
+        help="ASGI server (uvicorn; daphne serves about 0.65x its throughput)",
+    )
+
+
+def _build_engine(commands: Any) -> None:
+    engine = _sub(commands, "engine", "register installed engine programs")
+    sub = engine.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
+    add = _sub(sub, "add", "register an engine", "engine_add")
+    add.add_argument("name")
+    add.add_argument("--kind", required=True, help="vllm, sglang, llamacpp, tensorfold or custom")
+    add.add_argument("--command", required=True, help="the program (custom: a template)")
+    add.add_argument("--host", help="the host it is installed on (default: every host)")
+    listing = _sub(sub, "list", "list engines", "engine_list")
+    _add_json(listing)
+    remove = _sub(sub, "remove", "remove an engine no deployment uses", "engine_remove")
+    remove.add_argument("name")
+
+
+def _build_deployment(commands: Any) -> None:
+    deployment = _sub(commands, "deployment", "models served by engines")
+    sub = deployment.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
+    add = _sub(sub, "add", "add a deployment", "deployment_add")
+    add.add_argument("name")
+    add.add_argument("--engine", required=True)
+    add.add_argument("--source", required=True, help="local path, hf://ORG/NAME or URL")
+    add.add_argument("--alias", action="append", default=[], help="another name (repeatable)")
+    add.add_argument("--host", help="pin to this host (default: placed where it fits)")
+    add.add_argument(
+        "--gpu-memory", metavar="SIZE", help="per GPU: 20GiB, or a fraction of the device: 0.9"
+    )
+    add.add_argument("--weights-size", metavar="SIZE", type=size_arg, help="weights copy size")
+    add.add_argument("--gpus", type=count_arg(0), default=1, help="GPUs it needs (default 1)")
+    add.add_argument("--park", choices=("auto", "ram", "deep", "stop", "never"), default="auto")
+    add.add_argument("--idle-park-seconds", type=count_arg(0), metavar="N")
+    add.add_argument("--min-ready-seconds", type=count_arg(0), metavar="N")
+    add.add_argument("--max-waiting", type=count_arg(1), metavar="N")
+    add.add_argument("--wake-timeout", type=count_arg(1), metavar="SECONDS")
+    add.add_argument("--start-timeout", type=count_arg(1), metavar="SECONDS")
+    add.add_argument("--drain-timeout", type=count_arg(0), metavar="SECONDS")
+    add.add_argument("--priority", type=int, default=0)
+    add.add_argument("--args", default="", metavar='"ENGINE ARGS"', help="extra engine args")
+    add.add_argument("--pinned", action="store_true", help="never park or stop it to make room")
+    listing = _sub(sub, "list", "list deployments", "deployment_list")
+    _add_json(listing)
+    remove = _sub(sub, "remove", "remove a stopped deployment", "deployment_remove")
+    remove.add_argument("name")
+
+
+def _build_key(commands: Any) -> None:
+    key = _sub(commands, "key", "API keys")
+    sub = key.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
+    create = _sub(sub, "create", "make a key (printed once)", "key_create")
+    create.add_argument("--user", required=True)
+    create.add_argument("--name", default="", metavar="LABEL")
+    create.add_argument("--models", default="", metavar="A,B", help="allowed models (default all)")
+    create.add_argument("--expires", metavar="DURATION", help="e.g. 30d, 12h, 2w")
+    create.add_argument("--admin", action="store_true", help="allow REST automation as admin")
+    create.add_argument("--rpm", type=count_arg(1), metavar="N", help="requests per minute")
+    listing = _sub(sub, "list", "list keys", "key_list")
+    listing.add_argument("--user", help="only this user's keys")
+    _add_json(listing)
+    revoke = _sub(sub, "revoke", "revoke a key", "key_revoke")
+    revoke.add_argument("id", help="the key id or its capy_<id> prefix")
+
+
+def _build_user(commands: Any) -> None:
+    user = _sub(commands, "user", "people who use CapyCTL")
+    sub = user.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
+    add = _sub(sub, "add", "add a user (a password is generated and printed once)", "user_add")
+    add.add_argument("name")
+    add.add_argument("--staff", action="store_true", help="may use the admin and manage all")
+    add.add_argument(
+        "--password-stdin", action="store_true", help="read the password from standard input"
+    )
+    listing = _sub(sub, "list", "list users", "user_list")
+    _add_json(listing)

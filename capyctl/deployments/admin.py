@@ -1,0 +1,168 @@
+"""Deployments in the admin: the same validation and saving as the CLI, via the services."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from django import forms
+from django.contrib import admin
+from django.http import HttpRequest
+
+from capyctl.admin_utils import ReadOnlyAdmin, attach_user_error
+from capyctl.deployments.models import Deployment, Instance
+from capyctl.deployments.services import (
+    DeploymentSpec,
+    add_deployment,
+    check_deployment,
+    update_deployment,
+)
+from capyctl.errors import UserError
+from capyctl.validation import parse_gpu_memory, parse_size_value, split_engine_args
+from hostagent.units import format_size
+
+_PLAIN_FIELDS = (
+    "source",
+    "gpus",
+    "park",
+    "idle_park_seconds",
+    "min_ready_seconds",
+    "max_waiting",
+    "wake_timeout_seconds",
+    "start_timeout_seconds",
+    "drain_timeout_seconds",
+    "priority",
+    "pinned",
+)
+
+
+class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
+    aliases_text = forms.CharField(
+        label="Aliases", required=False, help_text="other names, separated by commas"
+    )
+    gpu_memory = forms.CharField(
+        required=False,
+        help_text="per GPU: 20GiB, or a fraction of the device: 0.9 (empty: estimate)",
+    )
+    weights_size = forms.CharField(required=False, help_text="size of the weights copy, e.g. 15GiB")
+    args_text = forms.CharField(
+        label="Engine args", required=False, help_text="extra engine arguments, as on a shell"
+    )
+
+    class Meta:
+        model = Deployment
+        fields = ("name", "engine", "host", *_PLAIN_FIELDS)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        obj = self.instance
+        if obj.pk:
+            self.initial["aliases_text"] = ", ".join(obj.alias_names)
+            self.initial["args_text"] = shlex.join(obj.engine_args)
+            if obj.gpu_memory_bytes is not None:
+                self.initial["gpu_memory"] = format_size(obj.gpu_memory_bytes).replace(" ", "")
+            elif obj.gpu_memory_fraction is not None:
+                self.initial["gpu_memory"] = f"{obj.gpu_memory_fraction:g}"
+            if obj.weights_bytes is not None:
+                self.initial["weights_size"] = str(obj.weights_bytes)
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if self.errors:
+            return data
+        try:
+            self.spec = self._spec(data)
+            check_deployment(self.spec, exclude_pk=self.instance.pk)
+        except UserError as exc:
+            attach_user_error(self, exc)
+        return data
+
+    def _spec(self, data: dict[str, Any]) -> DeploymentSpec:
+        gpu_bytes, fraction = (None, None)
+        if data.get("gpu_memory"):
+            gpu_bytes, fraction = parse_gpu_memory(data["gpu_memory"])
+        weights = data.get("weights_size")
+        plain: dict[str, Any] = {name: data.get(name) for name in _PLAIN_FIELDS}
+        return DeploymentSpec(
+            name=data["name"],
+            engine=data["engine"].name,
+            host=data["host"].name if data.get("host") else None,
+            aliases=[a.strip() for a in (data.get("aliases_text") or "").split(",") if a.strip()],
+            gpu_memory_bytes=gpu_bytes,
+            gpu_memory_fraction=fraction,
+            weights_bytes=parse_size_value(weights, field="weights_bytes") if weights else None,
+            engine_args=split_engine_args(data.get("args_text") or ""),
+            **plain,
+        )
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    form = DeploymentForm
+    list_display = (
+        "name",
+        "engine",
+        "host",
+        "desired_state",
+        "observed_state",
+        "parked_mode",
+        "pinned",
+        "priority",
+    )
+    list_filter = ("desired_state", "observed_state", "engine", "host", "pinned")
+    search_fields = ("name", "aliases__name", "source")
+    readonly_fields = (
+        "desired_state",
+        "observed_state",
+        "parked_mode",
+        "state_reason",
+        "state_changed_at",
+        "last_request_at",
+        "measured_gpu_bytes",
+        "measured_weights_bytes",
+    )
+    fieldsets = (
+        (None, {"fields": ("name", "aliases_text", "engine", "host", "source", "args_text")}),
+        ("Memory", {"fields": ("gpu_memory", "weights_size", "gpus")}),
+        (
+            "Parking and waiting",
+            {
+                "fields": (
+                    "park",
+                    "pinned",
+                    "priority",
+                    "idle_park_seconds",
+                    "min_ready_seconds",
+                    "max_waiting",
+                    "wake_timeout_seconds",
+                    "start_timeout_seconds",
+                    "drain_timeout_seconds",
+                )
+            },
+        ),
+        ("State", {"fields": readonly_fields}),
+    )
+
+    def save_model(
+        self, request: HttpRequest, obj: Deployment, form: DeploymentForm, change: bool
+    ) -> None:
+        actor = request.user.get_username()
+        if change:
+            original = Deployment.objects.get(pk=obj.pk)
+            saved = update_deployment(original.name, form.spec, actor=actor)
+        else:
+            saved = add_deployment(form.spec, actor=actor)
+        obj.pk = saved.pk
+        obj.refresh_from_db()
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        # Aliases are saved by the service; the form has no many-to-many fields of its own.
+        for formset in formsets:
+            self.save_formset(request, form, formset, change=change)
+
+
+@admin.register(Instance)
+class InstanceAdmin(ReadOnlyAdmin):
+    list_display = ("deployment", "host", "state", "pid", "port", "started_at", "ended_at")
+    list_filter = ("state", "host")
+    exclude = ("launch_key",)

@@ -1,0 +1,184 @@
+"""Models served by engines (deployments) and the engine processes running them."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+
+class ParkPolicy(models.TextChoices):
+    """How a deployment gives back GPU memory when another model needs it."""
+
+    AUTO = "auto"  # ram on a discrete GPU when the copy fits, deep on unified memory, else stop
+    RAM = "ram"
+    DEEP = "deep"
+    STOP = "stop"
+    NEVER = "never"
+
+
+class DesiredState(models.TextChoices):
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+class ObservedState(models.TextChoices):
+    """The scheduler's view of a deployment; only the scheduler writes it."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    PARKING = "parking"
+    PARKED = "parked"
+    WAKING = "waking"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+class ParkMode(models.TextChoices):
+    RAM = "ram"
+    DEEP = "deep"
+
+
+class Deployment(models.Model):
+    """A model served by an engine on a host — what users call "a model".
+
+    ``name`` (and any alias) is what requests put in ``"model"``. Memory figures are bytes:
+    ``gpu_memory_bytes`` per GPU, or ``gpu_memory_fraction`` of each device; both empty
+    means "estimate from engine args or the model files". ``weights_bytes`` is the size of
+    the weights copy a ``ram`` park keeps in host RAM. The ``measured_*`` figures replace
+    the estimates once the engine has run. Per-deployment timing and queue settings left
+    empty fall back to the global defaults (``settings.CAPYCTL``).
+
+    ``desired_state`` is set by people; ``observed_state`` (with ``parked_mode`` and
+    ``state_reason``) is owned by the scheduler and changed only by conditional updates.
+    """
+
+    name = models.CharField(max_length=63, unique=True)
+    engine = models.ForeignKey(
+        "engines.Engine", on_delete=models.PROTECT, related_name="deployments"
+    )
+    host = models.ForeignKey(
+        "hosts.Host",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="deployments",
+        help_text="where it runs; empty = placed where it fits on first start",
+    )
+    source = models.CharField(max_length=1024, help_text="local path, hf://ORG/NAME or URL")
+    engine_args = models.JSONField(default=list, blank=True, help_text="extra engine arguments")
+
+    gpu_memory_bytes = models.BigIntegerField(null=True, blank=True)
+    gpu_memory_fraction = models.FloatField(null=True, blank=True)
+    weights_bytes = models.BigIntegerField(null=True, blank=True)
+    gpus = models.PositiveSmallIntegerField(default=1, help_text="GPUs of one host it needs")
+    measured_gpu_bytes = models.BigIntegerField(null=True, blank=True)
+    measured_weights_bytes = models.BigIntegerField(null=True, blank=True)
+
+    park = models.CharField(max_length=8, choices=ParkPolicy.choices, default=ParkPolicy.AUTO)
+    idle_park_seconds = models.PositiveIntegerField(null=True, blank=True)
+    min_ready_seconds = models.PositiveIntegerField(null=True, blank=True)
+    max_waiting = models.PositiveIntegerField(null=True, blank=True)
+    wake_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
+    start_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
+    drain_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
+    priority = models.IntegerField(default=0, help_text="higher stays loaded longer")
+    pinned = models.BooleanField(default=False, help_text="never parked or stopped to make room")
+
+    desired_state = models.CharField(
+        max_length=8, choices=DesiredState.choices, default=DesiredState.RUNNING
+    )
+    observed_state = models.CharField(
+        max_length=16, choices=ObservedState.choices, default=ObservedState.STOPPED
+    )
+    parked_mode = models.CharField(max_length=8, choices=ParkMode.choices, blank=True)
+    state_reason = models.TextField(blank=True)
+    state_changed_at = models.DateTimeField(null=True, blank=True)
+    last_request_at = models.DateTimeField(null=True, blank=True)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(gpu_memory_bytes__isnull=True)
+                | models.Q(gpu_memory_fraction__isnull=True),
+                name="deployment_gpu_memory_bytes_or_fraction",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(gpu_memory_fraction__isnull=True)
+                | (models.Q(gpu_memory_fraction__gt=0) & models.Q(gpu_memory_fraction__lte=1)),
+                name="deployment_gpu_memory_fraction_range",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def setting(self, name: str) -> int:
+        """A timing or queue setting: this deployment's own, else the global default."""
+        own = getattr(self, name)
+        if own is not None:
+            return int(own)
+        return int(settings.CAPYCTL[name.upper()])
+
+    @property
+    def alias_names(self) -> list[str]:
+        return [alias.name for alias in self.aliases.all()]
+
+
+class DeploymentAlias(models.Model):
+    """Another name a deployment answers to. Unique across all aliases; the service layer
+    also keeps it from equalling any deployment's name."""
+
+    name = models.CharField(max_length=128, unique=True)
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="aliases")
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name_plural = "deployment aliases"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Instance(models.Model):
+    """One engine process launched for a deployment.
+
+    ``launch_key`` is the API key made for this launch; CapyCTL swaps it in for the
+    client's key when forwarding. The engine listens on ``127.0.0.1:port`` of its host.
+    """
+
+    class State(models.TextChoices):
+        LAUNCHING = "launching"
+        RUNNING = "running"
+        EXITED = "exited"
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="instances")
+    host = models.ForeignKey("hosts.Host", on_delete=models.PROTECT, related_name="instances")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.LAUNCHING)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    launch_key = models.CharField(max_length=128)
+    gpu_indices = models.JSONField(default=list, blank=True)
+    log_path = models.CharField(max_length=1024, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    started_at = models.DateTimeField(auto_now_add=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+        constraints = [
+            # At most one live engine process per deployment.
+            models.UniqueConstraint(
+                fields=["deployment"],
+                condition=~models.Q(state="exited"),
+                name="instance_one_live_per_deployment",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}@{self.host.name}:{self.port}"

@@ -1,0 +1,322 @@
+"""Adding, changing and removing deployments. Every entry point calls these.
+
+Validation lives here once: names, aliases (never equal to any deployment's name or
+alias), sizes, fractions, the engine and host, engine arguments. Each function either
+makes its whole change, with an Event, or raises :class:`UserError` and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from django.db import transaction
+from django.db.models import Q
+
+from capyctl.deployments.models import (
+    Deployment,
+    DeploymentAlias,
+    ObservedState,
+    ParkPolicy,
+)
+from capyctl.engines.models import Engine
+from capyctl.engines.services import get_engine
+from capyctl.errors import NotFoundError, UserError
+from capyctl.events.services import record_event
+from capyctl.hosts.models import Host
+from capyctl.hosts.services import get_host
+from capyctl.validation import validate_alias, validate_name
+from hostagent.kinds import KindError, get_kind
+from hostagent.units import format_size
+
+MAX_GPUS = 64
+
+
+@dataclass
+class DeploymentSpec:
+    """Everything a person can say about a deployment when adding it."""
+
+    name: str
+    engine: str
+    source: str
+    aliases: list[str] = field(default_factory=list)
+    host: str | None = None
+    gpu_memory_bytes: int | None = None
+    gpu_memory_fraction: float | None = None
+    weights_bytes: int | None = None
+    gpus: int = 1
+    park: str = ParkPolicy.AUTO
+    idle_park_seconds: int | None = None
+    min_ready_seconds: int | None = None
+    max_waiting: int | None = None
+    wake_timeout_seconds: int | None = None
+    start_timeout_seconds: int | None = None
+    drain_timeout_seconds: int | None = None
+    engine_args: list[str] = field(default_factory=list)
+    priority: int = 0
+    pinned: bool = False
+
+
+def get_deployment(name: str) -> Deployment:
+    """The deployment called ``name`` (or with that alias)."""
+    found = (
+        Deployment.objects.select_related("engine", "host")
+        .filter(Q(name=name) | Q(aliases__name=name))
+        .first()
+    )
+    if found is None:
+        raise NotFoundError(f"no deployment named {name!r}", field="name")
+    return found
+
+
+def _check_names(spec: DeploymentSpec, *, exclude_pk: int | None = None) -> None:
+    validate_name(spec.name, what="deployment name")
+    seen: set[str] = set()
+    for alias in spec.aliases:
+        validate_alias(alias)
+        if alias == spec.name:
+            raise UserError(f"alias {alias!r} is the deployment's own name", field="aliases")
+        if alias in seen:
+            raise UserError(f"alias {alias!r} is given twice", field="aliases")
+        seen.add(alias)
+
+    others = Deployment.objects.all()
+    other_aliases = DeploymentAlias.objects.all()
+    if exclude_pk is not None:
+        others = others.exclude(pk=exclude_pk)
+        other_aliases = other_aliases.exclude(deployment_id=exclude_pk)
+    if others.filter(name=spec.name).exists():
+        raise UserError(f"a deployment named {spec.name!r} already exists", field="name")
+    owner = other_aliases.filter(name=spec.name).select_related("deployment").first()
+    if owner is not None:
+        raise UserError(
+            f"name {spec.name!r} is already an alias of deployment {owner.deployment.name!r}",
+            field="name",
+        )
+    if spec.aliases:
+        clash = others.filter(name__in=spec.aliases).values_list("name", flat=True).first()
+        if clash is not None:
+            raise UserError(
+                f"alias {clash!r} is already the name of another deployment", field="aliases"
+            )
+        taken = other_aliases.filter(name__in=spec.aliases).select_related("deployment").first()
+        if taken is not None:
+            raise UserError(
+                f"alias {taken.name!r} is already an alias of deployment {taken.deployment.name!r}",
+                field="aliases",
+            )
+
+
+def _check_figures(spec: DeploymentSpec) -> None:
+    if spec.gpu_memory_bytes is not None and spec.gpu_memory_fraction is not None:
+        raise UserError("give gpu memory as bytes or as a fraction, not both", field="gpu_memory")
+    if spec.gpu_memory_bytes is not None and spec.gpu_memory_bytes <= 0:
+        raise UserError("gpu memory must be more than 0 bytes", field="gpu_memory")
+    if spec.gpu_memory_fraction is not None and not 0 < spec.gpu_memory_fraction <= 1:
+        raise UserError(
+            f"invalid gpu memory fraction {spec.gpu_memory_fraction}: it must lie in (0, 1]",
+            field="gpu_memory",
+        )
+    if spec.weights_bytes is not None and spec.weights_bytes <= 0:
+        raise UserError("weights size must be more than 0 bytes", field="weights_bytes")
+    if not 0 <= spec.gpus <= MAX_GPUS:
+        raise UserError(f"invalid gpus {spec.gpus}: use 0 to {MAX_GPUS}", field="gpus")
+    if spec.gpus == 0 and (spec.gpu_memory_bytes or spec.gpu_memory_fraction):
+        raise UserError("a deployment with 0 GPUs cannot claim gpu memory", field="gpu_memory")
+    if spec.park not in ParkPolicy.values:
+        raise UserError(
+            f"invalid park policy {spec.park!r} (use {', '.join(ParkPolicy.values)})",
+            field="park",
+        )
+    for name in (
+        "idle_park_seconds",
+        "min_ready_seconds",
+        "wake_timeout_seconds",
+        "start_timeout_seconds",
+        "drain_timeout_seconds",
+    ):
+        value = getattr(spec, name)
+        if value is not None and value < 0:
+            raise UserError(f"invalid {name.replace('_', ' ')} {value}: must be >= 0", field=name)
+    if spec.max_waiting is not None and spec.max_waiting < 1:
+        raise UserError(
+            f"invalid max waiting {spec.max_waiting}: must be >= 1", field="max_waiting"
+        )
+    if not spec.source.strip():
+        raise UserError(
+            "a deployment needs a source (a path, hf://ORG/NAME or a URL)", field="source"
+        )
+
+
+def _check_source(source: str) -> None:
+    if any(ch in source for ch in "\n\r\0"):
+        raise UserError(
+            f"invalid source {source!r}: it contains control characters", field="source"
+        )
+
+
+def check_deployment(
+    spec: DeploymentSpec, *, exclude_pk: int | None = None
+) -> tuple[Engine, Host | None]:
+    """Validate ``spec``; return its engine and host rows, or raise :class:`UserError`."""
+    _check_names(spec, exclude_pk=exclude_pk)
+    _check_figures(spec)
+    _check_source(spec.source)
+    engine = get_engine(spec.engine)
+    kind = get_kind(engine.kind)
+    try:
+        kind.check_args(spec.engine_args)
+    except KindError as exc:
+        raise UserError(str(exc), field="engine_args") from None
+    if spec.park in (ParkPolicy.RAM, ParkPolicy.DEEP):
+        able = kind.can_park_ram if spec.park == ParkPolicy.RAM else kind.can_park_deep
+        if not able:
+            raise UserError(
+                f"engine {engine.name!r} ({engine.kind}) cannot park {spec.park!r}; "
+                "use --park auto, stop or never",
+                field="park",
+            )
+    host = get_host(spec.host) if spec.host else engine.host
+    if engine.host is not None and host is not None and host.pk != engine.host.pk:
+        raise UserError(
+            f"engine {engine.name!r} is installed on host {engine.host.name!r}, not {host.name!r}",
+            field="host",
+        )
+    return engine, host
+
+
+_SPEC_FIELDS = (
+    "source",
+    "engine_args",
+    "gpu_memory_bytes",
+    "gpu_memory_fraction",
+    "weights_bytes",
+    "gpus",
+    "park",
+    "idle_park_seconds",
+    "min_ready_seconds",
+    "max_waiting",
+    "wake_timeout_seconds",
+    "start_timeout_seconds",
+    "drain_timeout_seconds",
+    "priority",
+    "pinned",
+)
+
+
+def _describe_memory(spec: DeploymentSpec) -> str:
+    if spec.gpu_memory_bytes is not None:
+        return f"{format_size(spec.gpu_memory_bytes)} per GPU"
+    if spec.gpu_memory_fraction is not None:
+        return f"{spec.gpu_memory_fraction:g} of each GPU"
+    return "estimated"
+
+
+def spec_of(deployment: Deployment) -> DeploymentSpec:
+    """The spec that describes ``deployment`` as it is now."""
+    return DeploymentSpec(
+        name=deployment.name,
+        engine=deployment.engine.name,
+        host=deployment.host.name if deployment.host else None,
+        aliases=deployment.alias_names,
+        **{name: getattr(deployment, name) for name in _SPEC_FIELDS},
+    )
+
+
+@transaction.atomic
+def add_deployment(spec: DeploymentSpec, *, actor: str = "") -> Deployment:
+    """Add a deployment (desired state ``running``, observed ``stopped``)."""
+    engine, host = check_deployment(spec)
+    deployment = Deployment.objects.create(
+        name=spec.name,
+        engine=engine,
+        host=host,
+        **{name: getattr(spec, name) for name in _SPEC_FIELDS},
+    )
+    DeploymentAlias.objects.bulk_create(
+        [DeploymentAlias(name=alias, deployment=deployment) for alias in spec.aliases]
+    )
+    record_event(
+        "deployment.added",
+        f"deployment {spec.name} added: engine {engine.name}, source {spec.source}, "
+        f"gpu memory {_describe_memory(spec)}",
+        subject=spec.name,
+        actor=actor,
+        deployment_id=deployment.pk,
+        host_id=host.pk if host else None,
+    )
+    return deployment
+
+
+@transaction.atomic
+def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> Deployment:
+    """Change a deployment's settings. Engine, host and name change only while stopped;
+    the new figures apply from its next start."""
+    deployment = get_deployment(name)
+    Deployment.objects.select_for_update().filter(pk=deployment.pk).first()
+    engine, host = check_deployment(spec, exclude_pk=deployment.pk)
+    moved = (
+        spec.name != deployment.name
+        or engine.pk != deployment.engine_id
+        or (host.pk if host else None) != deployment.host_id
+    )
+    if moved and deployment.observed_state != ObservedState.STOPPED:
+        raise UserError(
+            f"deployment {deployment.name!r} is {deployment.observed_state}; stop it before "
+            "changing its name, engine or host",
+            field="name",
+        )
+    changed = [
+        field for field in _SPEC_FIELDS if getattr(deployment, field) != getattr(spec, field)
+    ]
+    deployment.name = spec.name
+    deployment.engine = engine
+    deployment.host = host
+    for name_ in _SPEC_FIELDS:
+        setattr(deployment, name_, getattr(spec, name_))
+    deployment.save()
+    if sorted(spec.aliases) != sorted(deployment.alias_names):
+        changed.append("aliases")
+        deployment.aliases.all().delete()
+        DeploymentAlias.objects.bulk_create(
+            [DeploymentAlias(name=alias, deployment=deployment) for alias in spec.aliases]
+        )
+    if moved:
+        changed.append("name/engine/host")
+    record_event(
+        "deployment.changed",
+        f"deployment {spec.name} changed: {', '.join(changed) or 'nothing'}",
+        subject=spec.name,
+        actor=actor,
+        deployment_id=deployment.pk,
+    )
+    return deployment
+
+
+@transaction.atomic
+def remove_deployment(name: str, *, actor: str = "") -> None:
+    """Remove a stopped deployment. Its model files are never touched."""
+    deployment = get_deployment(name)
+    if deployment.observed_state not in (ObservedState.STOPPED, ObservedState.FAILED):
+        raise UserError(
+            f"deployment {deployment.name!r} is {deployment.observed_state}; stop it first",
+            field="name",
+        )
+    if deployment.instances.exclude(state="exited").exists():
+        raise UserError(
+            f"deployment {deployment.name!r} still has an engine process; stop it first",
+            field="name",
+        )
+    if deployment.ledger_entries.exists():
+        raise UserError(
+            f"deployment {deployment.name!r} still counts memory in the ledger "
+            "(not yet confirmed released); try again once the probe confirms it",
+            field="name",
+        )
+    deployment_name = deployment.name
+    deployment.delete()
+    record_event(
+        "deployment.removed",
+        f"deployment {deployment_name} removed (its model files were left in place)",
+        subject=deployment_name,
+        actor=actor,
+    )

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class HostsConfig(AppConfig):
+    name = "capyctl.hosts"
+    verbose_name = "Hosts"

@@ -1,0 +1,63 @@
+"""Machines that run engines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import models
+
+LOCAL_HOST_NAME = "local"
+
+
+class Host(models.Model):
+    """A machine with GPUs (or none) that runs engines.
+
+    Standalone has one host, ``local``, driven in-process. Remote hosts run the host agent
+    and are reached at ``address`` over mutual TLS. ``inventory`` is the latest report of
+    the host's devices: ``{"unified": bool, "gpus": [{"index", "name", "total_bytes"}],
+    "ram_total_bytes": int, "probe": "nvml"|"simulated"|"none"}``. The ledger's pools and
+    their capacities come from it. The row is also the ledger's lock: admission runs inside
+    a transaction holding ``SELECT … FOR UPDATE`` on it.
+    """
+
+    class State(models.TextChoices):
+        ONLINE = "online"
+        UNREACHABLE = "unreachable"
+        UNKNOWN = "unknown"
+
+    name = models.CharField(max_length=63, unique=True)
+    address = models.CharField(
+        max_length=255, blank=True, help_text="HOST:PORT of the agent; empty for the local host"
+    )
+    is_local = models.BooleanField(default=False, help_text="driven in-process (standalone)")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.UNKNOWN)
+    inventory = models.JSONField(default=dict, blank=True)
+    gpu_reserve_bytes = models.BigIntegerField(
+        null=True, blank=True, help_text="kept free on each GPU; empty = global default"
+    )
+    ram_reserve_bytes = models.BigIntegerField(
+        null=True, blank=True, help_text="kept free in host RAM; empty = global default"
+    )
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def pools(self) -> list[dict[str, Any]]:
+        """The ledger pools this host's inventory implies, with total bytes."""
+        inventory = self.inventory or {}
+        ram_total = int(inventory.get("ram_total_bytes") or 0)
+        gpus = inventory.get("gpus") or []
+        if inventory.get("unified"):
+            total = int(gpus[0]["total_bytes"]) if gpus else ram_total
+            return [{"pool": "unified", "total_bytes": total}]
+        pools = [
+            {"pool": f"gpu{gpu['index']}", "total_bytes": int(gpu["total_bytes"])} for gpu in gpus
+        ]
+        pools.append({"pool": "ram", "total_bytes": ram_total})
+        return pools

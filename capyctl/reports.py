@@ -1,0 +1,134 @@
+"""Plain-data views of the objects, shared by ``--json`` listings and ``capyctl status``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+
+from capyctl.access.models import ApiKey
+from capyctl.deployments.models import Deployment
+from capyctl.engines.models import Engine
+from capyctl.hosts.models import Host
+from capyctl.ledger.models import LedgerEntry
+from capyctl.ledger.pools import pool_usage
+
+
+def _time(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def engine_data(engine: Engine) -> dict[str, Any]:
+    return {
+        "name": engine.name,
+        "kind": engine.kind,
+        "command": engine.command,
+        "host": engine.host.name if engine.host else None,
+        "created_at": _time(engine.created_at),
+    }
+
+
+def deployment_data(deployment: Deployment) -> dict[str, Any]:
+    return {
+        "name": deployment.name,
+        "aliases": deployment.alias_names,
+        "engine": deployment.engine.name,
+        "kind": deployment.engine.kind,
+        "host": deployment.host.name if deployment.host else None,
+        "source": deployment.source,
+        "engine_args": deployment.engine_args,
+        "gpu_memory_bytes": deployment.gpu_memory_bytes,
+        "gpu_memory_fraction": deployment.gpu_memory_fraction,
+        "weights_bytes": deployment.weights_bytes,
+        "measured_gpu_bytes": deployment.measured_gpu_bytes,
+        "measured_weights_bytes": deployment.measured_weights_bytes,
+        "gpus": deployment.gpus,
+        "park": deployment.park,
+        "pinned": deployment.pinned,
+        "priority": deployment.priority,
+        "idle_park_seconds": deployment.setting("idle_park_seconds"),
+        "min_ready_seconds": deployment.setting("min_ready_seconds"),
+        "max_waiting": deployment.setting("max_waiting"),
+        "wake_timeout_seconds": deployment.setting("wake_timeout_seconds"),
+        "start_timeout_seconds": deployment.setting("start_timeout_seconds"),
+        "drain_timeout_seconds": deployment.setting("drain_timeout_seconds"),
+        "desired_state": deployment.desired_state,
+        "observed_state": deployment.observed_state,
+        "parked_mode": deployment.parked_mode or None,
+        "state_reason": deployment.state_reason,
+        "last_request_at": _time(deployment.last_request_at),
+    }
+
+
+def key_data(key: ApiKey) -> dict[str, Any]:
+    return {
+        "id": key.key_id,
+        "prefix": key.prefix,
+        "user": key.user.get_username(),
+        "name": key.name,
+        "models": [d.name for d in key.allowed_models.all()],
+        "admin": key.is_admin,
+        "requests_per_minute": key.requests_per_minute,
+        "expires_at": _time(key.expires_at),
+        "revoked": key.revoked_at is not None,
+        "revoked_at": _time(key.revoked_at),
+        "active": key.is_active(),
+        "last_used_at": _time(key.last_used_at),
+        "requests": key.request_count,
+        "prompt_tokens": key.prompt_tokens,
+        "completion_tokens": key.completion_tokens,
+        "created_at": _time(key.created_at),
+    }
+
+
+def host_data(host: Host) -> dict[str, Any]:
+    inventory = host.inventory or {}
+    return {
+        "name": host.name,
+        "address": host.address or None,
+        "local": host.is_local,
+        "state": host.state,
+        "probe": inventory.get("probe"),
+        "unified": bool(inventory.get("unified")),
+        "gpus": inventory.get("gpus", []),
+        "ram_total_bytes": inventory.get("ram_total_bytes"),
+        "pools": [usage.as_dict() for usage in pool_usage(host)],
+        "last_seen_at": _time(host.last_seen_at),
+    }
+
+
+def ledger_data(entry: LedgerEntry) -> dict[str, Any]:
+    return {
+        "host": entry.host.name,
+        "pool": entry.pool,
+        "deployment": entry.deployment.name if entry.deployment else None,
+        "status": entry.status,
+        "bytes": entry.bytes,
+        "note": entry.note,
+    }
+
+
+def all_engines() -> list[Engine]:
+    return list(Engine.objects.select_related("host"))
+
+
+def all_deployments() -> list[Deployment]:
+    return list(Deployment.objects.select_related("engine", "host").prefetch_related("aliases"))
+
+
+def all_keys() -> list[ApiKey]:
+    return list(ApiKey.objects.select_related("user").prefetch_related("allowed_models"))
+
+
+def status_data() -> dict[str, Any]:
+    """Hosts with their pools, engines, deployments, keys and the ledger, at a glance."""
+    ledger = LedgerEntry.objects.select_related("host", "deployment")
+    return {
+        "mode": settings.MODE,
+        "hosts": [host_data(host) for host in Host.objects.all()],
+        "engines": [engine_data(e) for e in all_engines()],
+        "deployments": [deployment_data(d) for d in all_deployments()],
+        "keys": [key_data(k) for k in all_keys()],
+        "ledger": [ledger_data(entry) for entry in ledger],
+    }

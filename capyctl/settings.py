@@ -1,0 +1,211 @@
+"""Django settings for CapyCTL, read from ``CAPYCTL_*`` environment variables.
+
+Every value goes through a typed reader in :mod:`capyctl.conf`; a bad one stops start-up
+with a message naming the variable. ``capyctl start`` turns its flags into these variables
+before Django loads, so flags and environment behave the same.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import dj_database_url
+
+from capyctl.conf import (
+    ConfigError,
+    env_bool,
+    env_choice,
+    env_int,
+    env_list,
+    env_optional_str,
+    env_path,
+    env_size,
+    parse_sim_gpus,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DATA_DIR = env_path("CAPYCTL_DATA_DIR", Path.cwd() / ".capyctl")
+MODE = env_choice("CAPYCTL_MODE", "standalone", ("standalone", "server", "host"))
+
+
+def _secret_key() -> str:
+    """Use ``CAPYCTL_SECRET_KEY``, else a key kept in the data dir (made once, mode 0600)."""
+    given = env_optional_str("CAPYCTL_SECRET_KEY")
+    if given is not None:
+        if len(given) < 32:
+            raise ConfigError("CAPYCTL_SECRET_KEY must be at least 32 characters long")
+        return given
+    path = DATA_DIR / "secret_key"
+    if not path.exists():
+        DATA_DIR.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass  # another process made it first; read theirs below
+        else:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_urlsafe(50))
+    key = path.read_text().strip()
+    if len(key) < 32:
+        raise ConfigError(f"the secret key in {path} is shorter than 32 characters")
+    return key
+
+
+SECRET_KEY = _secret_key()
+DEBUG = env_bool("CAPYCTL_DEBUG", False)
+ALLOWED_HOSTS = env_list("CAPYCTL_ALLOWED_HOSTS", ["*"])
+CSRF_TRUSTED_ORIGINS = env_list("CAPYCTL_CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "capyctl.hosts",
+    "capyctl.engines",
+    "capyctl.deployments",
+    "capyctl.ledger",
+    "capyctl.access",
+    "capyctl.events",
+    "capyctl.web",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "capyctl.urls"
+ASGI_APPLICATION = "capyctl.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def _database() -> dict[str, Any]:
+    url = env_optional_str("CAPYCTL_DATABASE_URL") or f"sqlite:///{DATA_DIR / 'capyctl.sqlite3'}"
+    try:
+        config: dict[str, Any] = dict(dj_database_url.parse(url))
+    except Exception as exc:  # dj-database-url raises several types for a bad URL
+        raise ConfigError(f"CAPYCTL_DATABASE_URL is not a database URL: {exc}") from None
+    engine = config.get("ENGINE", "")
+    if engine == "django.db.backends.sqlite3":
+        if config["NAME"] != ":memory:":
+            Path(config["NAME"]).parent.mkdir(parents=True, exist_ok=True)
+        config["OPTIONS"] = {
+            # Every transaction takes the write lock at BEGIN, so the ledger's admission
+            # check and its write cannot interleave with another writer's.
+            "transaction_mode": "IMMEDIATE",
+            "timeout": 20,
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        }
+    elif engine == "django.db.backends.postgresql":
+        config.setdefault("OPTIONS", {})
+        config["CONN_MAX_AGE"] = 0
+    else:
+        raise ConfigError(
+            f"CAPYCTL_DATABASE_URL uses {url.split(':', 1)[0]!r}; use sqlite:// or postgres://"
+        )
+    return config
+
+
+DATABASES = {"default": _database()}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_optional_str("CAPYCTL_REDIS_URL")
+if REDIS_URL is not None and not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
+    raise ConfigError("CAPYCTL_REDIS_URL must start with redis://, rediss:// or unix://")
+
+if REDIS_URL:
+    CHANNEL_LAYERS: dict[str, Any] = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "prefix": "capyctl"},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Celery: Redis as broker in server mode; in standalone the same tasks run in-process.
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_TASK_ALWAYS_EAGER = REDIS_URL is None
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+
+LOGIN_URL = "/admin/login/"
+
+REST_FRAMEWORK = {
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+}
+
+LOG_LEVEL = env_choice(
+    "CAPYCTL_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+)
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {"django": {"level": "WARNING"}},
+}
+
+# CapyCTL's own settings. Per-deployment values override these defaults.
+CAPYCTL: dict[str, Any] = {
+    "SIM_GPUS": parse_sim_gpus("CAPYCTL_SIM_GPUS", env_optional_str("CAPYCTL_SIM_GPUS")),
+    "DEFAULT_PARK": env_choice(
+        "CAPYCTL_DEFAULT_PARK", "auto", ("auto", "ram", "deep", "stop", "never")
+    ),
+    "IDLE_PARK_SECONDS": env_int("CAPYCTL_IDLE_PARK_SECONDS", 0, minimum=0),
+    "MIN_READY_SECONDS": env_int("CAPYCTL_MIN_READY_SECONDS", 10, minimum=0),
+    "MAX_WAITING": env_int("CAPYCTL_MAX_WAITING", 256, minimum=1),
+    "WAKE_TIMEOUT_SECONDS": env_int("CAPYCTL_WAKE_TIMEOUT", 300, minimum=1),
+    "START_TIMEOUT_SECONDS": env_int("CAPYCTL_START_TIMEOUT", 900, minimum=1),
+    "DRAIN_TIMEOUT_SECONDS": env_int("CAPYCTL_DRAIN_TIMEOUT", 120, minimum=0),
+    "GPU_RESERVE_BYTES": env_size("CAPYCTL_GPU_RESERVE", 512 * 1024**2),
+    "RAM_RESERVE_BYTES": env_size("CAPYCTL_RAM_RESERVE", 2 * 1024**3),
+    "MAX_BODY_BYTES": env_size("CAPYCTL_MAX_BODY_BYTES", 32 * 1024**2),
+}

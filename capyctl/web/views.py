@@ -1,0 +1,48 @@
+"""Liveness and readiness probes."""
+
+from __future__ import annotations
+
+import redis
+from django.conf import settings
+from django.db import connection
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.http import require_GET
+
+
+@require_GET
+def healthz(request: HttpRequest) -> JsonResponse:
+    """Liveness: the process answers. Checks nothing else, so it never flaps."""
+    return JsonResponse({"status": "ok"})
+
+
+def _check_database() -> str:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+    except Exception as exc:  # any driver error means "not ready"
+        return f"error: {type(exc).__name__}: {exc}".strip()
+    return "ok"
+
+
+def _check_broker() -> str:
+    if not settings.REDIS_URL:
+        return "not configured"
+    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        return f"error: {type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+    return "ok"
+
+
+@require_GET
+def readyz(request: HttpRequest) -> JsonResponse:
+    """Readiness: the database answers, and the broker too where one is configured."""
+    checks = {"database": _check_database(), "broker": _check_broker()}
+    ready = all(value in ("ok", "not configured") for value in checks.values())
+    return JsonResponse(
+        {"status": "ok" if ready else "unavailable", "checks": checks}, status=200 if ready else 503
+    )
