@@ -12,6 +12,9 @@ from django.core.management import call_command
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
+# Databases this process has already brought up to date.
+_migrated: set[str] = set()
+
 ADMIN_PASSWORD_FILE = "initial-admin-password"  # noqa: S105 - a file name, not a secret
 
 
@@ -25,6 +28,9 @@ class AdminAccount:
 
 def migrate_database() -> bool:
     """Apply pending migrations; return whether any ran."""
+    if connection.settings_dict["NAME"] in _migrated:
+        return False
+    _migrated.add(connection.settings_dict["NAME"])
     executor = MigrationExecutor(connection)
     plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
     if not plan:

@@ -1,0 +1,185 @@
+"""Shared fixtures: named people, the CLI in-process and as a program, a running server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from django.contrib.auth.models import User
+
+CAPYCTL = str(Path(sys.executable).parent / "capyctl")
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(settings) -> None:
+    """Password hashing is deliberately slow; tests need it correct, not slow."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, settings) -> Path:
+    """A fresh data dir for code that writes files there (the admin password file)."""
+    settings.DATA_DIR = tmp_path
+    return tmp_path
+
+
+@pytest.fixture
+def alice(db) -> User:
+    """Alice runs the installation: a staff user."""
+    return User.objects.create_user("alice", password="alice-password-1", is_staff=True)
+
+
+@pytest.fixture
+def bob(db) -> User:
+    """Bob builds apps against /v1: an ordinary user."""
+    return User.objects.create_user("bob", password="bob-password-1")
+
+
+@pytest.fixture
+def cli(db, data_dir, capsys):
+    """Run ``capyctl ARGS`` in this process against the test database."""
+    from capyctl.cli import run
+
+    def invoke(*argv: str) -> CliResult:
+        try:
+            code = run(list(argv))
+        except SystemExit as exc:  # argparse exits for usage errors and --help
+            code = int(exc.code or 0)
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return invoke
+
+
+def table_counts() -> dict[str, int]:
+    """Rows in every CapyCTL table, to prove a refused command changed nothing."""
+    from django.apps import apps
+
+    counts = {}
+    for model in apps.get_models():
+        if model._meta.app_label in {
+            "hosts",
+            "engines",
+            "deployments",
+            "ledger",
+            "access",
+            "events",
+            "auth",
+        }:
+            counts[model._meta.label] = model._default_manager.count()
+    return counts
+
+
+# --- the program itself, in subprocesses -------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def program_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Environment for running ``capyctl`` as a program on a fresh data dir and database.
+
+    Under a PostgreSQL test run (``CAPYCTL_DATABASE_URL`` set) each test gets a database
+    of its own, dropped afterwards.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+    env["CAPYCTL_DATA_DIR"] = str(tmp_path / "data")
+    env["PYTHONUNBUFFERED"] = "1"
+    base_url = os.environ.get("CAPYCTL_DATABASE_URL", "")
+    db_name = None
+    if base_url.startswith("postgres"):
+        db_name = f"capyctl_e2e_{uuid.uuid4().hex[:12]}"
+        server, _, _ = base_url.rpartition("/")
+        with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{db_name}"')
+        env["CAPYCTL_DATABASE_URL"] = f"{server}/{db_name}"
+    yield env
+    if db_name is not None:
+        server, _, _ = base_url.rpartition("/")
+        with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+
+
+def run_program(env: dict[str, str], *argv: str, stdin: str | None = None) -> CliResult:
+    done = subprocess.run(
+        [CAPYCTL, *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=120,
+        check=False,
+    )
+    return CliResult(done.returncode, done.stdout, done.stderr)
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[str]
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def start_server(env: dict[str, str], *extra: str, timeout: float = 60) -> Server:
+    """Start ``capyctl start standalone`` on a free port and wait until /healthz answers."""
+    port = free_port()
+    log_path = Path(env["CAPYCTL_DATA_DIR"]).parent / f"server-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [CAPYCTL, "start", "standalone", "--listen", f"127.0.0.1:{port}", *extra],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    server = Server(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/healthz", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError(f"server did not answer /healthz in {timeout}s:\n{server.log()}")
+
+
+def stop_server(server: Server, sig: int) -> float:
+    """Send ``sig`` and return how many seconds the process took to exit."""
+    started = time.monotonic()
+    server.process.send_signal(sig)
+    try:
+        server.process.wait(timeout=15)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+    return time.monotonic() - started

@@ -1,0 +1,63 @@
+"""The engine-kind registry and what each kind accepts."""
+
+import pytest
+
+from hostagent.kinds import REGISTRY, KindError, UnknownKindError, get_kind, kind_names
+
+
+def test_every_design_kind_is_registered():
+    assert kind_names() == ["vllm", "sglang", "llamacpp", "tensorfold", "custom"]
+    for name, kind in REGISTRY.items():
+        assert kind.name == name
+        assert kind.description
+
+
+def test_park_capabilities_follow_the_engines():
+    assert get_kind("vllm").can_park_ram
+    assert get_kind("vllm").can_park_deep
+    assert get_kind("sglang").can_park_ram
+    assert get_kind("sglang").can_park_deep
+    for name in ("llamacpp", "tensorfold", "custom"):
+        assert not get_kind(name).can_park_ram
+        assert not get_kind(name).can_park_deep
+
+
+def test_unknown_kind_names_the_known_ones():
+    with pytest.raises(UnknownKindError, match=r"'ollama'.*vllm, sglang"):
+        get_kind("ollama")
+
+
+def test_program_commands_are_split_without_a_shell():
+    assert get_kind("vllm").check_command("/opt/vllm/bin/vllm") == ["/opt/vllm/bin/vllm"]
+    assert get_kind("llamacpp").check_command("'/opt/my llama/llama-server' -t 4") == [
+        "/opt/my llama/llama-server",
+        "-t",
+        "4",
+    ]
+    with pytest.raises(KindError, match="empty"):
+        get_kind("vllm").check_command("   ")
+    with pytest.raises(KindError, match="No closing quotation"):
+        get_kind("vllm").check_command("'/opt/vllm")
+    with pytest.raises(KindError, match="custom"):
+        get_kind("vllm").check_command("vllm --port {port}")
+
+
+def test_custom_templates_need_a_port_and_known_placeholders():
+    custom = get_kind("custom")
+    argv = custom.check_command("myserver --listen {host}:{port} --key {api_key} {source}")
+    assert argv == ["myserver", "--listen", "{host}:{port}", "--key", "{api_key}", "{source}"]
+    with pytest.raises(KindError, match=r"must contain \{port\}"):
+        custom.check_command("myserver --model {model}")
+    with pytest.raises(KindError, match=r"unknown placeholder \{gpu\}"):
+        custom.check_command("myserver --port {port} --gpu {gpu}")
+
+
+@pytest.mark.parametrize("flag", ["--host", "--port=9000", "--api-key", "--served-model-name"])
+def test_engine_args_cannot_override_what_capyctl_sets(flag):
+    with pytest.raises(KindError, match="may not set"):
+        get_kind("vllm").check_args(["--max-model-len", "4096", flag, "x"])
+
+
+def test_harmless_engine_args_pass():
+    get_kind("vllm").check_args(["--gpu-memory-utilization", "0.5", "--max-model-len", "8192"])
+    get_kind("llamacpp").check_args(["-c", "2048", "-t", "1"])
