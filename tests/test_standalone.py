@@ -22,6 +22,8 @@ def test_first_start_serves_health_and_admin_and_stops_on_sigterm(program_env):
         assert login.status_code == 200
         assert "CapyCTL" in login.text
         assert httpx.get(f"{server.base_url}/static/admin/css/base.css").status_code == 200
+        assert "/static/capyctl/admin.css" in login.text
+        assert httpx.get(f"{server.base_url}/static/capyctl/admin.css").status_code == 200
     finally:
         seconds = stop_server(server, signal.SIGTERM)
     assert seconds < 5, f"took {seconds:.1f}s to stop"
