@@ -12,6 +12,7 @@ from django.http import HttpRequest
 from capyctl.admin_utils import ReadOnlyAdmin, attach_user_error
 from capyctl.deployments.models import Deployment, Instance
 from capyctl.deployments.services import (
+    SETTING_FIELDS,
     DeploymentSpec,
     add_deployment,
     check_deployment,
@@ -21,19 +22,7 @@ from capyctl.errors import UserError
 from capyctl.validation import parse_gpu_memory, parse_size_value, split_engine_args
 from hostagent.units import format_size
 
-_PLAIN_FIELDS = (
-    "source",
-    "gpus",
-    "park",
-    "idle_park_seconds",
-    "min_ready_seconds",
-    "max_waiting",
-    "wake_timeout_seconds",
-    "start_timeout_seconds",
-    "drain_timeout_seconds",
-    "priority",
-    "pinned",
-)
+_PLAIN_FIELDS = ("source", *SETTING_FIELDS)
 
 
 class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]

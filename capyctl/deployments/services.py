@@ -184,12 +184,8 @@ def check_deployment(
     return engine, host
 
 
-_SPEC_FIELDS = (
-    "source",
-    "engine_args",
-    "gpu_memory_bytes",
-    "gpu_memory_fraction",
-    "weights_bytes",
+# Settings a person gives as plain values, the same in every entry point.
+SETTING_FIELDS = (
     "gpus",
     "park",
     "idle_park_seconds",
@@ -200,6 +196,14 @@ _SPEC_FIELDS = (
     "drain_timeout_seconds",
     "priority",
     "pinned",
+)
+_SPEC_FIELDS = (
+    "source",
+    "engine_args",
+    "gpu_memory_bytes",
+    "gpu_memory_fraction",
+    "weights_bytes",
+    *SETTING_FIELDS,
 )
 
 
