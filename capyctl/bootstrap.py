@@ -79,4 +79,6 @@ def prepare_standalone() -> None:
     from hostagent.probe import read_inventory
 
     migrate_database()
-    ensure_local_host(read_inventory(settings.CAPYCTL["SIM_GPUS"]))
+    ensure_local_host(
+        read_inventory(settings.CAPYCTL["SIM_GPUS"], settings.CAPYCTL["SIM_STATE_DIR"])
+    )

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from hostagent.simgpu import SimSpec
+from hostagent.simgpu import parse_sim_gpus as _parse_sim_gpus
 from hostagent.units import SizeError, parse_size
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -129,36 +130,11 @@ def env_list(name: str, default: list[str], environ: Mapping[str, str] | None = 
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
-_SIM_GPUS_RE = re.compile(r"^(?:(?P<count>\d+)x)?(?P<size>[0-9.]+\s?[A-Za-z]*)$")
-
-
-def parse_sim_gpus(name: str, value: str | None) -> tuple[str, list[int]] | None:
-    """Parse ``CAPYCTL_SIM_GPUS``: ``24GiB``, ``2x80GiB``, ``24GiB,48GiB`` or ``unified:128GiB``.
-
-    Returns ``("discrete", [bytes per GPU...])`` or ``("unified", [bytes])``, or ``None``
-    when unset.
-    """
+def parse_sim_gpus(name: str, value: str | None) -> SimSpec | None:
+    """Parse ``CAPYCTL_SIM_GPUS`` (``24GiB``, ``2x80GiB``, ``unified:128GiB``), or ``None``."""
     if value is None or value.strip() == "":
         return None
-    text = value.strip()
-    if text.startswith("unified:"):
-        try:
-            return ("unified", [parse_size(text.removeprefix("unified:"))])
-        except SizeError as exc:
-            raise ConfigError(f"{name}={value!r}: {exc}") from None
-    sizes: list[int] = []
-    for part in text.split(","):
-        match = _SIM_GPUS_RE.match(part.strip())
-        if match is None:
-            raise ConfigError(
-                f"{name}={value!r} is not a GPU list (examples: 24GiB, 2x80GiB, unified:128GiB)"
-            )
-        count = int(match["count"] or 1)
-        if not 1 <= count <= 64:
-            raise ConfigError(f"{name}={value!r}: a GPU count must lie between 1 and 64")
-        try:
-            size = parse_size(match["size"])
-        except SizeError as exc:
-            raise ConfigError(f"{name}={value!r}: {exc}") from None
-        sizes.extend([size] * count)
-    return ("discrete", sizes)
+    try:
+        return _parse_sim_gpus(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={value!r}: {exc}") from None

@@ -196,6 +196,8 @@ LOGGING = {
 # CapyCTL's own settings. Per-deployment values override these defaults.
 CAPYCTL: dict[str, Any] = {
     "SIM_GPUS": parse_sim_gpus("CAPYCTL_SIM_GPUS", env_optional_str("CAPYCTL_SIM_GPUS")),
+    # Where simulated engines record what they hold, for the simulated probe to read.
+    "SIM_STATE_DIR": env_path("CAPYCTL_SIM_STATE_DIR", DATA_DIR / "sim-gpus"),
     "DEFAULT_PARK": env_choice(
         "CAPYCTL_DEFAULT_PARK", "auto", ("auto", "ram", "deep", "stop", "never")
     ),

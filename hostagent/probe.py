@@ -1,17 +1,32 @@
-"""What a host has: its GPUs and its RAM.
+"""What a host has, and what each engine holds on it: the GPU probe.
 
-Readings come from NVML (``nvidia-ml-py``) when the library is there, from a simulation
-when ``CAPYCTL_SIM_GPUS`` asks for one, and RAM always from psutil. A host without NVML is
-a CPU-only host; that is logged once, not treated as an error.
+Three probes share one interface:
+
+- :class:`NvmlProbe` reads real GPUs through NVML (``nvidia-ml-py``): totals and use per
+  device with memory info v2, and per-process use summed over an engine's process tree.
+  A device whose memory calls answer NotSupported (GB10 and other integrated devices) or
+  that addresses host memory through ATS makes the host *unified*: one pool sized from
+  the host's MemTotal/MemAvailable.
+- :class:`SimulatedProbe` reports the devices of ``CAPYCTL_SIM_GPUS`` and reads what the
+  simulated engines record (:mod:`hostagent.simgpu`).
+- :class:`CpuOnlyProbe` is a host without NVML: no GPUs, host RAM only, logged once.
+
+Host RAM always comes from psutil. Per-process GPU figures can be unknown (NVML answers
+``None`` without the right permissions, or inside some containers); they are then
+``None``, and callers must treat unknown as "not confirmed released".
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import psutil
+
+from hostagent.simgpu import SimSpec, read_allocations
 
 logger = logging.getLogger("hostagent.probe")
 
@@ -36,25 +51,269 @@ class Inventory:
         return asdict(self)
 
 
-def simulated_inventory(kind: str, sizes: list[int]) -> Inventory:
-    """The inventory ``CAPYCTL_SIM_GPUS`` describes (already parsed into kind and sizes)."""
-    ram = psutil.virtual_memory().total
-    if kind == "unified":
-        return Inventory(
-            probe="simulated",
-            ram_total_bytes=sizes[0],
-            unified=True,
-            gpus=[GpuInfo(index=0, name="Simulated unified GPU", total_bytes=sizes[0])],
-        )
-    gpus = [
-        GpuInfo(index=i, name=f"Simulated GPU {i}", total_bytes=size)
-        for i, size in enumerate(sizes)
-    ]
-    return Inventory(probe="simulated", ram_total_bytes=ram, gpus=gpus)
+@dataclass(frozen=True)
+class DeviceReading:
+    """One device now. On a unified host the single reading is the shared pool."""
+
+    index: int
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
 
 
-def nvml_inventory() -> Inventory | None:
-    """Read the GPUs through NVML, or return ``None`` when NVML is not available."""
+@dataclass(frozen=True)
+class ProcessUsage:
+    """What one process tree holds: bytes per GPU index (``None`` = unknown) and host RAM."""
+
+    gpu: dict[int, int | None]
+    host_bytes: int
+
+    @property
+    def gpu_known(self) -> bool:
+        return all(value is not None for value in self.gpu.values())
+
+    @property
+    def gpu_total(self) -> int | None:
+        """Bytes on all GPUs together, or ``None`` when any reading is unknown."""
+        if not self.gpu_known:
+            return None
+        return sum(value or 0 for value in self.gpu.values())
+
+
+class Probe(Protocol):
+    name: str
+
+    def inventory(self) -> Inventory: ...
+
+    def devices(self) -> list[DeviceReading]: ...
+
+    def process_usage(self, pid: int) -> ProcessUsage:
+        """GPU and RAM use of ``pid`` and all its descendants."""
+        ...
+
+    def gpu_processes(self) -> dict[int, dict[int, int | None]]:
+        """Every process using a GPU: pid → bytes per GPU index (``None`` = unknown)."""
+        ...
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and its live descendants (empty when ``pid`` is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _tree_rss(tree: list[psutil.Process]) -> int:
+    total = 0
+    for proc in tree:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            continue
+    return total
+
+
+def host_ram() -> tuple[int, int]:
+    """(total, available) bytes of host RAM, i.e. MemTotal and MemAvailable."""
+    memory = psutil.virtual_memory()
+    return int(memory.total), int(memory.available)
+
+
+class CpuOnlyProbe:
+    """A host without GPUs (or without the NVML library)."""
+
+    name = "none"
+
+    def inventory(self) -> Inventory:
+        return Inventory(probe=self.name, ram_total_bytes=host_ram()[0])
+
+    def devices(self) -> list[DeviceReading]:
+        return []
+
+    def process_usage(self, pid: int) -> ProcessUsage:
+        return ProcessUsage(gpu={}, host_bytes=_tree_rss(process_tree(pid)))
+
+    def gpu_processes(self) -> dict[int, dict[int, int | None]]:
+        return {}
+
+
+class SimulatedProbe:
+    """Devices from ``CAPYCTL_SIM_GPUS``; use from what simulated engines record."""
+
+    name = "simulated"
+
+    def __init__(self, spec: SimSpec, state_dir: Path) -> None:
+        self.spec = spec
+        self.state_dir = state_dir
+
+    def inventory(self) -> Inventory:
+        if self.spec.unified:
+            size = self.spec.sizes[0]
+            return Inventory(
+                probe=self.name,
+                ram_total_bytes=size,
+                unified=True,
+                gpus=[GpuInfo(index=0, name="Simulated unified GPU", total_bytes=size)],
+            )
+        gpus = [
+            GpuInfo(index=i, name=f"Simulated GPU {i}", total_bytes=size)
+            for i, size in enumerate(self.spec.sizes)
+        ]
+        return Inventory(probe=self.name, ram_total_bytes=host_ram()[0], gpus=gpus)
+
+    def devices(self) -> list[DeviceReading]:
+        used = [0] * len(self.spec.sizes)
+        for allocation in read_allocations(self.state_dir):
+            for index, num_bytes in allocation.gpu.items():
+                if 0 <= index < len(used):
+                    used[index] += num_bytes
+            if self.spec.unified:
+                used[0] += allocation.host_bytes
+        return [
+            DeviceReading(index=i, total_bytes=size, used_bytes=u, free_bytes=max(size - u, 0))
+            for i, (size, u) in enumerate(zip(self.spec.sizes, used, strict=True))
+        ]
+
+    def process_usage(self, pid: int) -> ProcessUsage:
+        tree = process_tree(pid)
+        pids = {proc.pid for proc in tree}
+        gpu: dict[int, int | None] = {}
+        simulated_host = 0
+        for allocation in read_allocations(self.state_dir):
+            if allocation.pid in pids:
+                for index, num_bytes in allocation.gpu.items():
+                    gpu[index] = (gpu.get(index) or 0) + num_bytes
+                simulated_host += allocation.host_bytes
+        return ProcessUsage(gpu=gpu, host_bytes=_tree_rss(tree) + simulated_host)
+
+    def gpu_processes(self) -> dict[int, dict[int, int | None]]:
+        return {
+            allocation.pid: dict(allocation.gpu.items())
+            for allocation in read_allocations(self.state_dir)
+            if allocation.gpu
+        }
+
+
+class NvmlProbe:
+    """Real GPUs through NVML. Construct with :func:`open_nvml_probe`."""
+
+    name = "nvml"
+
+    def __init__(self, pynvml: Any) -> None:
+        self._nvml = pynvml
+        self._lock = threading.Lock()  # NVML handles are shared; keep calls orderly
+        count = pynvml.nvmlDeviceGetCount()
+        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        self._unified = any(self._is_unified(handle) for handle in self._handles)
+        if self._unified:
+            logger.info("GPU memory is shared with host RAM here: one 'unified' pool")
+
+    def _memory(self, handle: Any) -> Any:
+        nvml = self._nvml
+        try:
+            return nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+        except nvml.NVMLError_FunctionNotFound:
+            return nvml.nvmlDeviceGetMemoryInfo(handle)
+
+    def _is_unified(self, handle: Any) -> bool:
+        nvml = self._nvml
+        try:
+            self._memory(handle)
+        except nvml.NVMLError_NotSupported:
+            return True
+        try:
+            mode = nvml.nvmlDeviceGetAddressingMode(handle)
+        except (nvml.NVMLError, AttributeError):
+            return False
+        return bool(mode == nvml.NVML_DEVICE_ADDRESSING_MODE_ATS)
+
+    def _name(self, handle: Any) -> str:
+        name = self._nvml.nvmlDeviceGetName(handle)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def inventory(self) -> Inventory:
+        with self._lock:
+            ram_total = host_ram()[0]
+            if self._unified:
+                names = ", ".join(self._name(h) for h in self._handles) or "integrated GPU"
+                return Inventory(
+                    probe=self.name,
+                    ram_total_bytes=ram_total,
+                    unified=True,
+                    gpus=[GpuInfo(index=0, name=names, total_bytes=ram_total)],
+                )
+            gpus = [
+                GpuInfo(index=i, name=self._name(h), total_bytes=int(self._memory(h).total))
+                for i, h in enumerate(self._handles)
+            ]
+            return Inventory(probe=self.name, ram_total_bytes=ram_total, gpus=gpus)
+
+    def devices(self) -> list[DeviceReading]:
+        with self._lock:
+            if self._unified:
+                total, available = host_ram()
+                return [
+                    DeviceReading(
+                        index=0,
+                        total_bytes=total,
+                        used_bytes=total - available,
+                        free_bytes=available,
+                    )
+                ]
+            readings = []
+            for index, handle in enumerate(self._handles):
+                memory = self._memory(handle)
+                readings.append(
+                    DeviceReading(
+                        index=index,
+                        total_bytes=int(memory.total),
+                        used_bytes=int(memory.used),
+                        free_bytes=int(memory.free),
+                    )
+                )
+            return readings
+
+    def gpu_processes(self) -> dict[int, dict[int, int | None]]:
+        nvml = self._nvml
+        found: dict[int, dict[int, int | None]] = {}
+        with self._lock:
+            for index, handle in enumerate(self._handles):
+                try:
+                    processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                except nvml.NVMLError_NotSupported:
+                    continue
+                for proc in processes:
+                    used = proc.usedGpuMemory
+                    per_device = found.setdefault(int(proc.pid), {})
+                    if used is None or per_device.get(index, 0) is None:
+                        per_device[index] = None
+                    else:
+                        per_device[index] = (per_device.get(index) or 0) + int(used)
+        return found
+
+    def process_usage(self, pid: int) -> ProcessUsage:
+        tree = process_tree(pid)
+        pids = {proc.pid for proc in tree}
+        gpu: dict[int, int | None] = {}
+        for proc_pid, per_device in self.gpu_processes().items():
+            if proc_pid not in pids:
+                continue
+            for index, used in per_device.items():
+                if used is None or gpu.get(index, 0) is None:
+                    gpu[index] = None
+                else:
+                    gpu[index] = (gpu.get(index) or 0) + used
+        host = _tree_rss(tree)
+        if self._unified:
+            # On unified memory GPU allocations are host memory: count them once, in the pool.
+            gpu = {0: host}
+        return ProcessUsage(gpu=gpu, host_bytes=host)
+
+
+def open_nvml_probe() -> NvmlProbe | None:
+    """An NVML probe, or ``None`` (logged once) when NVML or its library is missing."""
     try:
         import pynvml
     except ImportError:
@@ -65,25 +324,21 @@ def nvml_inventory() -> Inventory | None:
     except pynvml.NVMLError as exc:
         logger.info("NVML is not available (%s): treating this host as CPU-only", exc)
         return None
-    try:
-        gpus: list[GpuInfo] = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            if isinstance(name, bytes):
-                name = name.decode()
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(GpuInfo(index=index, name=str(name), total_bytes=int(memory.total)))
-    finally:
-        pynvml.nvmlShutdown()
-    return Inventory(probe="nvml", ram_total_bytes=psutil.virtual_memory().total, gpus=gpus)
+    return NvmlProbe(pynvml)
 
 
-def read_inventory(sim_gpus: tuple[str, list[int]] | None = None) -> Inventory:
-    """This host's inventory: simulated when asked, else NVML, else CPU-only."""
-    if sim_gpus is not None:
-        return simulated_inventory(*sim_gpus)
-    found = nvml_inventory()
-    if found is not None:
-        return found
-    return Inventory(probe="none", ram_total_bytes=psutil.virtual_memory().total)
+def make_probe(sim: SimSpec | None, sim_state_dir: Path | None = None) -> Probe:
+    """The probe for this host: simulated when asked, else NVML, else CPU-only."""
+    if sim is not None:
+        from hostagent.simgpu import default_state_dir
+
+        return SimulatedProbe(sim, sim_state_dir or default_state_dir())
+    nvml = open_nvml_probe()
+    if nvml is not None:
+        return nvml
+    return CpuOnlyProbe()
+
+
+def read_inventory(sim: SimSpec | None = None, sim_state_dir: Path | None = None) -> Inventory:
+    """This host's inventory, from :func:`make_probe`."""
+    return make_probe(sim, sim_state_dir).inventory()

@@ -10,14 +10,16 @@ from capyctl.hosts.models import Host
 from capyctl.hosts.services import ensure_local_host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
-from hostagent.probe import read_inventory, simulated_inventory
+from hostagent.probe import SimulatedProbe, read_inventory
+from hostagent.simgpu import SimSpec
 
 GIB = 1024**3
 
 
 @pytest.fixture
-def host(db):
-    return ensure_local_host(simulated_inventory("discrete", [24 * GIB, 24 * GIB]))
+def host(db, tmp_path):
+    probe = SimulatedProbe(SimSpec(unified=False, sizes=[24 * GIB, 24 * GIB]), tmp_path)
+    return ensure_local_host(probe.inventory())
 
 
 @pytest.fixture
@@ -80,8 +82,9 @@ def test_pools_capacity_is_total_minus_reserve(host, chat, settings):
     assert {p.pool: p.capacity_bytes for p in pool_usage(host)}["gpu1"] == 20 * GIB
 
 
-def test_unified_memory_is_one_pool(db):
-    host = ensure_local_host(simulated_inventory("unified", [128 * GIB]))
+def test_unified_memory_is_one_pool(db, tmp_path):
+    probe = SimulatedProbe(SimSpec(unified=True, sizes=[128 * GIB]), tmp_path)
+    host = ensure_local_host(probe.inventory())
     assert host.pools() == [{"pool": "unified", "total_bytes": 128 * GIB}]
 
 

@@ -2,7 +2,14 @@
 
 import pytest
 
-from hostagent.kinds import REGISTRY, KindError, UnknownKindError, get_kind, kind_names
+from hostagent.kinds import (
+    REGISTRY,
+    Capabilities,
+    KindError,
+    UnknownKindError,
+    get_kind,
+    kind_names,
+)
 
 
 def test_every_design_kind_is_registered():
@@ -13,13 +20,11 @@ def test_every_design_kind_is_registered():
 
 
 def test_park_capabilities_follow_the_engines():
-    assert get_kind("vllm").can_park_ram
-    assert get_kind("vllm").can_park_deep
-    assert get_kind("sglang").can_park_ram
-    assert get_kind("sglang").can_park_deep
+    both = Capabilities(ram=True, deep=True)
+    assert get_kind("vllm").capabilities({}) == both
+    assert get_kind("sglang").capabilities({}) == both
     for name in ("llamacpp", "tensorfold", "custom"):
-        assert not get_kind(name).can_park_ram
-        assert not get_kind(name).can_park_deep
+        assert get_kind(name).capabilities({}) == Capabilities()
 
 
 def test_unknown_kind_names_the_known_ones():

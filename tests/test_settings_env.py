@@ -10,6 +10,7 @@ from capyctl.conf import (
     env_size,
     parse_sim_gpus,
 )
+from hostagent.simgpu import SimSpec
 from tests.conftest import run_program
 
 GIB = 1024**3
@@ -41,10 +42,10 @@ def test_bad_values_name_the_variable(reader, value):
 
 
 def test_simulated_gpus_are_parsed():
-    assert parse_sim_gpus("V", "24GiB") == ("discrete", [24 * GIB])
-    assert parse_sim_gpus("V", "2x80GiB") == ("discrete", [80 * GIB, 80 * GIB])
-    assert parse_sim_gpus("V", "24GiB,48GiB") == ("discrete", [24 * GIB, 48 * GIB])
-    assert parse_sim_gpus("V", "unified:128GiB") == ("unified", [128 * GIB])
+    assert parse_sim_gpus("V", "24GiB") == SimSpec(unified=False, sizes=[24 * GIB])
+    assert parse_sim_gpus("V", "2x80GiB") == SimSpec(unified=False, sizes=[80 * GIB, 80 * GIB])
+    assert parse_sim_gpus("V", "24GiB,48GiB") == SimSpec(unified=False, sizes=[24 * GIB, 48 * GIB])
+    assert parse_sim_gpus("V", "unified:128GiB") == SimSpec(unified=True, sizes=[128 * GIB])
     assert parse_sim_gpus("V", "") is None
     for bad in ("x80GiB", "0x24GiB", "unified:lots", "24 parsecs"):
         with pytest.raises(ConfigError, match="V="):

@@ -6,6 +6,7 @@ Each handler calls the service layer; it only parses, prints and picks exit code
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from django.conf import settings
@@ -25,7 +26,9 @@ def prepare() -> None:
         from capyctl.hosts.services import ensure_local_host
         from hostagent.probe import read_inventory
 
-        ensure_local_host(read_inventory(settings.CAPYCTL["SIM_GPUS"]))
+        ensure_local_host(
+            read_inventory(settings.CAPYCTL["SIM_GPUS"], settings.CAPYCTL["SIM_STATE_DIR"])
+        )
     admin = ensure_first_admin()
     if admin.created:
         where = f" (password in {admin.password_file})" if admin.password_file else ""
@@ -42,9 +45,29 @@ def _actor() -> str:
 def engine_add(args: argparse.Namespace) -> int:
     from capyctl.engines.services import add_engine
 
+    env: dict[str, str] = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UserError(f"invalid --env {item!r}: use NAME=VALUE")
+        env[name] = value
+    options = None
+    if args.options:
+        try:
+            options = json.loads(args.options)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"invalid --options: not JSON ({exc.msg} at {exc.pos})") from None
+        if not isinstance(options, dict):
+            raise UserError("invalid --options: it must be a JSON object")
     prepare()
     engine = add_engine(
-        args.name, kind=args.kind, command=args.command, host=args.host, actor=_actor()
+        args.name,
+        kind=args.kind,
+        command=args.command,
+        host=args.host,
+        env=env,
+        options=options,
+        actor=_actor(),
     )
     print(f"engine {engine.name} added ({engine.kind}: {engine.command})")
     return 0

@@ -118,6 +118,14 @@ def _build_engine(commands: Any) -> None:
     add.add_argument("--kind", required=True, help="vllm, sglang, llamacpp, tensorfold or custom")
     add.add_argument("--command", required=True, help="the program (custom: a template)")
     add.add_argument("--host", help="the host it is installed on (default: every host)")
+    add.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the engine (repeatable)",
+    )
+    add.add_argument("--options", metavar="JSON", help="kind-specific settings (custom hooks)")
     listing = _sub(sub, "list", "list engines", "engine_list")
     _add_json(listing)
     remove = _sub(sub, "remove", "remove an engine no deployment uses", "engine_remove")

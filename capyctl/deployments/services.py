@@ -168,7 +168,8 @@ def check_deployment(
     except KindError as exc:
         raise UserError(str(exc), field="engine_args") from None
     if spec.park in (ParkPolicy.RAM, ParkPolicy.DEEP):
-        able = kind.can_park_ram if spec.park == ParkPolicy.RAM else kind.can_park_deep
+        capabilities = kind.capabilities(engine.options)
+        able = capabilities.ram if spec.park == ParkPolicy.RAM else capabilities.deep
         if not able:
             raise UserError(
                 f"engine {engine.name!r} ({engine.kind}) cannot park {spec.park!r}; "

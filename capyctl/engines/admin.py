@@ -20,7 +20,7 @@ class EngineForm(forms.ModelForm):  # type: ignore[type-arg]
         data = super().clean() or {}
         if not self.errors:
             try:
-                check_engine(data["name"], data["kind"], data["command"])
+                check_engine(data["name"], data["kind"], data["command"], data.get("options"))
             except UserError as exc:
                 attach_user_error(self, exc)
         return data

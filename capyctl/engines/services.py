@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import transaction
 
 from capyctl.engines.models import Engine
@@ -19,7 +21,7 @@ def get_engine(name: str) -> Engine:
         raise NotFoundError(f"no engine named {name!r}", field="engine") from None
 
 
-def check_engine(name: str, kind: str, command: str) -> None:
+def check_engine(name: str, kind: str, command: str, options: dict[str, Any] | None = None) -> None:
     """Validate an engine's name, kind and command; raise :class:`UserError` if wrong."""
     validate_name(name, what="engine name")
     try:
@@ -30,18 +32,35 @@ def check_engine(name: str, kind: str, command: str) -> None:
         engine_kind.check_command(command)
     except KindError as exc:
         raise UserError(str(exc), field="command") from None
+    try:
+        engine_kind.check_options(options or {})
+    except KindError as exc:
+        raise UserError(str(exc), field="options") from None
 
 
 @transaction.atomic
 def add_engine(
-    name: str, *, kind: str, command: str, host: str | None = None, actor: str = ""
+    name: str,
+    *,
+    kind: str,
+    command: str,
+    host: str | None = None,
+    env: dict[str, str] | None = None,
+    options: dict[str, Any] | None = None,
+    actor: str = "",
 ) -> Engine:
     """Register an installed engine program. CapyCTL never installs engines."""
-    check_engine(name, kind, command)
+    check_engine(name, kind, command, options)
+    if env is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise UserError("engine env must map names to string values", field="env")
     host_row = get_host(host) if host else None
     if Engine.objects.filter(name=name).exists():
         raise UserError(f"an engine named {name!r} already exists", field="name")
-    engine = Engine.objects.create(name=name, kind=kind, command=command, host=host_row)
+    engine = Engine.objects.create(
+        name=name, kind=kind, command=command, host=host_row, env=env or {}, options=options or {}
+    )
     record_event(
         "engine.added",
         f"engine {name} ({kind}) registered: {command}",

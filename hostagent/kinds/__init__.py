@@ -6,7 +6,14 @@ is listed in :data:`REGISTRY`. Code elsewhere asks the registry, never ``if kind
 
 from __future__ import annotations
 
-from hostagent.kinds.base import EngineKind, KindError
+from hostagent.kinds.base import (
+    Capabilities,
+    EngineClient,
+    EngineKind,
+    KindError,
+    Launch,
+    LaunchSpec,
+)
 from hostagent.kinds.custom import CustomKind
 from hostagent.kinds.llamacpp import LlamaCppKind
 from hostagent.kinds.sglang import SGLangKind
@@ -37,4 +44,15 @@ def get_kind(name: str) -> EngineKind:
         raise UnknownKindError(f"unknown engine kind {name!r} (known: {known})") from None
 
 
-__all__ = ["REGISTRY", "EngineKind", "KindError", "UnknownKindError", "get_kind", "kind_names"]
+__all__ = [
+    "REGISTRY",
+    "Capabilities",
+    "EngineClient",
+    "EngineKind",
+    "KindError",
+    "Launch",
+    "LaunchSpec",
+    "UnknownKindError",
+    "get_kind",
+    "kind_names",
+]

@@ -1,27 +1,114 @@
-"""The contract every engine kind satisfies."""
+"""The contract every engine kind satisfies, and what the kinds share."""
 
 from __future__ import annotations
 
 import shlex
-from typing import Protocol
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from hostagent.errors import CannotParkError, EngineCallError
+
+LOOPBACK = "127.0.0.1"
 
 
 class KindError(ValueError):
-    """A kind cannot do what was asked, or was given something it cannot use."""
+    """A kind was given something it cannot use."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """``ram``: can copy weights to host RAM and give the GPU back while running.
+    ``deep``: can drop its weights and reload them on wake."""
+
+    ram: bool = False
+    deep: bool = False
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything needed to build one engine launch."""
+
+    command: str
+    source: str
+    served_name: str
+    port: int
+    api_key: str
+    extra_args: list[str] = field(default_factory=list)
+    gpu_indices: list[int] | None = None  # None: leave CUDA_VISIBLE_DEVICES alone
+    env: dict[str, str] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    ram_park: bool = True  # ask for what a later `ram` park needs (SGLang's CPU backup)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """An argument list (never run through a shell) and the environment additions."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+class EngineClient:
+    """Control calls to one engine on its loopback port (httpx: few calls, no hot path)."""
+
+    def __init__(self, port: int, api_key: str, *, timeout: float = 30.0) -> None:
+        self.base_url = f"http://{LOOPBACK}:{port}"
+        self.api_key = api_key
+        self._client = httpx.Client(
+            base_url=self.base_url,
+            timeout=timeout,
+            headers={"Authorization": f"Bearer {api_key}"},
+            trust_env=False,
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        expect: tuple[int, ...] = (200,),
+    ) -> httpx.Response:
+        try:
+            response = self._client.request(
+                method,
+                path,
+                json=json,
+                params=params,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+        except httpx.HTTPError as exc:
+            raise EngineCallError(f"{method} {path} failed: {type(exc).__name__}: {exc}") from exc
+        if response.status_code not in expect:
+            body = response.text[:300].strip()
+            raise EngineCallError(
+                f"{method} {path} answered {response.status_code}: {body}", response.status_code
+            )
+        return response
+
+    def healthy(self, path: str) -> bool:
+        """Whether ``GET path`` answers 200 now (a refused connection is just "not yet")."""
+        try:
+            return self._client.get(path, timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
 
 class EngineKind(Protocol):
-    """What CapyCTL knows about one engine program.
-
-    ``can_park_ram``: the engine can copy its weights to host RAM and give the GPU back
-    while it keeps running. ``can_park_deep``: it can drop its weights and reload them on
-    wake. A kind that can do neither is stopped to make room and started again on demand.
-    """
+    """What CapyCTL knows about one engine program: how to launch, check, park, wake it."""
 
     name: str
     description: str
-    can_park_ram: bool
-    can_park_deep: bool
+
+    def capabilities(self, options: dict[str, Any]) -> Capabilities: ...
 
     def check_command(self, command: str) -> list[str]:
         """Split ``command`` into an argument list, or raise :class:`KindError`."""
@@ -29,6 +116,26 @@ class EngineKind(Protocol):
 
     def check_args(self, args: list[str]) -> None:
         """Refuse extra engine arguments that would override what CapyCTL sets itself."""
+        ...
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        """Refuse kind-specific settings this kind does not understand."""
+        ...
+
+    def build_launch(self, spec: LaunchSpec) -> Launch: ...
+
+    def is_healthy(self, client: EngineClient, spec: LaunchSpec) -> bool: ...
+
+    def warm_up(self, client: EngineClient, spec: LaunchSpec) -> None:
+        """Run the first tiny request where the engine needs one before it is fast."""
+        ...
+
+    def park(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
+        """Give back GPU memory (``ram`` or ``deep``); raise CannotParkError if unable."""
+        ...
+
+    def wake(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
+        """Take the GPU memory back after a park in ``mode``."""
         ...
 
 
@@ -57,17 +164,46 @@ def check_reserved_flags(kind: str, args: list[str], reserved: tuple[str, ...]) 
             )
 
 
+def gpu_env(spec: LaunchSpec) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for the GPUs the launch was given, plus the engine's env."""
+    env = dict(spec.env)
+    if spec.gpu_indices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_indices)
+    return env
+
+
+def wait_until(check: Any, timeout: float, what: str, interval: float = 0.05) -> None:
+    """Poll ``check()`` until it is true; raise EngineCallError naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if check():
+            return
+        if time.monotonic() >= deadline:
+            raise EngineCallError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
 class ProgramKind:
-    """Shared behaviour of kinds whose command is a program path plus fixed arguments."""
+    """Shared behaviour of kinds whose command is a program plus flags CapyCTL adds."""
 
     name = ""
     description = ""
-    can_park_ram = False
-    can_park_deep = False
     reserved_flags: tuple[str, ...] = RESERVED_FLAGS
+    health_path = "/health"
+    park_modes: tuple[str, ...] = ()
+
+    def capabilities(self, options: dict[str, Any]) -> Capabilities:
+        return Capabilities(ram="ram" in self.park_modes, deep="deep" in self.park_modes)
 
     def check_args(self, args: list[str]) -> None:
         check_reserved_flags(self.name, args, self.reserved_flags)
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        if options:
+            raise KindError(
+                f"{self.name} takes no engine options (got {', '.join(sorted(options))}); "
+                "options are for the 'custom' kind"
+            )
 
     def check_command(self, command: str) -> list[str]:
         argv = split_command(command)
@@ -77,3 +213,40 @@ class ProgramKind:
                 f"'custom' kind; {self.name} gets its flags from CapyCTL"
             )
         return argv
+
+    def build_launch(self, spec: LaunchSpec) -> Launch:
+        argv = [*split_command(spec.command), *self.engine_flags(spec), *spec.extra_args]
+        return Launch(argv=argv, env={**gpu_env(spec), **self.extra_env(spec)})
+
+    def engine_flags(self, spec: LaunchSpec) -> list[str]:
+        raise NotImplementedError
+
+    def extra_env(self, spec: LaunchSpec) -> dict[str, str]:
+        return {}
+
+    def is_healthy(self, client: EngineClient, spec: LaunchSpec) -> bool:
+        return client.healthy(self.health_path)
+
+    def warm_up(self, client: EngineClient, spec: LaunchSpec) -> None:
+        return None
+
+    def refuse_park(self, mode: str) -> CannotParkError:
+        if self.park_modes:
+            return CannotParkError(f"{self.name} can park only {', '.join(self.park_modes)}")
+        return CannotParkError(f"{self.name} cannot park; stop it to free its memory")
+
+    def park(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
+        raise self.refuse_park(mode)
+
+    def wake(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
+        raise self.refuse_park(mode)
+
+
+def one_token_completion(client: EngineClient, spec: LaunchSpec) -> None:
+    """The 1-token warm-up: loads kernels and graphs before the first real request."""
+    client.request(
+        "POST",
+        "/v1/completions",
+        json={"model": spec.served_name, "prompt": "Hi", "max_tokens": 1, "temperature": 0},
+        timeout=300,
+    )

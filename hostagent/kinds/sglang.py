@@ -1,13 +1,74 @@
-"""SGLang: memory saver releases and resumes GPU memory; a CPU backup keeps weights."""
+"""SGLang: the memory saver releases and resumes GPU memory occupation.
+
+With ``--enable-weights-cpu-backup`` the weights are kept in host RAM while released (our
+``ram`` park); without it they are dropped and reloaded from disk on wake (``deep``).
+SGLang's ``--api-key`` guards these routes, so calls carry the launch key.
+"""
 
 from __future__ import annotations
 
-from hostagent.kinds.base import RESERVED_FLAGS, ProgramKind
+from hostagent.errors import CannotParkError
+from hostagent.kinds.base import (
+    LOOPBACK,
+    RESERVED_FLAGS,
+    EngineClient,
+    LaunchSpec,
+    ProgramKind,
+    one_token_completion,
+)
+
+CPU_BACKUP_FLAG = "--enable-weights-cpu-backup"
 
 
 class SGLangKind(ProgramKind):
     name = "sglang"
     description = "SGLang server with the memory saver"
-    can_park_ram = True
-    can_park_deep = True
-    reserved_flags = (*RESERVED_FLAGS, "--served-model-name", "--model-path")
+    reserved_flags = (
+        *RESERVED_FLAGS,
+        "--served-model-name",
+        "--model-path",
+        "--enable-memory-saver",
+        CPU_BACKUP_FLAG,
+    )
+    park_modes = ("ram", "deep")
+
+    def engine_flags(self, spec: LaunchSpec) -> list[str]:
+        flags = [
+            "--model-path",
+            spec.source,
+            "--served-model-name",
+            spec.served_name,
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(spec.port),
+            "--api-key",
+            spec.api_key,
+            "--enable-memory-saver",
+        ]
+        if spec.ram_park:
+            flags.append(CPU_BACKUP_FLAG)
+        return flags
+
+    def warm_up(self, client: EngineClient, spec: LaunchSpec) -> None:
+        one_token_completion(client, spec)
+
+    def park(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
+        if mode not in self.park_modes:
+            raise self.refuse_park(mode)
+        if mode == "ram" and not spec.ram_park:
+            raise self.refuse_park_ram()
+        client.request("POST", "/release_memory_occupation", json={})
+
+    def refuse_park_ram(self) -> CannotParkError:
+        return CannotParkError(
+            f"this sglang launch has no {CPU_BACKUP_FLAG}, so it can park only 'deep'"
+        )
+
+    def wake(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
+        if mode not in self.park_modes:
+            raise self.refuse_park(mode)
+        client.request("POST", "/resume_memory_occupation", json={})
+        if mode == "deep" and not spec.ram_park:
+            # Without a CPU backup the weights were dropped: load them from disk again.
+            client.request("POST", "/update_weights_from_disk", json={"model_path": spec.source})

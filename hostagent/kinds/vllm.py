@@ -1,13 +1,73 @@
-"""vLLM: ``vllm serve`` with sleep mode (level 1 keeps weights in RAM, level 2 drops them)."""
+"""vLLM: ``vllm serve`` with sleep mode.
+
+Level 1 sleep offloads weights to host RAM and drops the KV cache (our ``ram`` park);
+level 2 drops both (``deep``). The sleep routes exist only with ``--enable-sleep-mode``
+and ``VLLM_SERVER_DEV_MODE=1``, and ``--api-key`` does not guard them: loopback binding is
+what keeps them private. A 200 from ``/sleep`` is not trusted alone: ``/is_sleeping`` must
+agree, and the runtime confirms the release with the GPU probe.
+"""
 
 from __future__ import annotations
 
-from hostagent.kinds.base import RESERVED_FLAGS, ProgramKind
+from hostagent.kinds.base import (
+    LOOPBACK,
+    RESERVED_FLAGS,
+    EngineClient,
+    LaunchSpec,
+    ProgramKind,
+    one_token_completion,
+    wait_until,
+)
+
+SLEEP_LEVELS = {"ram": 1, "deep": 2}
 
 
 class VLLMKind(ProgramKind):
     name = "vllm"
     description = "vLLM OpenAI server with sleep mode"
-    can_park_ram = True
-    can_park_deep = True
-    reserved_flags = (*RESERVED_FLAGS, "--served-model-name")
+    reserved_flags = (*RESERVED_FLAGS, "--served-model-name", "--enable-sleep-mode")
+    park_modes = ("ram", "deep")
+
+    def engine_flags(self, spec: LaunchSpec) -> list[str]:
+        return [
+            "serve",
+            spec.source,
+            "--served-model-name",
+            spec.served_name,
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(spec.port),
+            "--api-key",
+            spec.api_key,
+            "--enable-sleep-mode",
+        ]
+
+    def extra_env(self, spec: LaunchSpec) -> dict[str, str]:
+        return {"VLLM_SERVER_DEV_MODE": "1"}
+
+    def warm_up(self, client: EngineClient, spec: LaunchSpec) -> None:
+        one_token_completion(client, spec)
+
+    def _sleeping(self, client: EngineClient) -> bool:
+        return bool(client.request("GET", "/is_sleeping").json().get("is_sleeping"))
+
+    def park(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
+        if mode not in SLEEP_LEVELS:
+            raise self.refuse_park(mode)
+        client.request("POST", "/sleep", params={"level": SLEEP_LEVELS[mode]})
+        wait_until(lambda: self._sleeping(client), 60, "vLLM to report is_sleeping")
+
+    def wake(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
+        if mode not in SLEEP_LEVELS:
+            raise self.refuse_park(mode)
+        if mode == "deep":
+            # Level 2 dropped the weights: wake their buffers, reload them from disk, then
+            # the KV cache, and forget prefix-cache entries computed with the old weights.
+            client.request("POST", "/wake_up", params={"tags": "weights"})
+            client.request("POST", "/collective_rpc", json={"method": "reload_weights"})
+            client.request("POST", "/wake_up", params={"tags": "kv_cache"})
+            client.request("POST", "/reset_prefix_cache")
+        else:
+            client.request("POST", "/wake_up")
+        wait_until(lambda: not self._sleeping(client), 60, "vLLM to report it is awake")

@@ -1,0 +1,264 @@
+"""Running engine instances on this host: launch, readiness, park, wake, stop.
+
+This is what the control plane drives, in-process for the standalone host and through the
+host agent elsewhere. It trusts no engine's word alone: a park is confirmed with the GPU
+probe's per-process figures before it counts as done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hostagent.errors import EngineCallError, EngineExitedError, MemoryNotReleasedError
+from hostagent.kinds import EngineClient, EngineKind, LaunchSpec, get_kind
+from hostagent.probe import Probe, ProcessUsage, SimulatedProbe
+from hostagent.process import (
+    DEFAULT_LOG_MAX_BYTES,
+    EngineProcess,
+    start_process,
+    stop_process,
+    wait_ready,
+)
+from hostagent.simgpu import SIM_GPUS_ENV, SIM_STATE_ENV
+
+logger = logging.getLogger("hostagent.runtime")
+
+# A park counts as released when each GPU's figure fell to at most this share of what it
+# was: engines keep a residual (CUDA context, graphs) that is small next to their claim.
+RELEASED_SHARE = 0.5
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class InstanceRequest:
+    """What the control plane asks for: one engine serving one deployment."""
+
+    instance_id: str
+    kind: str
+    command: str
+    source: str
+    served_name: str
+    extra_args: list[str] = field(default_factory=list)
+    gpu_indices: list[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    ram_park: bool = True
+
+
+@dataclass
+class Instance:
+    """A launched engine: its process, its loopback port and launch key, its state."""
+
+    request: InstanceRequest
+    kind: EngineKind
+    spec: LaunchSpec
+    process: EngineProcess
+    client: EngineClient
+    parked_mode: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def port(self) -> int:
+        return self.spec.port
+
+    @property
+    def api_key(self) -> str:
+        return self.spec.api_key
+
+    @property
+    def base_url(self) -> str:
+        return self.client.base_url
+
+
+class EngineRuntime:
+    """Launches and drives engine instances on this host."""
+
+    def __init__(
+        self,
+        probe: Probe,
+        log_dir: Path,
+        *,
+        log_max_bytes: int = DEFAULT_LOG_MAX_BYTES,
+        release_timeout: float = 30.0,
+    ) -> None:
+        self.probe = probe
+        self.log_dir = log_dir
+        self.log_max_bytes = log_max_bytes
+        self.release_timeout = release_timeout
+
+    def _probe_env(self) -> dict[str, str]:
+        if isinstance(self.probe, SimulatedProbe):
+            spec = self.probe.spec
+            sizes = ",".join(str(size) for size in spec.sizes)
+            return {
+                SIM_GPUS_ENV: f"unified:{sizes}" if spec.unified else sizes,
+                SIM_STATE_ENV: str(self.probe.state_dir),
+            }
+        return {}
+
+    def launch(self, request: InstanceRequest) -> Instance:
+        """Start the engine process; it is not ready yet (see :meth:`wait_ready`)."""
+        kind = get_kind(request.kind)
+        spec = LaunchSpec(
+            command=request.command,
+            source=request.source,
+            served_name=request.served_name,
+            port=free_port(),
+            api_key=secrets.token_urlsafe(24),
+            extra_args=list(request.extra_args),
+            gpu_indices=request.gpu_indices,
+            env={**self._probe_env(), **request.env},
+            options=dict(request.options),
+            ram_park=request.ram_park,
+        )
+        launch = kind.build_launch(spec)
+        log_path = self.log_dir / f"{request.instance_id}.log"
+        process = start_process(
+            launch.argv, env=launch.env, log_path=log_path, log_max_bytes=self.log_max_bytes
+        )
+        logger.info(
+            "started %s engine for %s: pid %s on 127.0.0.1:%s",
+            kind.name,
+            request.served_name,
+            process.pid,
+            spec.port,
+        )
+        return Instance(
+            request=request,
+            kind=kind,
+            spec=spec,
+            process=process,
+            client=EngineClient(spec.port, spec.api_key),
+        )
+
+    def wait_ready(self, instance: Instance, timeout: float) -> float:
+        """Wait for health, then warm up; return the seconds it took."""
+        what = f"{instance.kind.name} engine for {instance.request.served_name}"
+        started = time.monotonic()
+        wait_ready(
+            instance.process,
+            lambda: instance.kind.is_healthy(instance.client, instance.spec),
+            timeout=timeout,
+            what=what,
+        )
+        self._call(instance, lambda: instance.kind.warm_up(instance.client, instance.spec))
+        return time.monotonic() - started
+
+    def usage(self, instance: Instance) -> ProcessUsage:
+        """What the probe sees the instance's process tree hold now."""
+        return self.probe.process_usage(instance.pid)
+
+    def _call(self, instance: Instance, action: Any) -> None:
+        """Run a control call; if the engine died meanwhile, say so with its last logs."""
+        try:
+            action()
+        except EngineCallError:
+            code = instance.process.exit_code()
+            if code is not None:
+                raise EngineExitedError(
+                    f"{instance.kind.name} engine for {instance.request.served_name} exited "
+                    f"with status {code}",
+                    code,
+                    instance.process.log_tail(),
+                ) from None
+            raise
+
+    def park(self, instance: Instance, mode: str, timeout: float = 600.0) -> ProcessUsage:
+        """Park in ``mode`` and confirm with the probe; return what is left (the residual).
+
+        Raises :class:`~hostagent.errors.CannotParkError` when the kind cannot, and
+        :class:`~hostagent.errors.MemoryNotReleasedError` when the engine says it parked
+        but the probe does not show the memory released within ``release_timeout``.
+        """
+        before = self.usage(instance)
+        with _client_for(instance, timeout) as client:
+            self._call(instance, lambda: instance.kind.park(client, instance.spec, mode))
+        instance.parked_mode = mode
+        deadline = time.monotonic() + self.release_timeout
+        while True:
+            now = self.usage(instance)
+            if _released(before, now):
+                return now
+            if time.monotonic() >= deadline:
+                raise MemoryNotReleasedError(
+                    f"{instance.kind.name} engine for {instance.request.served_name} answered "
+                    f"the {mode} park, but the GPU probe still sees its memory "
+                    f"({_describe(now)}; before: {_describe(before)})",
+                    still_held=now.gpu,
+                )
+            time.sleep(0.05)
+
+    def wake(self, instance: Instance, mode: str, timeout: float) -> float:
+        """Wake from a ``mode`` park and wait until healthy; return the seconds it took."""
+        started = time.monotonic()
+        with _client_for(instance, timeout) as client:
+            self._call(instance, lambda: instance.kind.wake(client, instance.spec, mode))
+        instance.parked_mode = None
+        remaining = max(timeout - (time.monotonic() - started), 1.0)
+        wait_ready(
+            instance.process,
+            lambda: instance.kind.is_healthy(instance.client, instance.spec),
+            timeout=remaining,
+            what=f"{instance.kind.name} engine for {instance.request.served_name}",
+        )
+        return time.monotonic() - started
+
+    def stop(self, instance: Instance, grace_seconds: float = 10.0) -> int:
+        """End the engine process (SIGTERM, then SIGKILL); return its exit status."""
+        instance.client.close()
+        code = stop_process(instance.process, grace_seconds=grace_seconds)
+        logger.info(
+            "stopped %s engine for %s (pid %s, status %s)",
+            instance.kind.name,
+            instance.request.served_name,
+            instance.pid,
+            code,
+        )
+        return code
+
+
+@contextlib.contextmanager
+def _client_for(instance: Instance, timeout: float) -> Iterator[EngineClient]:
+    """A control client whose calls give up after ``timeout`` (a hung engine never blocks)."""
+    client = EngineClient(instance.port, instance.api_key, timeout=timeout)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def _released(before: ProcessUsage, now: ProcessUsage) -> bool:
+    if not now.gpu_known or not before.gpu_known:
+        return False  # unknown per-process figures can never confirm a release
+    for index, held_before in before.gpu.items():
+        held_now = now.gpu.get(index) or 0
+        if held_before and held_now > held_before * RELEASED_SHARE:
+            return False
+    return True
+
+
+def _describe(usage: ProcessUsage) -> str:
+    from hostagent.units import format_size
+
+    parts = [
+        f"gpu{index} {'unknown' if value is None else format_size(value)}"
+        for index, value in sorted(usage.gpu.items())
+    ]
+    return ", ".join(parts) or "no GPU memory"

@@ -1,0 +1,25 @@
+"""Simulated engines: ``python -m hostagent.sim vllm|sglang|llamacpp|tensorfold ARGS``.
+
+Each accepts the command line CapyCTL builds for the real program and serves the same
+HTTP surface (OpenAI routes with streaming, health, sleep/wake or release/resume), with
+knobs for timing and switches for faults, read from the environment:
+
+==============================  ===================================================
+``CAPYCTL_SIM_LOAD_SECONDS``    time to "load the model" before becoming healthy
+``CAPYCTL_SIM_SLEEP_SECONDS``   time a park (sleep / release) takes
+``CAPYCTL_SIM_WAKE_SECONDS``    time a wake takes
+``CAPYCTL_SIM_TOKENS_PER_SECOND`` streaming pace (0: as fast as possible)
+``CAPYCTL_SIM_COMPLETION_TOKENS`` tokens in each answer (default 8)
+``CAPYCTL_SIM_GPU_BYTES``       claim per GPU (default: the engine's fraction of the device)
+``CAPYCTL_SIM_WEIGHTS_BYTES``   weights per GPU (default: half the claim)
+``CAPYCTL_SIM_RESIDUAL_BYTES``  what stays on the GPU while parked (default 256MiB)
+``CAPYCTL_SIM_CRASH_AFTER``     exit abruptly on the request after this many
+``CAPYCTL_SIM_HANG_ON_WAKE``    1: a wake never returns
+``CAPYCTL_SIM_KEEP_MEMORY``     1: a park answers 200 but keeps the GPU memory
+``CAPYCTL_SIM_DIE_MID_STREAM``  1: exit abruptly after the second streamed chunk
+==============================  ===================================================
+
+GPU memory is "allocated" in the simulated devices of ``CAPYCTL_SIM_GPUS`` (the GPUs in
+``CUDA_VISIBLE_DEVICES``) and recorded in ``CAPYCTL_SIM_STATE_DIR``, where the simulated
+probe reads it.
+"""

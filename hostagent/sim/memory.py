@@ -1,0 +1,128 @@
+"""What a simulated engine holds on its simulated GPUs, recorded for the probe to read."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hostagent.sim.options import Knobs, SimOptions
+from hostagent.simgpu import (
+    SIM_GPUS_ENV,
+    clear_allocation,
+    parse_sim_gpus,
+    state_dir_from_env,
+    write_allocation,
+)
+
+DEFAULT_CLAIM_BYTES = 1024**3  # llama.cpp and TensorFold have no memory fraction flag
+
+
+class SimMemory:
+    """The engine's GPU memory in parts: residual (context), weights and KV cache.
+
+    Parking moves the parts off the GPU (weights to host RAM for a ``ram`` park, or
+    dropped); waking brings them back. Every change is written to the state dir.
+    """
+
+    def __init__(self, options: SimOptions, knobs: Knobs) -> None:
+        self.pid = os.getpid()
+        self.state_dir: Path = state_dir_from_env()
+        self.keep_memory = knobs.keep_memory
+        spec_text = os.environ.get(SIM_GPUS_ENV, "")
+        spec = parse_sim_gpus(spec_text) if spec_text else None
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if spec is None:
+            self.devices: list[int] = []
+        elif visible is None:
+            self.devices = [0]
+        else:
+            self.devices = [int(i) for i in visible.split(",") if i.strip()]
+        totals = {i: spec.sizes[i] for i in self.devices} if spec else {}
+        self.unified = bool(spec and spec.unified)
+        claims = {}
+        for index, total in totals.items():
+            if knobs.gpu_bytes is not None:
+                claims[index] = knobs.gpu_bytes
+            elif options.memory_fraction is not None:
+                claims[index] = int(total * options.memory_fraction)
+            else:
+                claims[index] = min(DEFAULT_CLAIM_BYTES, total)
+        self.claims = claims
+        self.residual = {i: min(knobs.residual_bytes, c) for i, c in claims.items()}
+        self.weights = {
+            i: min(
+                knobs.weights_bytes if knobs.weights_bytes is not None else c // 2,
+                c - self.residual[i],
+            )
+            for i, c in claims.items()
+        }
+        self.loaded = False
+        self.weights_on_gpu = False
+        self.kv_on_gpu = False
+        self.weights_in_ram = False
+        self.weights_valid = False
+
+    # -- figures ---------------------------------------------------------------------------
+
+    def gpu_bytes(self) -> dict[int, int]:
+        if not self.loaded:
+            return {}
+        if self.keep_memory:
+            return dict(self.claims)
+        held = {}
+        for index, claim in self.claims.items():
+            kv = claim - self.weights[index] - self.residual[index]
+            held[index] = (
+                self.residual[index]
+                + (self.weights[index] if self.weights_on_gpu else 0)
+                + (kv if self.kv_on_gpu else 0)
+            )
+        return held
+
+    def host_bytes(self) -> int:
+        return sum(self.weights.values()) if self.weights_in_ram else 0
+
+    def record(self) -> None:
+        write_allocation(self.state_dir, self.pid, self.gpu_bytes(), self.host_bytes())
+
+    def clear(self) -> None:
+        clear_allocation(self.state_dir, self.pid)
+
+    # -- transitions ------------------------------------------------------------------------
+
+    @property
+    def serving(self) -> bool:
+        return self.loaded and self.weights_on_gpu and self.kv_on_gpu and self.weights_valid
+
+    @property
+    def sleeping(self) -> bool:
+        return self.loaded and not (self.weights_on_gpu and self.kv_on_gpu)
+
+    def load(self) -> None:
+        self.loaded = self.weights_on_gpu = self.kv_on_gpu = self.weights_valid = True
+        self.record()
+
+    def release(self, keep_weights_in_ram: bool) -> None:
+        if self.weights_on_gpu:
+            self.weights_in_ram = keep_weights_in_ram and self.weights_valid
+            self.weights_valid = self.weights_in_ram
+        self.weights_on_gpu = False
+        self.kv_on_gpu = False
+        self.record()
+
+    def wake(self, tags: set[str]) -> None:
+        if "weights" in tags and not self.weights_on_gpu:
+            self.weights_on_gpu = True
+            if self.weights_in_ram:
+                self.weights_valid = True
+                self.weights_in_ram = False
+        if "kv_cache" in tags:
+            self.kv_on_gpu = True
+        self.record()
+
+    def reload_weights(self) -> bool:
+        if not self.weights_on_gpu:
+            return False
+        self.weights_valid = True
+        self.record()
+        return True

@@ -1,0 +1,119 @@
+"""The command lines of the real engines, as the simulated ones accept them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from hostagent.units import parse_size
+
+KINDS = ("vllm", "sglang", "llamacpp", "tensorfold")
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    kind: str
+    source: str
+    served_name: str
+    host: str
+    port: int
+    api_key: str | None
+    sleep_mode: bool  # vLLM --enable-sleep-mode / SGLang --enable-memory-saver
+    cpu_backup: bool  # SGLang --enable-weights-cpu-backup
+    memory_fraction: float | None
+
+
+@dataclass(frozen=True)
+class Knobs:
+    load_seconds: float
+    sleep_seconds: float
+    wake_seconds: float
+    tokens_per_second: float
+    completion_tokens: int
+    gpu_bytes: int | None
+    weights_bytes: int | None
+    residual_bytes: int
+    crash_after: int | None
+    hang_on_wake: bool
+    keep_memory: bool
+    die_mid_stream: bool
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_options(argv: list[str]) -> SimOptions:
+    if not argv or argv[0] not in KINDS:
+        raise SystemExit(f"usage: python -m hostagent.sim {{{','.join(KINDS)}}} ARGS")
+    kind, rest = argv[0], argv[1:]
+    parser = _Parser(prog=f"hostagent.sim {kind}")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--api-key")
+    if kind == "vllm":
+        parser.add_argument("serve", choices=["serve"])
+        parser.add_argument("source")
+        parser.add_argument("--served-model-name")
+        parser.add_argument("--enable-sleep-mode", action="store_true")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    elif kind == "sglang":
+        parser.add_argument("--model-path", dest="source", required=True)
+        parser.add_argument("--served-model-name")
+        parser.add_argument("--enable-memory-saver", action="store_true")
+        parser.add_argument("--enable-weights-cpu-backup", action="store_true")
+        parser.add_argument("--mem-fraction-static", type=float, default=0.88)
+    elif kind == "llamacpp":
+        parser.add_argument("-m", "--model", dest="source", required=True)
+        parser.add_argument("-a", "--alias", dest="served_model_name")
+    else:  # tensorfold
+        parser.add_argument("serve", choices=["serve"])
+        parser.add_argument("source")
+        parser.add_argument("--name", dest="served_model_name")
+    args, _unknown = parser.parse_known_args(rest)  # the real engines take many more flags
+    fraction = getattr(args, "gpu_memory_utilization", None) or getattr(
+        args, "mem_fraction_static", None
+    )
+    return SimOptions(
+        kind=kind,
+        source=args.source,
+        served_name=args.served_model_name or args.source,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        sleep_mode=bool(
+            getattr(args, "enable_sleep_mode", False) or getattr(args, "enable_memory_saver", False)
+        ),
+        cpu_backup=bool(getattr(args, "enable_weights_cpu_backup", False)),
+        memory_fraction=fraction,
+    )
+
+
+def _float(name: str, default: float) -> float:
+    value = os.environ.get(name, "")
+    return float(value) if value else default
+
+
+def _size(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return parse_size(value) if value else None
+
+
+def read_knobs() -> Knobs:
+    crash = os.environ.get("CAPYCTL_SIM_CRASH_AFTER", "")
+    return Knobs(
+        load_seconds=_float("CAPYCTL_SIM_LOAD_SECONDS", 0.0),
+        sleep_seconds=_float("CAPYCTL_SIM_SLEEP_SECONDS", 0.0),
+        wake_seconds=_float("CAPYCTL_SIM_WAKE_SECONDS", 0.0),
+        tokens_per_second=_float("CAPYCTL_SIM_TOKENS_PER_SECOND", 0.0),
+        completion_tokens=int(_float("CAPYCTL_SIM_COMPLETION_TOKENS", 8)),
+        gpu_bytes=_size("CAPYCTL_SIM_GPU_BYTES"),
+        weights_bytes=_size("CAPYCTL_SIM_WEIGHTS_BYTES"),
+        residual_bytes=_size("CAPYCTL_SIM_RESIDUAL_BYTES") or 256 * 1024**2,
+        crash_after=int(crash) if crash else None,
+        hang_on_wake=os.environ.get("CAPYCTL_SIM_HANG_ON_WAKE") == "1",
+        keep_memory=os.environ.get("CAPYCTL_SIM_KEEP_MEMORY") == "1",
+        die_mid_stream=os.environ.get("CAPYCTL_SIM_DIE_MID_STREAM") == "1",
+    )

@@ -1,0 +1,352 @@
+"""The simulated engine's HTTP server (aiohttp: fast enough to be a benchmark upstream)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from hostagent.sim.memory import SimMemory
+from hostagent.sim.options import Knobs, SimOptions, parse_options, read_knobs
+
+JSON = "application/json"
+_HEALTH_OK = {
+    "vllm": b"",
+    "sglang": b"",
+    "llamacpp": b'{"status":"ok"}',
+    "tensorfold": b'{"status":"ok"}',
+}
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(data).encode(), status=status, content_type=JSON)
+
+
+def _error(message: str, status: int, kind: str = "invalid_request_error") -> web.Response:
+    return _json(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status
+    )
+
+
+class SimEngine:
+    def __init__(self, options: SimOptions, knobs: Knobs) -> None:
+        self.options = options
+        self.knobs = knobs
+        self.memory = SimMemory(options, knobs)
+        self.requests = 0
+        self.created = int(time.time())
+        self.ready = asyncio.Event()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def authorized(self, request: web.Request) -> bool:
+        if not self.options.api_key:
+            return True
+        header = request.headers.get("Authorization", "")
+        given = header.removeprefix("Bearer ").strip() or request.headers.get("X-Api-Key", "")
+        return given == self.options.api_key
+
+    def count_request(self) -> None:
+        self.requests += 1
+        crash = self.knobs.crash_after
+        if crash is not None and self.requests > crash:
+            os._exit(3)  # the fault switch: die like a crashed engine, mid-request
+
+    async def _body(  # noqa: PLR0911 - each refusal is its own early answer
+        self, request: web.Request
+    ) -> dict[str, Any] | web.Response:
+        if not self.authorized(request):
+            return _error("Invalid API key", 401, "authentication_error")
+        if not self.ready.is_set():
+            return _error("Loading model", 503, "unavailable_error")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error("request body is not valid JSON", 400)
+        if not isinstance(body, dict):
+            return _error("request body must be a JSON object", 400)
+        if body.get("model") not in (self.options.served_name, None):
+            return _error(f"The model `{body.get('model')}` does not exist.", 404, "NotFoundError")
+        if not self.memory.serving and self.memory.devices:
+            return _error("the engine is sleeping or its weights are not loaded", 503)
+        self.count_request()
+        return body
+
+    def _tokens(self, body: dict[str, Any]) -> int:
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        wanted = self.knobs.completion_tokens
+        return max(1, min(int(limit), wanted)) if limit else wanted
+
+    # -- OpenAI routes ----------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        if self.options.kind != "llamacpp" and not self.authorized(request):
+            return _error("Invalid API key", 401, "authentication_error")
+        model = {
+            "id": self.options.served_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": self.options.kind,
+        }
+        return _json({"object": "list", "data": [model]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        messages = body.get("messages") or []
+        prompt = " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+        return await self._generate(request, body, prompt, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        return await self._generate(request, body, str(body.get("prompt", "")), chat=False)
+
+    async def _generate(
+        self, request: web.Request, body: dict[str, Any], prompt: str, *, chat: bool
+    ) -> web.StreamResponse:
+        count = self._tokens(body)
+        words = [f"tok{i}" for i in range(count)]
+        usage = {
+            "prompt_tokens": max(1, len(prompt.split())),
+            "completion_tokens": count,
+            "total_tokens": max(1, len(prompt.split())) + count,
+        }
+        finish = "length" if count < self.knobs.completion_tokens else "stop"
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        obj = "chat.completion" if chat else "text_completion"
+        if not body.get("stream"):
+            if self.knobs.tokens_per_second > 0:
+                await asyncio.sleep(count / self.knobs.tokens_per_second)
+            text = " ".join(words)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            return _json(
+                {
+                    "id": ident,
+                    "object": obj,
+                    "created": int(time.time()),
+                    "model": self.options.served_name,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return await self._stream(
+            request, ident, words, finish, usage if include_usage else None, chat=chat
+        )
+
+    async def _stream(
+        self,
+        request: web.Request,
+        ident: str,
+        words: list[str],
+        finish: str,
+        usage: dict[str, int] | None,
+        *,
+        chat: bool,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        async def send(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
+            data = {
+                "id": ident,
+                "object": chunk_obj,
+                "created": created,
+                "model": self.options.served_name,
+                "choices": choices,
+                **(extra or {}),
+            }
+            await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+        delay = 1 / self.knobs.tokens_per_second if self.knobs.tokens_per_second > 0 else 0
+        for i, word in enumerate(words):
+            if delay:
+                await asyncio.sleep(delay)
+            piece = word if i == 0 else " " + word
+            if chat:
+                delta: dict[str, Any] = {"content": piece}
+                if i == 0:
+                    delta["role"] = "assistant"
+                await send([{"index": 0, "delta": delta, "finish_reason": None}])
+            else:
+                await send([{"index": 0, "text": piece, "finish_reason": None}])
+            if self.knobs.die_mid_stream and i == 1:
+                os._exit(4)  # the fault switch: the engine dies while streaming
+        last: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if chat:
+            last["delta"] = {}
+        else:
+            last["text"] = ""
+        await send([last])
+        if usage is not None:
+            await send([], {"usage": usage})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        inputs = body.get("input", "")
+        items = inputs if isinstance(inputs, list) else [inputs]
+        data = []
+        for index, item in enumerate(items):
+            seed = sum(str(item).encode()) or 1
+            vector = [((seed * (k + 1)) % 997) / 997 for k in range(8)]
+            data.append({"object": "embedding", "index": index, "embedding": vector})
+        tokens = sum(max(1, len(str(item).split())) for item in items)
+        return _json(
+            {
+                "object": "list",
+                "data": data,
+                "model": self.options.served_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
+    # -- health -----------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.ready.is_set():
+            return _error("Loading model", 503, "unavailable_error")
+        return web.Response(body=_HEALTH_OK[self.options.kind], content_type=JSON)
+
+    # -- vLLM sleep mode (open, as in vLLM: --api-key guards only /v1) -------------------------
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        level = int(request.query.get("level", "1"))
+        await asyncio.sleep(self.knobs.sleep_seconds)
+        self.memory.release(keep_weights_in_ram=level == 1)
+        return web.Response(status=200)
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        if self.knobs.hang_on_wake:
+            await asyncio.sleep(10**6)
+        tags = set(request.query.getall("tags", [])) or {"weights", "kv_cache"}
+        await asyncio.sleep(self.knobs.wake_seconds)
+        self.memory.wake(tags)
+        return web.Response(status=200)
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return _json({"is_sleeping": self.memory.sleeping})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("method") != "reload_weights":
+            return _error(f"unknown method {body.get('method')!r}", 400)
+        if not self.memory.reload_weights():
+            return _error("weights are not on the GPU: wake them first", 400)
+        return _json({"results": [None]})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    # -- SGLang memory saver (guarded by the API key, as in SGLang) -----------------------------
+
+    async def release(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return _error("Invalid API key", 401, "authentication_error")
+        await asyncio.sleep(self.knobs.sleep_seconds)
+        self.memory.release(keep_weights_in_ram=self.options.cpu_backup)
+        return _json(None)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return _error("Invalid API key", 401, "authentication_error")
+        if self.knobs.hang_on_wake:
+            await asyncio.sleep(10**6)
+        await asyncio.sleep(self.knobs.wake_seconds)
+        self.memory.wake({"weights", "kv_cache"})
+        return _json(None)
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return _error("Invalid API key", 401, "authentication_error")
+        if not self.memory.reload_weights():
+            return _error("weights are not on the GPU: resume them first", 400)
+        return _json({"success": True, "message": "Succeeded to update model weights."})
+
+    # -- the app ---------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024**2)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        if self.options.kind == "vllm" and self.options.sleep_mode:
+            app.router.add_post("/sleep", self.sleep)
+            app.router.add_post("/wake_up", self.wake_up)
+            app.router.add_get("/is_sleeping", self.is_sleeping)
+            app.router.add_post("/collective_rpc", self.collective_rpc)
+            app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        if self.options.kind == "sglang" and self.options.sleep_mode:
+            app.router.add_post("/release_memory_occupation", self.release)
+            app.router.add_post("/resume_memory_occupation", self.resume)
+            app.router.add_post("/update_weights_from_disk", self.update_weights)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _cleanup(self, app: web.Application) -> None:
+        self.memory.clear()
+
+    async def _load(self) -> None:
+        await asyncio.sleep(self.knobs.load_seconds)
+        self.memory.load()
+        self.ready.set()
+
+    async def serve(self) -> None:
+        runner = web.AppRunner(self.app(), access_log=None, handle_signals=True)
+        await runner.setup()
+        if self.options.kind != "llamacpp":
+            # vLLM, SGLang and TensorFold open their port only once the model is loaded.
+            await self._load()
+        site = web.TCPSite(runner, self.options.host, self.options.port, backlog=2048)
+        await site.start()
+        print(
+            f"simulated {self.options.kind} serving {self.options.served_name!r} on "
+            f"{self.options.host}:{self.options.port}",
+            flush=True,
+        )
+        if self.options.kind == "llamacpp":
+            await self._load()  # llama-server answers 503 on /health while loading
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+
+def main(argv: list[str]) -> int:
+    options = parse_options(argv)
+    engine = SimEngine(options, read_knobs())
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but not required
+        pass
+    try:
+        asyncio.run(engine.serve())
+    except (KeyboardInterrupt, web.GracefulExit):
+        pass
+    finally:
+        engine.memory.clear()
+    return 0

@@ -1,0 +1,108 @@
+"""Golden command lines: exactly what CapyCTL runs for each kind (DESIGN §7)."""
+
+import pytest
+
+from hostagent.kinds import KindError, LaunchSpec, get_kind
+
+
+def spec(command, **extra):
+    values = {
+        "command": command,
+        "source": "/models/qwen",
+        "served_name": "chat",
+        "port": 41000,
+        "api_key": "launch-key",
+        "extra_args": ["--max-model-len", "8192"],
+        "gpu_indices": [0, 1],
+    }
+    values.update(extra)
+    return LaunchSpec(**values)
+
+
+def test_vllm():
+    launch = get_kind("vllm").build_launch(spec("/opt/vllm/bin/vllm"))
+    assert launch.argv == [
+        "/opt/vllm/bin/vllm", "serve", "/models/qwen", "--served-model-name", "chat",
+        "--host", "127.0.0.1", "--port", "41000", "--api-key", "launch-key",
+        "--enable-sleep-mode", "--max-model-len", "8192",
+    ]  # fmt: skip
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_SERVER_DEV_MODE": "1"}
+
+
+def test_sglang_with_and_without_cpu_backup():
+    launch = get_kind("sglang").build_launch(spec("python -m sglang.launch_server", extra_args=[]))
+    assert launch.argv == [
+        "python", "-m", "sglang.launch_server", "--model-path", "/models/qwen",
+        "--served-model-name", "chat", "--host", "127.0.0.1", "--port", "41000",
+        "--api-key", "launch-key", "--enable-memory-saver", "--enable-weights-cpu-backup",
+    ]  # fmt: skip
+    deep_only = get_kind("sglang").build_launch(spec("sglang", extra_args=[], ram_park=False))
+    assert "--enable-weights-cpu-backup" not in deep_only.argv
+    assert deep_only.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+def test_llamacpp():
+    launch = get_kind("llamacpp").build_launch(
+        spec(
+            "/usr/bin/llama-server",
+            source="/m/tiny.gguf",
+            extra_args=["-c", "2048"],
+            gpu_indices=[],
+        )
+    )
+    assert launch.argv == [
+        "/usr/bin/llama-server", "-m", "/m/tiny.gguf", "--alias", "chat",
+        "--host", "127.0.0.1", "--port", "41000", "--api-key", "launch-key", "-c", "2048",
+    ]  # fmt: skip
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_tensorfold():
+    launch = get_kind("tensorfold").build_launch(
+        spec("tensorfold", extra_args=[], gpu_indices=None)
+    )
+    assert launch.argv == [
+        "tensorfold", "serve", "/models/qwen", "--name", "chat",
+        "--host", "127.0.0.1", "--port", "41000", "--api-key", "launch-key",
+    ]  # fmt: skip
+    assert launch.env == {}
+
+
+def test_custom_template_fills_each_argument_alone():
+    template = "my-server --listen {host}:{port} --key {api_key} --model {source} --name {model}"
+    launch = get_kind("custom").build_launch(
+        spec(template, source="/models/a b; rm -rf /", extra_args=["--fast"], gpu_indices=[3])
+    )
+    assert launch.argv == [
+        "my-server", "--listen", "127.0.0.1:41000", "--key", "launch-key",
+        "--model", "/models/a b; rm -rf /", "--name", "chat", "--fast",
+    ]  # fmt: skip
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "3"}
+
+
+def test_engine_env_is_passed_on():
+    launch = get_kind("llamacpp").build_launch(spec("llama-server", env={"OMP_NUM_THREADS": "2"}))
+    assert launch.env["OMP_NUM_THREADS"] == "2"
+
+
+def test_custom_options_are_checked():
+    custom = get_kind("custom")
+    good = {
+        "health_path": "/ready",
+        "park": {"ram": {"method": "POST", "path": "/offload"}},
+        "wake": {"ram": {"path": "/reload", "json": {"all": True}}},
+    }
+    custom.check_options(good)
+    assert custom.capabilities(good).ram
+    assert not custom.capabilities(good).deep
+    for bad, message in [
+        ({"colour": "blue"}, "unknown custom engine options"),
+        ({"health_path": "ready"}, "health_path"),
+        ({"park": {"ram": {"method": "POST"}}}, "park.ram"),
+        ({"park": {"warm": {"path": "/x"}}}, "option park"),
+        ({"wake": {"deep": {"path": "/x", "method": "DELETE"}}}, "wake.deep.method"),
+    ]:
+        with pytest.raises(KindError, match=message):
+            custom.check_options(bad)
+    with pytest.raises(KindError, match="options are for the 'custom' kind"):
+        get_kind("vllm").check_options({"health_path": "/x"})
