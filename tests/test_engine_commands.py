@@ -1,5 +1,7 @@
 """Golden command lines: exactly what CapyCTL runs for each kind (DESIGN §7)."""
 
+from typing import Any
+
 import pytest
 
 from hostagent.kinds import KindError, LaunchSpec, get_kind
@@ -95,13 +97,14 @@ def test_custom_options_are_checked():
     custom.check_options(good)
     assert custom.capabilities(good).ram
     assert not custom.capabilities(good).deep
-    for bad, message in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"colour": "blue"}, "unknown custom engine options"),
         ({"health_path": "ready"}, "health_path"),
         ({"park": {"ram": {"method": "POST"}}}, "park.ram"),
         ({"park": {"warm": {"path": "/x"}}}, "option park"),
         ({"wake": {"deep": {"path": "/x", "method": "DELETE"}}}, "wake.deep.method"),
-    ]:
+    ]
+    for bad, message in cases:
         with pytest.raises(KindError, match=message):
             custom.check_options(bad)
     with pytest.raises(KindError, match="options are for the 'custom' kind"):
