@@ -1,0 +1,312 @@
+"""Placement and eviction policy: a pure function of plain data (no database, no clock).
+
+``plan(snapshot, need)`` answers where a deployment can run and which ready deployments
+must give memory back first, and how each of them should do it:
+
+- Placement: a deployment without a host goes to a host where it fits; ``gpus: N`` takes
+  N GPU pools of one host. Hosts and GPUs where it fits without evicting anyone come
+  first (tightest fit first, so large free GPUs stay free for large models).
+- Eviction, when it does not fit: only ``ready`` deployments that are not pinned, have
+  been ready at least ``min_ready_seconds`` and hold memory on the chosen GPUs; lower
+  priority first, then least recently used. The smallest set that frees enough is kept.
+- Park mode per victim (DESIGN §5): ``ram`` if its engine can and its weights copy fits
+  in the RAM pool (never on unified memory, where the copy would come out of the pool it
+  is meant to free); else ``deep`` if its engine can; else ``stop``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import combinations
+
+STOP = "stop"
+RAM = "ram"
+DEEP = "deep"
+
+# When the measured residual of a parked engine is not known yet, assume this share of its
+# claim stays on the GPU (CUDA context, graphs), at least MIN_RESIDUAL_BYTES.
+RESIDUAL_SHARE = 0.1
+MIN_RESIDUAL_BYTES = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool as the ledger sees it: capacity and everything counted against it."""
+
+    name: str
+    capacity_bytes: int
+    used_bytes: int  # held + promised + unconfirmed + foreign
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+
+@dataclass(frozen=True)
+class Resident:
+    """A deployment that holds memory on a host now."""
+
+    deployment_id: int
+    name: str
+    host_id: int
+    state: str  # observed state
+    gpu_bytes: dict[str, int]  # pool name -> bytes it holds there
+    weights_bytes: int  # size of its weights copy
+    residual_bytes: int | None  # measured residual after a park, if known
+    park_policy: str  # auto | ram | deep | stop | never
+    can_park_ram: bool
+    can_park_deep: bool
+    pinned: bool = False
+    priority: int = 0
+    last_used: float = 0.0  # seconds; larger is more recent
+    ready_for_seconds: float = 0.0
+    min_ready_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    host_id: int
+    name: str
+    unified: bool
+    pools: dict[str, Pool]
+    residents: list[Resident] = field(default_factory=list)
+    online: bool = True
+
+    @property
+    def gpu_pools(self) -> list[str]:
+        if self.unified:
+            return ["unified"]
+        return sorted((p for p in self.pools if p.startswith("gpu")), key=lambda p: int(p[3:]))
+
+    @property
+    def ram_pool(self) -> str:
+        return "unified" if self.unified else "ram"
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a deployment needs to start or wake."""
+
+    deployment_id: int
+    name: str
+    gpus: int
+    claim_per_gpu_bytes: int
+    host_ram_bytes: int = 0  # the engine process, plus a weights copy it brings back
+    host_ids: tuple[int, ...] | None = None  # where it may run; None = any host
+
+
+@dataclass(frozen=True)
+class Victim:
+    deployment_id: int
+    name: str
+    mode: str  # ram | deep | stop
+    frees: dict[str, int]  # pool -> bytes it is expected to give back
+    ram_copy_bytes: int  # what a ram park adds to the RAM pool
+    reason: str  # why this mode: said in events and logs
+
+
+@dataclass(frozen=True)
+class Placement:
+    host_id: int
+    pools: tuple[str, ...]  # the GPU pools (or ("unified",), or () for a CPU deployment)
+    victims: tuple[Victim, ...] = ()
+
+    @property
+    def gpu_indices(self) -> list[int]:
+        return [int(p[3:]) for p in self.pools if p.startswith("gpu")]
+
+
+@dataclass(frozen=True)
+class NoCapacity:
+    """It does not fit even with everything parkable parked; ``blockers`` are in the way."""
+
+    reason: str
+    blockers: tuple[str, ...] = ()
+
+
+def expected_residual(resident: Resident, held: int) -> int:
+    if resident.residual_bytes is not None:
+        return min(resident.residual_bytes, held)
+    return min(held, max(int(held * RESIDUAL_SHARE), MIN_RESIDUAL_BYTES))
+
+
+def park_mode(  # noqa: PLR0911 - a decision table reads best as early answers
+    resident: Resident, host: HostSnapshot, ram_free: int
+) -> tuple[str, str]:
+    """The best mode ``resident`` allows here, and why (for the event and the log)."""
+    policy = resident.park_policy
+    ram_allowed = policy in ("auto", RAM) and resident.can_park_ram and not host.unified
+    deep_allowed = policy in ("auto", RAM, DEEP) and resident.can_park_deep
+    if ram_allowed and resident.weights_bytes <= ram_free:
+        return RAM, "its weights copy fits in host RAM"
+    if deep_allowed:
+        if host.unified and policy in ("auto", RAM) and resident.can_park_ram:
+            return DEEP, "on unified memory a RAM copy would come out of the same pool"
+        if ram_allowed:
+            return DEEP, (
+                f"its copy ({_gib(resident.weights_bytes)}) would not fit in host RAM "
+                f"({_gib(ram_free)} free)"
+            )
+        return DEEP, "it parks deep"
+    if ram_allowed:
+        return STOP, (
+            f"its copy ({_gib(resident.weights_bytes)}) would not fit in host RAM "
+            f"({_gib(ram_free)} free)"
+        )
+    if policy in (STOP, "never"):
+        return STOP, f"its park policy is {policy}"
+    return STOP, "its engine cannot park"
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 1024**3:.1f} GiB"
+
+
+def _evictable(resident: Resident) -> bool:
+    return (
+        resident.state == "ready"
+        and not resident.pinned
+        and resident.ready_for_seconds >= resident.min_ready_seconds
+    )
+
+
+def _frees(resident: Resident, mode: str) -> dict[str, int]:
+    if mode == STOP:
+        return dict(resident.gpu_bytes)
+    return {
+        pool: held - expected_residual(resident, held) for pool, held in resident.gpu_bytes.items()
+    }
+
+
+def _shortfall(host: HostSnapshot, pools: tuple[str, ...], need: Need) -> dict[str, int]:
+    """Bytes missing per pool (only pools that lack something)."""
+    missing = {}
+    for pool in pools:
+        lack = need.claim_per_gpu_bytes - host.pools[pool].free_bytes
+        if lack > 0:
+            missing[pool] = lack
+    ram_need = need.host_ram_bytes
+    if host.unified:
+        ram_need += need.claim_per_gpu_bytes if pools else 0
+    ram_lack = (
+        ram_need - host.pools[host.ram_pool].free_bytes
+        if host.ram_pool in host.pools and not host.unified
+        else 0
+    )
+    if ram_lack > 0:
+        missing[host.ram_pool] = ram_lack
+    return missing
+
+
+def _try_victims(
+    host: HostSnapshot, pools: tuple[str, ...], need: Need
+) -> tuple[Victim, ...] | None:
+    """The smallest set of victims that makes ``need`` fit on ``pools``, or None."""
+    missing = _shortfall(host, pools, need)
+    if not missing:
+        return ()
+    if host.ram_pool in missing and not host.unified:
+        return None  # parking frees GPU memory; it never makes host RAM for an engine
+    order = sorted(
+        (r for r in host.residents if _evictable(r) and set(r.gpu_bytes) & set(missing)),
+        key=lambda r: (r.priority, r.last_used),
+    )
+    ram_free = host.pools[host.ram_pool].free_bytes if host.ram_pool in host.pools else 0
+    chosen: list[Victim] = []
+    remaining = dict(missing)
+    for resident in order:
+        if all(v <= 0 for v in remaining.values()):
+            break
+        mode, reason = park_mode(resident, host, ram_free)
+        frees = _frees(resident, mode)
+        copy = resident.weights_bytes if mode == RAM else 0
+        if host.unified:
+            # A unified pool gets back what the GPU gives minus any copy kept in it.
+            frees = {pool: amount - copy for pool, amount in frees.items()}
+        ram_free -= copy
+        chosen.append(Victim(resident.deployment_id, resident.name, mode, frees, copy, reason))
+        for pool, amount in frees.items():
+            if pool in remaining:
+                remaining[pool] -= amount
+    if any(v > 0 for v in remaining.values()):
+        return None
+    # Keep the smallest set: drop victims (most valuable first) that are not needed.
+    for victim in sorted(chosen, key=lambda v: _value(host, v), reverse=True):
+        trial = [v for v in chosen if v is not victim]
+        if _enough(trial, missing):
+            chosen = trial
+    return tuple(chosen)
+
+
+def _value(host: HostSnapshot, victim: Victim) -> tuple[int, float]:
+    resident = next(r for r in host.residents if r.deployment_id == victim.deployment_id)
+    return (resident.priority, resident.last_used)
+
+
+def _enough(victims: list[Victim], missing: dict[str, int]) -> bool:
+    return all(sum(v.frees.get(pool, 0) for v in victims) >= lack for pool, lack in missing.items())
+
+
+def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
+    """Where ``need`` runs and who makes room for it."""
+    candidates = [
+        h for h in hosts if h.online and (need.host_ids is None or h.host_id in need.host_ids)
+    ]
+    if not candidates:
+        return NoCapacity(f"no online host can run {need.name}")
+    options: list[tuple[tuple[int, int, int, int], Placement]] = []
+    for host in candidates:
+        gpu_pools = host.gpu_pools
+        count = 1 if host.unified and need.gpus else need.gpus
+        if count > len(gpu_pools):
+            continue
+        for pools in combinations(gpu_pools, count):
+            victims = _try_victims(host, pools, need)
+            if victims is None:
+                continue
+            slack = sum(host.pools[p].free_bytes - need.claim_per_gpu_bytes for p in pools)
+            evicted = sum(sum(v.frees.values()) for v in victims)
+            stops = sum(1 for v in victims if v.mode == STOP)
+            options.append(
+                ((len(victims), stops, evicted, slack), Placement(host.host_id, pools, victims))
+            )
+    if options:
+        options.sort(key=lambda item: item[0])
+        return options[0][1]
+    return _why_not(candidates, need)
+
+
+def _why_not(hosts: list[HostSnapshot], need: Need) -> NoCapacity:
+    if all(max(need.gpus, 1 if h.unified else 0) > len(h.gpu_pools) for h in hosts) and need.gpus:
+        most = max(len(h.gpu_pools) for h in hosts)
+        return NoCapacity(f"{need.name} needs {need.gpus} GPUs; the most one host has is {most}")
+    blockers: set[str] = set()
+    for host in hosts:
+        for resident in host.residents:
+            if not resident.gpu_bytes:
+                continue
+            if resident.pinned:
+                blockers.add(f"{resident.name} (pinned)")
+            elif resident.state != "ready":
+                blockers.add(f"{resident.name} ({resident.state})")
+            elif resident.ready_for_seconds < resident.min_ready_seconds:
+                blockers.add(
+                    f"{resident.name} (ready for less than {resident.min_ready_seconds:.0f}s)"
+                )
+    largest = max((h.pools[p].capacity_bytes for h in hosts for p in h.gpu_pools), default=0)
+    if need.claim_per_gpu_bytes > largest:
+        reason = (
+            f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU; the largest GPU "
+            f"pool holds {_gib(largest)}"
+        )
+    elif blockers:
+        reason = (
+            f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU and does not fit even "
+            f"with everything parkable parked; in the way: {', '.join(sorted(blockers))}"
+        )
+    else:
+        reason = (
+            f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU and does not fit even "
+            "with everything parkable parked"
+        )
+    return NoCapacity(reason, tuple(sorted(blockers)))

@@ -1,0 +1,225 @@
+"""Placement and eviction policy: pure functions over plain data, no database."""
+
+import pytest
+
+from capyctl.scheduler.policy import (
+    DEEP,
+    RAM,
+    STOP,
+    HostSnapshot,
+    Need,
+    NoCapacity,
+    Placement,
+    Pool,
+    Resident,
+    plan,
+)
+
+GIB = 1024**3
+
+
+def resident(name, gib, *, pool="gpu0", host_id=1, **extra):
+    values = {
+        "deployment_id": hash(name) % 10_000,
+        "name": name,
+        "host_id": host_id,
+        "state": "ready",
+        "gpu_bytes": {pool: gib * GIB},
+        "weights_bytes": gib * GIB // 2,
+        "residual_bytes": None,
+        "park_policy": "auto",
+        "can_park_ram": True,
+        "can_park_deep": True,
+        "last_used": 100.0,
+        "ready_for_seconds": 600.0,
+        "min_ready_seconds": 10.0,
+    }
+    values.update(extra)
+    return Resident(**values)
+
+
+def host(gpus=(24,), ram=64, residents=(), *, host_id=1, unified=False, foreign=None):
+    residents = list(residents)
+    pools = {}
+    names = ["unified"] if unified else [f"gpu{i}" for i in range(len(gpus))]
+    for name, size in zip(names, gpus, strict=True):
+        used = sum(r.gpu_bytes.get(name, 0) for r in residents) + (foreign or {}).get(name, 0)
+        pools[name] = Pool(name, size * GIB, used)
+    if not unified:
+        pools["ram"] = Pool("ram", ram * GIB, 0)
+    return HostSnapshot(host_id, f"host{host_id}", unified, pools, residents)
+
+
+def need(name="b", gib=16, gpus=1, **extra):
+    return Need(deployment_id=999, name=name, gpus=gpus, claim_per_gpu_bytes=gib * GIB, **extra)
+
+
+def test_it_fits_without_evicting_anyone():
+    result = plan([host(gpus=(24, 24), residents=[resident("a", 16)])], need())
+    assert result == Placement(host_id=1, pools=("gpu1",), victims=())
+    assert result.gpu_indices == [1]
+
+
+def test_the_tightest_free_gpu_is_taken_first():
+    result = plan([host(gpus=(80, 24))], need(gib=16))
+    assert isinstance(result, Placement)
+    assert result.pools == ("gpu1",)
+
+
+def test_a_is_parked_to_ram_to_make_room_for_b():
+    result = plan([host(gpus=(24,), residents=[resident("a", 16)])], need())
+    assert isinstance(result, Placement)
+    (victim,) = result.victims
+    assert (victim.name, victim.mode) == ("a", RAM)
+    assert victim.ram_copy_bytes == 8 * GIB
+    assert victim.frees["gpu0"] == 16 * GIB - int(16 * GIB * 0.1)
+
+
+def test_deep_when_the_copy_would_not_fit_in_host_ram():
+    result = plan([host(gpus=(24,), ram=4, residents=[resident("a", 16)])], need())
+    assert isinstance(result, Placement)
+    (victim,) = result.victims
+    assert victim.mode == DEEP
+    assert victim.reason == "its copy (8.0 GiB) would not fit in host RAM (4.0 GiB free)"
+
+
+def test_stop_when_the_engine_cannot_park():
+    tf = resident("tf", 16, can_park_ram=False, can_park_deep=False)
+    result = plan([host(residents=[tf])], need())
+    assert isinstance(result, Placement)
+    (victim,) = result.victims
+    assert victim.mode == STOP
+    assert victim.reason == "its engine cannot park"
+    assert victim.frees == {"gpu0": 16 * GIB}
+
+
+def test_stop_with_sizes_when_ram_only_engine_copy_does_not_fit():
+    ram_only = resident("b2", 16, can_park_deep=False)
+    result = plan([host(ram=3, residents=[ram_only])], need())
+    assert isinstance(result, Placement)
+    assert result.victims[0].mode == STOP
+    assert result.victims[0].reason == "its copy (8.0 GiB) would not fit in host RAM (3.0 GiB free)"
+
+
+def test_on_unified_memory_parks_are_deep():
+    result = plan(
+        [host(gpus=(128,), unified=True, residents=[resident("a", 100, pool="unified")])],
+        need(gib=60),
+    )
+    assert isinstance(result, Placement)
+    assert result.pools == ("unified",)
+    (victim,) = result.victims
+    assert victim.mode == DEEP
+    assert "unified memory" in victim.reason
+
+
+@pytest.mark.parametrize(("policy", "mode"), [("deep", DEEP), ("stop", STOP), ("never", STOP)])
+def test_the_park_policy_limits_the_mode(policy, mode):
+    result = plan([host(residents=[resident("a", 16, park_policy=policy)])], need())
+    assert isinstance(result, Placement)
+    assert result.victims[0].mode == mode
+
+
+def test_pinned_models_are_never_evicted_and_are_named():
+    result = plan([host(residents=[resident("a", 16, pinned=True)])], need())
+    assert isinstance(result, NoCapacity)
+    assert result.blockers == ("a (pinned)",)
+    assert "in the way: a (pinned)" in result.reason
+
+
+def test_a_model_too_large_for_any_gpu():
+    result = plan([host(gpus=(24, 24))], need(gib=40))
+    assert isinstance(result, NoCapacity)
+    assert result.reason == "b needs 40.0 GiB per GPU; the largest GPU pool holds 24.0 GiB"
+
+
+def test_too_many_gpus():
+    result = plan([host(gpus=(80, 80))], need(gpus=4))
+    assert isinstance(result, NoCapacity)
+    assert result.reason == "b needs 4 GPUs; the most one host has is 2"
+
+
+def test_models_ready_for_less_than_min_ready_seconds_stay():
+    fresh = resident("a", 16, ready_for_seconds=2.0, min_ready_seconds=10.0)
+    result = plan([host(residents=[fresh])], need())
+    assert isinstance(result, NoCapacity)
+    assert "a (ready for less than 10s)" in result.blockers
+
+
+def test_models_still_starting_are_not_victims():
+    result = plan([host(residents=[resident("a", 16, state="waking")])], need())
+    assert isinstance(result, NoCapacity)
+    assert result.blockers == ("a (waking)",)
+
+
+def test_lower_priority_goes_first_then_least_recently_used():
+    residents = [
+        resident("important", 6, priority=5, last_used=1.0),
+        resident("recent", 6, last_used=300.0),
+        resident("old", 6, last_used=50.0),
+    ]
+    result = plan([host(residents=residents)], need(gib=8))
+    assert isinstance(result, Placement)
+    assert [v.name for v in result.victims] == ["old"]
+
+
+def test_the_smallest_set_that_frees_enough_is_kept():
+    residents = [
+        resident("small1", 4, last_used=1.0),
+        resident("small2", 4, last_used=2.0),
+        resident("big", 12, last_used=3.0),
+    ]
+    result = plan([host(residents=residents)], need(gib=14))
+    assert isinstance(result, Placement)
+    assert [v.name for v in result.victims] == ["big"]
+
+
+def test_a_measured_residual_is_used_when_known():
+    parked_before = resident("a", 16, residual_bytes=GIB // 4)
+    result = plan([host(residents=[parked_before])], need())
+    assert isinstance(result, Placement)
+    assert result.victims[0].frees == {"gpu0": 16 * GIB - GIB // 4}
+
+
+def test_two_gpus_of_one_host():
+    busy = resident("a", 20, pool="gpu1")
+    result = plan([host(gpus=(24, 24, 24), residents=[busy])], need(gpus=2))
+    assert isinstance(result, Placement)
+    assert result.pools == ("gpu0", "gpu2")
+    assert result.victims == ()
+
+
+def test_multi_gpu_eviction_takes_victims_on_each_gpu():
+    residents = [resident("a", 16, pool="gpu0"), resident("c", 16, pool="gpu1", last_used=500)]
+    result = plan([host(gpus=(24, 24), residents=residents)], need(gpus=2))
+    assert isinstance(result, Placement)
+    assert sorted(v.name for v in result.victims) == ["a", "c"]
+
+
+def test_a_host_where_it_fits_beats_one_where_it_must_evict():
+    busy = host(residents=[resident("a", 16)], host_id=1)
+    empty = host(host_id=2)
+    result = plan([busy, empty], need())
+    assert isinstance(result, Placement)
+    assert result.host_id == 2
+    pinned_to_busy = plan([busy, empty], need(host_ids=(1,)))
+    assert isinstance(pinned_to_busy, Placement)
+    assert pinned_to_busy.host_id == 1
+    assert [v.name for v in pinned_to_busy.victims] == ["a"]
+
+
+def test_offline_hosts_are_skipped():
+    offline = HostSnapshot(1, "h", False, {"gpu0": Pool("gpu0", 24 * GIB, 0)}, [], online=False)
+    result = plan([offline], need())
+    assert isinstance(result, NoCapacity)
+    assert "no online host" in result.reason
+
+
+def test_foreign_memory_counts():
+    result = plan([host(gpus=(24,), foreign={"gpu0": 10 * GIB})], need())
+    assert isinstance(result, NoCapacity)
+
+
+def test_cpu_deployments_need_no_gpu():
+    result = plan([host(residents=[resident("a", 24)])], need(gpus=0, gib=0))
+    assert result == Placement(host_id=1, pools=(), victims=())
