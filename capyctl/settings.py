@@ -125,6 +125,8 @@ def _database() -> dict[str, Any]:
             "timeout": 20,
             "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
         }
+        # Tests get a file too, so threads and processes share it as they would in use.
+        config["TEST"] = {"NAME": str(DATA_DIR / "test-capyctl.sqlite3")}
     elif engine == "django.db.backends.postgresql":
         config.setdefault("OPTIONS", {})
         config["CONN_MAX_AGE"] = 0

@@ -1,0 +1,135 @@
+"""Ledger admission and bookkeeping: the only code that writes LedgerEntry rows.
+
+Every change runs inside :func:`host_lock`: a transaction that holds the host row
+``SELECT … FOR UPDATE`` on PostgreSQL; on SQLite every transaction already begins
+IMMEDIATE (see settings), which takes the database's write lock at BEGIN. So admission's
+check and its write never interleave with another writer's, and a pool's entries can
+never add up to more than its capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from django.db import transaction
+
+from capyctl.errors import UserError
+from capyctl.hosts.models import Host
+from capyctl.ledger.models import LedgerEntry
+from capyctl.ledger.pools import PoolUsage, pool_usage
+from hostagent.units import format_size
+
+Status = LedgerEntry.Status
+
+
+class InsufficientMemoryError(UserError):
+    """Admission refused: the named pools lack the bytes asked for."""
+
+    def __init__(self, message: str, short: dict[str, int]) -> None:
+        super().__init__(message)
+        self.short = short
+
+
+@contextmanager
+def host_lock(host_id: int) -> Iterator[Host]:
+    """Hold the host's ledger lock for the duration of the block (one transaction)."""
+    with transaction.atomic():
+        yield Host.objects.select_for_update().get(pk=host_id)
+
+
+def admit(
+    host: Host,
+    deployment_id: int,
+    need: Mapping[str, int],
+    *,
+    status: str = Status.PROMISED,
+    note: str = "",
+) -> None:
+    """Promise ``need`` (pool → bytes) to a deployment, or raise InsufficientMemoryError.
+
+    Must run inside :func:`host_lock`. An entry the deployment already has in a pool is
+    replaced (its old bytes are not counted twice): admission asks for the total it will
+    hold there, not an increment.
+    """
+    usage = {p.pool: p for p in pool_usage(host)}
+    existing = {
+        e.pool: e for e in LedgerEntry.objects.filter(host=host, deployment_id=deployment_id)
+    }
+    short: dict[str, int] = {}
+    for pool, num_bytes in need.items():
+        if pool not in usage:
+            raise UserError(f"host {host.name} has no pool {pool!r}")
+        mine = existing[pool].bytes if pool in existing else 0
+        free = usage[pool].free_bytes + mine
+        if num_bytes > free:
+            short[pool] = num_bytes - free
+    if short:
+        detail = ", ".join(
+            f"{pool} needs {format_size(need[pool])}, has {format_size(need[pool] - lack)} free"
+            for pool, lack in sorted(short.items())
+        )
+        raise InsufficientMemoryError(f"not enough memory on {host.name}: {detail}", short)
+    for pool, num_bytes in need.items():
+        _put(host, deployment_id, pool, num_bytes, status=status, note=note)
+
+
+def _put(
+    host: Host, deployment_id: int | None, pool: str, num_bytes: int, *, status: str, note: str
+) -> None:
+    entries = LedgerEntry.objects.filter(host=host, pool=pool)
+    if deployment_id is None:
+        entries = entries.filter(deployment__isnull=True)
+    else:
+        entries = entries.filter(deployment_id=deployment_id)
+    updated = entries.update(bytes=num_bytes, status=status, note=note)
+    if not updated:
+        LedgerEntry.objects.create(
+            host=host,
+            deployment_id=deployment_id,
+            pool=pool,
+            bytes=num_bytes,
+            status=status,
+            note=note,
+        )
+
+
+def set_entries(
+    host: Host, deployment_id: int, figures: Mapping[str, int], *, status: str, note: str = ""
+) -> None:
+    """Record what a deployment holds now (measured, or kept as unconfirmed).
+
+    Used after the probe has measured: the figures replace what was promised. Pools not in
+    ``figures`` keep their entries. Must run inside :func:`host_lock`.
+    """
+    for pool, num_bytes in figures.items():
+        _put(host, deployment_id, pool, max(num_bytes, 0), status=status, note=note)
+
+
+def release(host: Host, deployment_id: int, pools: list[str] | None = None) -> None:
+    """Drop a deployment's entries (all, or the given pools): the probe showed them free."""
+    entries = LedgerEntry.objects.filter(host=host, deployment_id=deployment_id)
+    if pools is not None:
+        entries = entries.filter(pool__in=pools)
+    entries.delete()
+
+
+def mark_unconfirmed(host: Host, deployment_id: int, note: str) -> None:
+    """Keep counting what a deployment held, as memory not yet confirmed released."""
+    LedgerEntry.objects.filter(host=host, deployment_id=deployment_id).update(
+        status=Status.UNCONFIRMED, note=note
+    )
+
+
+def set_foreign(host: Host, figures: Mapping[str, int]) -> None:
+    """Record memory used by processes CapyCTL did not start (0 removes the entry)."""
+    for pool, num_bytes in figures.items():
+        if num_bytes <= 0:
+            LedgerEntry.objects.filter(host=host, deployment__isnull=True, pool=pool).delete()
+        else:
+            _put(host, None, pool, num_bytes, status=Status.FOREIGN, note="not started by CapyCTL")
+
+
+def overcommitted(host: Host) -> list[PoolUsage]:
+    """Pools whose entries add up to more than their capacity (must always be empty)."""
+    return [usage for usage in pool_usage(host) if usage.used_bytes > usage.capacity_bytes]
