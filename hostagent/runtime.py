@@ -57,6 +57,7 @@ class InstanceRequest:
     env: dict[str, str] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     ram_park: bool = True
+    memory_fraction: float | None = None
 
 
 @dataclass
@@ -127,6 +128,7 @@ class EngineRuntime:
             env={**self._probe_env(), **request.env},
             options=dict(request.options),
             ram_park=request.ram_park,
+            memory_fraction=request.memory_fraction,
         )
         launch = kind.build_launch(spec)
         log_path = self.log_dir / f"{request.instance_id}.log"

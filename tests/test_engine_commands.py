@@ -82,6 +82,18 @@ def test_custom_template_fills_each_argument_alone():
     assert launch.env == {"CUDA_VISIBLE_DEVICES": "3"}
 
 
+def test_the_claim_becomes_the_engines_memory_fraction():
+    vllm = get_kind("vllm").build_launch(spec("vllm", extra_args=[], memory_fraction=2 / 3))
+    assert vllm.argv[-2:] == ["--gpu-memory-utilization", "0.6667"]
+    sglang = get_kind("sglang").build_launch(spec("sglang", extra_args=[], memory_fraction=0.5))
+    assert sglang.argv[-3:-1] == ["--mem-fraction-static", "0.5000"]
+    own = get_kind("vllm").build_launch(
+        spec("vllm", extra_args=["--gpu-memory-utilization=0.3"], memory_fraction=0.5)
+    )
+    assert own.argv.count("--gpu-memory-utilization") == 0
+    assert own.argv[-1] == "--gpu-memory-utilization=0.3"
+
+
 def test_engine_env_is_passed_on():
     launch = get_kind("llamacpp").build_launch(spec("llama-server", env={"OMP_NUM_THREADS": "2"}))
     assert launch.env["OMP_NUM_THREADS"] == "2"

@@ -113,6 +113,8 @@ class Placement:
 
     @property
     def gpu_indices(self) -> list[int]:
+        if self.pools == ("unified",):
+            return [0]  # a unified machine's one GPU
         return [int(p[3:]) for p in self.pools if p.startswith("gpu")]
 
 

@@ -41,6 +41,7 @@ class LaunchSpec:
     env: dict[str, str] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     ram_park: bool = True  # ask for what a later `ram` park needs (SGLang's CPU backup)
+    memory_fraction: float | None = None  # share of each GPU the engine may take
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,15 @@ def check_reserved_flags(kind: str, args: list[str], reserved: tuple[str, ...]) 
                 f"engine args may not set {flag}: CapyCTL sets it for every {kind} launch "
                 "(engines listen on 127.0.0.1 only, on a port and key CapyCTL picks)"
             )
+
+
+def fraction_flag(spec: LaunchSpec, flag: str) -> list[str]:
+    """``[flag, fraction]`` unless the deployment's own args already set ``flag``."""
+    if spec.memory_fraction is None:
+        return []
+    if any(arg.split("=", 1)[0] == flag for arg in spec.extra_args):
+        return []
+    return [flag, f"{spec.memory_fraction:.4f}"]
 
 
 def gpu_env(spec: LaunchSpec) -> dict[str, str]:

@@ -14,6 +14,7 @@ from hostagent.kinds.base import (
     EngineClient,
     LaunchSpec,
     ProgramKind,
+    fraction_flag,
     one_token_completion,
 )
 
@@ -45,6 +46,7 @@ class SGLangKind(ProgramKind):
             "--api-key",
             spec.api_key,
             "--enable-memory-saver",
+            *fraction_flag(spec, "--mem-fraction-static"),
         ]
         if spec.ram_park:
             flags.append(CPU_BACKUP_FLAG)

@@ -15,6 +15,7 @@ from hostagent.kinds.base import (
     EngineClient,
     LaunchSpec,
     ProgramKind,
+    fraction_flag,
     one_token_completion,
     wait_until,
 )
@@ -41,6 +42,7 @@ class VLLMKind(ProgramKind):
             "--api-key",
             spec.api_key,
             "--enable-sleep-mode",
+            *fraction_flag(spec, "--gpu-memory-utilization"),
         ]
 
     def extra_env(self, spec: LaunchSpec) -> dict[str, str]:
