@@ -76,6 +76,7 @@ INSTALLED_APPS = [
     "capyctl.ledger",
     "capyctl.access",
     "capyctl.events",
+    "capyctl.scheduler",
     "capyctl.web",
 ]
 

@@ -122,7 +122,7 @@ class EngineRuntime:
             source=request.source,
             served_name=request.served_name,
             port=free_port(),
-            api_key=secrets.token_urlsafe(24),
+            api_key=secrets.token_hex(24),  # never starts with "-", which flag parsers misread
             extra_args=list(request.extra_args),
             gpu_indices=request.gpu_indices,
             env={**self._probe_env(), **request.env},

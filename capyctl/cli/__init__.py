@@ -40,8 +40,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     if getattr(args, "data_dir", None):
         os.environ["CAPYCTL_DATA_DIR"] = str(Path(args.data_dir).expanduser().resolve())
-    if getattr(args, "mode", None):
-        os.environ["CAPYCTL_MODE"] = args.mode
+    if getattr(args, "run_mode", None):
+        os.environ["CAPYCTL_MODE"] = args.run_mode
 
     from capyctl.conf import ConfigError
 
@@ -49,7 +49,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         _setup_django()
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE)
-    if not getattr(args, "mode", None) and "CAPYCTL_LOG_LEVEL" not in os.environ:
+    if not getattr(args, "run_mode", None) and "CAPYCTL_LOG_LEVEL" not in os.environ:
         # Management commands print their own results; routine log lines would be noise.
         logging.getLogger().setLevel(logging.WARNING)
 

@@ -333,3 +333,110 @@ def status(args: argparse.Namespace) -> int:
     active = sum(1 for k in data["keys"] if k["active"])
     print(f"\nengines: {len(data['engines'])}   keys: {active} active of {len(data['keys'])}")
     return 0
+
+
+# --- intents ------------------------------------------------------------------------------
+
+
+def deployment_action(args: argparse.Namespace) -> int:
+    """start/stop/park/wake: saved as an operation, carried out by the running server."""
+    import time
+
+    from capyctl.deployments.services import get_deployment
+    from capyctl.scheduler.executor import server_alive
+    from capyctl.scheduler.models import Operation
+
+    prepare()
+    deployment = get_deployment(args.name)
+    if args.action in ("start", "stop"):
+        desired = "running" if args.action == "start" else "stopped"
+        type(deployment).objects.filter(pk=deployment.pk).update(desired_state=desired)
+    if not server_alive():
+        if args.action in ("start", "stop"):
+            print(
+                f"{deployment.name}: desired state {desired}; no CapyCTL server is running on "
+                "this data dir, so it takes effect when one runs"
+            )
+            return 0
+        raise UserError(
+            f"cannot {args.action} {deployment.name}: no CapyCTL server is running on this "
+            "data dir (start one with 'capyctl start standalone')"
+        )
+    op = Operation.objects.create(
+        deployment=deployment,
+        action=args.action,
+        mode=getattr(args, "mode", None) or "",
+        actor="cli",
+    )
+    timeout = args.timeout or (
+        deployment.setting("start_timeout_seconds") + deployment.setting("drain_timeout_seconds")
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        op.refresh_from_db()
+        if op.status == Operation.Status.DONE:
+            elapsed = (op.finished_at - op.created_at).total_seconds() if op.finished_at else 0
+            print(f"{op.message} ({elapsed:.1f}s)")
+            return 0
+        if op.status == Operation.Status.FAILED:
+            print(f"capyctl: error: {op.message}", file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    print(
+        f"capyctl: error: {args.action} {deployment.name} did not finish in {timeout}s; "
+        "it goes on in the server (see 'capyctl events')",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _event_row(event: object) -> dict[str, object]:
+    from capyctl.events.models import Event
+
+    assert isinstance(event, Event)  # noqa: S101 - narrowing for the type checker
+    return {
+        "id": event.pk,
+        "time": event.created_at.isoformat(),
+        "kind": event.kind,
+        "level": event.level,
+        "subject": event.subject,
+        "message": event.message,
+        "duration_ms": event.duration_ms,
+        "actor": event.actor,
+    }
+
+
+def _print_event(row: dict[str, object], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(row), flush=True)
+        return
+    took = f" ({row['duration_ms']} ms)" if row["duration_ms"] is not None else ""
+    when = str(row["time"])[:19].replace("T", " ")
+    print(
+        f"{when}  {str(row['level']).upper():7} {row['kind']:24} {row['message']}{took}", flush=True
+    )
+
+
+def events(args: argparse.Namespace) -> int:
+    import time
+
+    from capyctl.events.models import Event
+
+    prepare()
+    query = Event.objects.all()
+    if args.model:
+        query = query.filter(subject=args.model)
+    newest = list(query.order_by("-id")[: args.limit])[::-1]
+    rows = [_event_row(e) for e in newest]
+    if args.json and not args.follow:
+        print_json(rows)
+        return 0
+    for row in rows:
+        _print_event(row, args.json)
+    last_id = newest[-1].pk if newest else 0
+    while args.follow:
+        time.sleep(0.5)
+        for event in query.filter(pk__gt=last_id).order_by("id"):
+            _print_event(_event_row(event), args.json)
+            last_id = event.pk
+    return 0

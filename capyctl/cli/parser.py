@@ -83,6 +83,11 @@ def build_parser() -> Parser:
 
     status = _sub(commands, "status", "hosts, pools, deployments and the ledger", "status")
     _add_json(status)
+    events = _sub(commands, "events", "what happened, newest last", "events")
+    events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    events.add_argument("--limit", type=count_arg(1), default=50, metavar="N")
+    events.add_argument("--model", metavar="NAME", help="only this deployment's events")
+    _add_json(events)
     return parser
 
 
@@ -92,7 +97,7 @@ def _build_start(commands: Any) -> None:
     standalone = _sub(
         modes, "standalone", "everything in one process, with SQLite", "start_standalone"
     )
-    standalone.set_defaults(mode="standalone")
+    standalone.set_defaults(run_mode="standalone")
     standalone.add_argument(
         "--listen", metavar="ADDR", default="127.0.0.1:8000", help="HOST:PORT (127.0.0.1:8000)"
     )
@@ -160,6 +165,22 @@ def _build_deployment(commands: Any) -> None:
     _add_json(listing)
     remove = _sub(sub, "remove", "remove a stopped deployment", "deployment_remove")
     remove.add_argument("name")
+    for action, text in (
+        ("start", "run it (desired state running) and wait until it is ready"),
+        ("stop", "stop it (desired state stopped): requests are refused until started"),
+        ("park", "give back its GPU memory now"),
+        ("wake", "make it ready now"),
+    ):
+        parser = _sub(sub, action, text, "deployment_action")
+        parser.add_argument("name")
+        parser.set_defaults(action=action)
+        if action == "park":
+            parser.add_argument(
+                "--mode", choices=("ram", "deep"), help="default: the best it allows"
+            )
+        parser.add_argument(
+            "--timeout", type=count_arg(1), default=None, metavar="SECONDS", help="how long to wait"
+        )
 
 
 def _build_key(commands: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import signal
 import socket
 import sys
 
@@ -98,9 +99,22 @@ def start_standalone(args: argparse.Namespace) -> int:
     lines.append("Stop with Ctrl-C.")
     print("\n".join(lines), flush=True)
 
-    if args.server == "daphne":
-        return _serve_daphne(host, port)
-    return _serve_uvicorn(host, port)
+    from capyctl.scheduler.drivers import local_driver
+    from capyctl.scheduler.executor import SchedulerLoop
+    from capyctl.scheduler.reconcile import recover_local
+
+    recover_local(local)
+    loop = SchedulerLoop()
+    loop.start()
+    try:
+        if args.server == "daphne":
+            return _serve_daphne(host, port)
+        return _serve_uvicorn(host, port)
+    finally:
+        # Engines are this process's children: end them, and say so in states and events.
+        loop.stop()
+        local_driver().stop_all(grace_seconds=GRACEFUL_SHUTDOWN_SECONDS)
+        recover_local(local, shutting_down=True)
 
 
 def _version() -> str:
@@ -125,7 +139,14 @@ def _serve_uvicorn(host: str, port: int) -> int:
         server_header=False,
     )
     server = uvicorn.Server(config)
-    server.run()
+    # uvicorn re-raises the signal that stopped it once it has shut down; with SIGTERM's
+    # default action that would end the process before the engines are stopped. A no-op
+    # handler lets run() return, and the caller finishes the shutdown.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1
 
 

@@ -39,6 +39,9 @@ class Host(models.Model):
         null=True, blank=True, help_text="kept free in host RAM; empty = global default"
     )
     last_seen_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(
+        null=True, blank=True, help_text="last beat of the scheduler loop driving this host"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -33,7 +33,7 @@ from capyctl.ledger.services import (
     release,
     set_entries,
 )
-from capyctl.scheduler import estimates
+from capyctl.scheduler import estimates, inflight
 from capyctl.scheduler.drivers import HostDriver, driver_for
 from capyctl.scheduler.policy import (
     DEEP,
@@ -102,7 +102,7 @@ def _transition(deployment_id: int, expected: Iterable[str], new: str, **fields:
     return updated == 1
 
 
-def _event(
+def record(
     deployment: Deployment,
     kind: str,
     message: str,
@@ -268,6 +268,12 @@ def _place(deployment: Deployment, actor: str) -> tuple[Host, Placement]:
 def _evict(victim: Victim, actor: str, *, for_name: str) -> None:
     deployment = _load(victim.deployment_id)
     if victim.mode == STOP:
+        drain = deployment.setting("drain_timeout_seconds")
+        if not inflight.wait_drained(deployment.pk, drain):
+            _transition(deployment.pk, [S.DRAINING], S.READY)
+            raise SchedulerError(
+                f"gave up stopping {deployment.name}: requests still in flight after {drain}s"
+            )
         level = Event.Level.WARNING if "copy" in victim.reason else Event.Level.INFO
         message = f"stopped {deployment.name} instead of parking: {victim.reason}"
         logger.warning(message) if level == Event.Level.WARNING else logger.info(message)
@@ -337,7 +343,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
             log_path=instance_id,
         )
     deployment = _load(deployment.pk)
-    _event(
+    record(
         deployment, "deployment.starting", f"starting {deployment.name} on {host.name}", actor=actor
     )
     driver = driver_for(host)
@@ -367,7 +373,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         driver.wait_ready(instance_id, deployment.setting("start_timeout_seconds"))
         usage = driver.usage(instance_id)
     except EngineError as exc:
-        _fail(deployment, driver, instance, f"the engine failed to start: {exc}", actor)
+        fail(deployment, driver, instance, f"the engine failed to start: {exc}", actor)
         raise EngineFailedError(f"{deployment.name}: the engine failed to start: {exc}") from exc
     pools = _gpu_pools(host, placement.gpu_indices)
     figures = _measured(host, pools, usage, claim)
@@ -380,7 +386,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
             measured_gpu_bytes=max((figures[p] for p in pools), default=None),
         )
     deployment = _load(deployment.pk)
-    _event(
+    record(
         deployment,
         "deployment.ready",
         f"{deployment.name} is ready on {host.name} ({', '.join(pools) or 'CPU'})",
@@ -390,7 +396,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
     return deployment
 
 
-def _fail(
+def fail(
     deployment: Deployment,
     driver: HostDriver,
     instance: Instance | None,
@@ -399,7 +405,7 @@ def _fail(
 ) -> None:
     """End the engine, release its memory once the process is gone, mark it failed."""
     if instance is not None:
-        driver.stop(_instance_key(instance), 2.0)
+        driver.stop(instance_key(instance), 2.0)
         Instance.objects.filter(pk=instance.pk).update(
             state=Instance.State.EXITED, ended_at=timezone.now()
         )
@@ -414,7 +420,7 @@ def _fail(
         state_reason=reason[:2000],
         parked_mode="",
     )
-    _event(
+    record(
         deployment,
         "deployment.failed",
         f"{deployment.name} failed: {reason}",
@@ -423,7 +429,8 @@ def _fail(
     )
 
 
-def _instance_key(instance: Instance) -> str:
+def instance_key(instance: Instance) -> str:
+    """The runtime's name for an instance (the stem of its log file)."""
     return instance.log_path.rsplit("/", 1)[-1].removesuffix(".log")
 
 
@@ -445,11 +452,21 @@ def park(
         mode = park_mode(resident, snap, ram_free)[0] if resident else STOP
         if mode == STOP:
             return _stop(deployment, actor, reason="its engine cannot park, so it was stopped")
-    if not _transition(deployment.pk, [S.READY, S.DRAINING], S.PARKING):
-        return _load(deployment.pk)
     started = time.monotonic()
+    _transition(deployment.pk, [S.READY], S.DRAINING)
+    drain = deployment.setting("drain_timeout_seconds")
+    if not inflight.wait_drained(deployment.pk, drain):
+        left = inflight.count(deployment.pk)
+        _transition(deployment.pk, [S.DRAINING], S.READY)
+        message = (
+            f"gave up parking {deployment.name}: {left} request(s) still in flight after {drain}s"
+        )
+        record(deployment, "deployment.drain_timeout", message, level=Event.Level.WARNING)
+        raise SchedulerError(message)
+    if not _transition(deployment.pk, [S.DRAINING], S.PARKING):
+        return _load(deployment.pk)
     driver = driver_for(host)
-    key = _instance_key(instance)
+    key = instance_key(instance)
     try:
         residual = driver.park(key, mode, deployment.setting("drain_timeout_seconds") + 600)
     except CannotParkError as exc:
@@ -459,7 +476,7 @@ def park(
         with host_lock(host.pk) as locked:
             mark_unconfirmed(locked, deployment.pk, "park answered, memory not seen released")
         _transition(deployment.pk, [S.PARKING], S.PARKED, parked_mode=mode, state_reason=str(exc))
-        _event(
+        record(
             deployment,
             "deployment.parked",
             f"{deployment.name} parked ({mode}) but its memory is not confirmed released: {exc}",
@@ -469,7 +486,7 @@ def park(
         )
         return _load(deployment.pk)
     except EngineError as exc:
-        _fail(deployment, driver, instance, f"park failed: {exc}", actor)
+        fail(deployment, driver, instance, f"park failed: {exc}", actor)
         raise EngineFailedError(f"{deployment.name}: park failed: {exc}") from exc
     pools = _gpu_pools(host, list(instance.gpu_indices))
     figures = _measured(host, pools, residual, 0)
@@ -478,7 +495,7 @@ def park(
             locked, deployment.pk, figures, status=LedgerEntry.Status.HELD, note=f"parked {mode}"
         )
         _transition(deployment.pk, [S.PARKING], S.PARKED, parked_mode=mode, state_reason=reason)
-    _event(
+    record(
         deployment,
         "deployment.parked",
         f"parked {deployment.name} ({mode})" + (f" {reason}" if reason else ""),
@@ -511,19 +528,19 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
     if not _transition(deployment.pk, [S.PARKED], S.WAKING):
         return _load(deployment.pk)
     driver = driver_for(host)
-    key = _instance_key(instance)
+    key = instance_key(instance)
     try:
         driver.wake(key, mode, deployment.setting("wake_timeout_seconds"))
         usage = driver.usage(key)
     except EngineError as exc:
-        _fail(deployment, driver, instance, f"wake failed: {exc}", actor)
+        fail(deployment, driver, instance, f"wake failed: {exc}", actor)
         raise EngineFailedError(f"{deployment.name}: wake failed: {exc}") from exc
     figures = _measured(host, pools, usage, claim)
     with host_lock(host.pk) as locked:
         set_entries(locked, deployment.pk, figures, status=LedgerEntry.Status.HELD, note="measured")
         _transition(deployment.pk, [S.WAKING], S.READY, parked_mode="", state_reason="")
     deployment = _load(deployment.pk)
-    _event(
+    record(
         deployment,
         "deployment.woke",
         f"woke {deployment.name} from {mode}",
@@ -591,7 +608,7 @@ def _stop(
         return _load(deployment.pk)
     instance = _live_instance(deployment)
     if instance is not None and deployment.host is not None:
-        driver_for(deployment.host).stop(_instance_key(instance), STOP_GRACE_SECONDS)
+        driver_for(deployment.host).stop(instance_key(instance), STOP_GRACE_SECONDS)
         Instance.objects.filter(pk=instance.pk).update(
             state=Instance.State.EXITED, ended_at=timezone.now()
         )
@@ -599,7 +616,7 @@ def _stop(
         with host_lock(deployment.host_id) as locked:
             release(locked, deployment.pk)
     _transition(deployment.pk, [S.STOPPING], S.STOPPED, parked_mode="", state_reason=reason)
-    _event(
+    record(
         deployment,
         "deployment.stopped",
         reason if reason.startswith("stopped") else f"stopped {deployment.name}: {reason}",

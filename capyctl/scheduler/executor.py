@@ -1,0 +1,123 @@
+"""The scheduler loop of the process that owns the engines (standalone's server).
+
+It carries out requested operations (saved as Operation rows by the CLI, REST and admin),
+reconciles the local host every few seconds, and says it is alive by refreshing the
+host's ``last_seen_at``. Operations run on worker threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+from django.db import close_old_connections, connection
+from django.utils import timezone
+
+from capyctl.hosts.models import LOCAL_HOST_NAME, Host
+from capyctl.scheduler import operations
+from capyctl.scheduler.models import Operation
+from capyctl.scheduler.reconcile import reconcile
+
+logger = logging.getLogger("capyctl.scheduler")
+
+ALIVE_WITHIN = timedelta(seconds=15)
+
+
+def run_operation(operation_id: int) -> None:
+    """Carry out one requested operation (idempotent: only a pending row is taken)."""
+    close_old_connections()
+    try:
+        taken = Operation.objects.filter(pk=operation_id, status=Operation.Status.PENDING).update(
+            status=Operation.Status.RUNNING, started_at=timezone.now()
+        )
+        if not taken:
+            return
+        op = Operation.objects.select_related("deployment").get(pk=operation_id)
+        actor = op.actor or "system"
+        try:
+            if op.action == Operation.Action.START:
+                result = operations.start(op.deployment_id, actor)
+            elif op.action == Operation.Action.STOP:
+                result = operations.stop(op.deployment_id, actor)
+            elif op.action == Operation.Action.PARK:
+                result = operations.park(op.deployment_id, op.mode or None, actor=actor)
+            else:
+                result = operations.ensure_ready(op.deployment_id, actor)
+        except operations.SchedulerError as exc:
+            Operation.objects.filter(pk=op.pk).update(
+                status=Operation.Status.FAILED, message=str(exc), finished_at=timezone.now()
+            )
+            return
+        except Exception as exc:  # an unexpected fault must still answer the requester
+            logger.exception("operation %s failed", op)
+            Operation.objects.filter(pk=op.pk).update(
+                status=Operation.Status.FAILED,
+                message=f"internal error: {type(exc).__name__}: {exc}",
+                finished_at=timezone.now(),
+            )
+            return
+        state = result.observed_state + (f" ({result.parked_mode})" if result.parked_mode else "")
+        Operation.objects.filter(pk=op.pk).update(
+            status=Operation.Status.DONE,
+            message=f"{result.name} is {state}",
+            finished_at=timezone.now(),
+        )
+    finally:
+        connection.close()
+
+
+class SchedulerLoop(threading.Thread):
+    """Runs in standalone's server process beside the ASGI server."""
+
+    def __init__(self, *, interval: float = 0.2, reconcile_every: float = 2.0) -> None:
+        super().__init__(name="capyctl-scheduler", daemon=True)
+        self.interval = interval
+        self.reconcile_every = reconcile_every
+        self._stopping = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="capyctl-op")
+        self._reconciling = threading.Lock()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def run(self) -> None:
+        last_reconcile = 0.0
+        while not self._stopping.is_set():
+            try:
+                close_old_connections()
+                for operation_id in Operation.objects.filter(
+                    status=Operation.Status.PENDING
+                ).values_list("pk", flat=True)[:32]:
+                    self._pool.submit(run_operation, operation_id)
+                if time.monotonic() - last_reconcile >= self.reconcile_every:
+                    last_reconcile = time.monotonic()
+                    Host.objects.filter(name=LOCAL_HOST_NAME).update(heartbeat_at=timezone.now())
+                    if self._reconciling.acquire(blocking=False):
+                        self._pool.submit(self._reconcile)
+            except Exception:  # the loop must outlive any one failure
+                logger.exception("scheduler loop pass failed")
+            finally:
+                connection.close()
+            self._stopping.wait(self.interval)
+
+    def _reconcile(self) -> None:
+        try:
+            host = Host.objects.filter(name=LOCAL_HOST_NAME).first()
+            if host is not None:
+                reconcile(host.pk)
+        except Exception:
+            logger.exception("reconcile failed")
+        finally:
+            self._reconciling.release()
+            connection.close()
+
+
+def server_alive() -> bool:
+    """Whether a standalone server is running on this database (its loop beat recently)."""
+    host = Host.objects.filter(name=LOCAL_HOST_NAME).first()
+    return bool(host and host.heartbeat_at and timezone.now() - host.heartbeat_at < ALIVE_WITHIN)

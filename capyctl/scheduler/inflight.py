@@ -1,0 +1,104 @@
+"""Requests in flight per deployment: what a switch waits for before parking a model.
+
+The gateway calls :func:`begin` and :func:`end` around every forwarded request; the
+scheduler reads :func:`count`. In standalone the counter lives in this process; in server
+mode (``CAPYCTL_REDIS_URL``) it lives in Redis, shared by every process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+from django.conf import settings
+
+_KEY = "capyctl:inflight:{}"
+_TTL_SECONDS = 3600  # a crashed process's counts cannot pin a model forever
+
+
+class InFlight(Protocol):
+    def begin(self, deployment_id: int) -> None: ...
+
+    def end(self, deployment_id: int) -> None: ...
+
+    def count(self, deployment_id: int) -> int: ...
+
+
+class LocalInFlight:
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def begin(self, deployment_id: int) -> None:
+        with self._lock:
+            self._counts[deployment_id] = self._counts.get(deployment_id, 0) + 1
+
+    def end(self, deployment_id: int) -> None:
+        with self._lock:
+            left = self._counts.get(deployment_id, 0) - 1
+            if left > 0:
+                self._counts[deployment_id] = left
+            else:
+                self._counts.pop(deployment_id, None)
+
+    def count(self, deployment_id: int) -> int:
+        with self._lock:
+            return self._counts.get(deployment_id, 0)
+
+
+class RedisInFlight:
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self._redis = redis.Redis.from_url(url, socket_timeout=2)
+
+    def begin(self, deployment_id: int) -> None:
+        key = _KEY.format(deployment_id)
+        pipe = self._redis.pipeline()
+        pipe.incr(key)
+        pipe.expire(key, _TTL_SECONDS)
+        pipe.execute()
+
+    def end(self, deployment_id: int) -> None:
+        key = _KEY.format(deployment_id)
+        if int(self._redis.decr(key)) <= 0:
+            self._redis.delete(key)
+
+    def count(self, deployment_id: int) -> int:
+        value = self._redis.get(_KEY.format(deployment_id))
+        return max(int(value), 0) if value is not None else 0
+
+
+_tracker: InFlight | None = None
+_tracker_lock = threading.Lock()
+
+
+def tracker() -> InFlight:
+    global _tracker  # noqa: PLW0603 - one tracker per process
+    with _tracker_lock:
+        if _tracker is None:
+            _tracker = RedisInFlight(settings.REDIS_URL) if settings.REDIS_URL else LocalInFlight()
+        return _tracker
+
+
+def begin(deployment_id: int) -> None:
+    tracker().begin(deployment_id)
+
+
+def end(deployment_id: int) -> None:
+    tracker().end(deployment_id)
+
+
+def count(deployment_id: int) -> int:
+    return tracker().count(deployment_id)
+
+
+def wait_drained(deployment_id: int, timeout: float) -> bool:
+    """Wait until no request for the deployment is in flight; False after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while count(deployment_id) > 0:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -1,0 +1,79 @@
+"""`capyctl deployment start|stop|park|wake` and `capyctl events` against a running
+standalone server with simulated GPUs and engines, as a user runs them."""
+
+import json
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import run_program, start_server, stop_server
+
+pytestmark = pytest.mark.e2e
+
+SIM = f"{sys.executable} -m hostagent.sim"
+
+
+def sim_children(server):
+    return [
+        p for p in psutil.Process(server.process.pid).children(recursive=True)
+        if "hostagent.sim" in " ".join(p.cmdline())
+    ]  # fmt: skip
+
+
+def test_intents_drive_the_running_server(program_env):
+    program_env["CAPYCTL_SIM_GPUS"] = "24GiB"
+    program_env["CAPYCTL_MIN_READY_SECONDS"] = "0"
+    run = lambda *argv: run_program(program_env, *argv)  # noqa: E731
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm",
+               "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=8GiB").code == 0  # fmt: skip
+    for name in ("a", "b"):
+        added = run("deployment", "add", name, "--engine", "sim", "--source", f"/m/{name}",
+                    "--gpu-memory", "16GiB")  # fmt: skip
+        assert added.code == 0, added.err
+
+    parked = run("deployment", "park", "a")
+    assert parked.code == 2
+    assert "no CapyCTL server is running" in parked.err
+
+    server = start_server(program_env)
+    try:
+        started = run("deployment", "start", "a")
+        assert started.code == 0, started.err
+        assert started.out.startswith("a is ready (")
+        switched = run("deployment", "wake", "b")
+        assert switched.code == 0, switched.err
+        assert switched.out.startswith("b is ready")
+        listed = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
+        assert (listed["a"]["observed_state"], listed["a"]["parked_mode"]) == ("parked", "ram")
+        assert len(sim_children(server)) == 2
+
+        deep = run("deployment", "park", "b", "--mode", "deep")
+        assert deep.code == 0, deep.err
+        assert deep.out.startswith("b is parked (deep)")
+
+        stopped = run("deployment", "stop", "a")
+        assert stopped.out.startswith("a is stopped")
+        woken = run("deployment", "wake", "a")
+        assert woken.code == 1
+        assert "a is stopped; start it first" in woken.err
+
+        status = json.loads(run("status", "--json").out)
+        gpu0 = next(p for p in status["hosts"][0]["pools"] if p["pool"] == "gpu0")
+        assert gpu0["used_bytes"] <= gpu0["capacity_bytes"]
+
+        events = run("events", "--limit", "40").out
+        assert "parked a (ram) to make room for b" in events
+        assert "deployment.ready" in events
+        assert "stopped on request" in events
+        children = sim_children(server)
+    finally:
+        seconds = stop_server(server, signal.SIGTERM)
+    assert seconds < 5
+    time.sleep(0.2)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+    after = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
+    assert after["b"]["observed_state"] == "stopped"
+    assert "CapyCTL stopped" in run("events", "--model", "b").out
