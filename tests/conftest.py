@@ -183,3 +183,16 @@ def stop_server(server: Server, sig: int) -> float:
             server.process.kill()
             server.process.wait()
     return time.monotonic() - started
+
+
+@pytest.fixture
+def gpu24(tmp_path, settings):
+    """A simulated 24 GiB GPU host whose engines run as children of this test process."""
+    from capyctl.scheduler.drivers import set_local_driver
+    from hostagent.simgpu import SimSpec
+    from tests.scheduling import GIB, make_host
+
+    driver = make_host(tmp_path, settings, SimSpec(unified=False, sizes=[24 * GIB]))
+    yield driver
+    driver.stop_all(grace_seconds=2)
+    set_local_driver(None)

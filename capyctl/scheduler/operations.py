@@ -25,7 +25,6 @@ from capyctl.events.models import Event
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import (
     admit,
     host_lock,
@@ -33,7 +32,7 @@ from capyctl.ledger.services import (
     release,
     set_entries,
 )
-from capyctl.scheduler import estimates, inflight
+from capyctl.scheduler import estimates, inflight, snapshots
 from capyctl.scheduler.drivers import HostDriver, driver_for
 from capyctl.scheduler.policy import (
     DEEP,
@@ -44,14 +43,11 @@ from capyctl.scheduler.policy import (
     NoCapacity,
     Placement,
     Pool,
-    Resident,
     Victim,
     park_mode,
     plan,
 )
 from hostagent.errors import CannotParkError, EngineError, MemoryNotReleasedError
-from hostagent.kinds import get_kind
-from hostagent.probe import ProcessUsage
 from hostagent.runtime import InstanceRequest
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -137,97 +133,6 @@ def _live_instance(deployment: Deployment) -> Instance | None:
     return deployment.instances.exclude(state=Instance.State.EXITED).first()
 
 
-# --- memory figures ------------------------------------------------------------------------
-
-
-def _gpu_pools(host: Host, gpu_indices: list[int]) -> list[str]:
-    if (host.inventory or {}).get("unified"):
-        return ["unified"] if gpu_indices else []
-    return [f"gpu{i}" for i in gpu_indices]
-
-
-def _device_total(host: Host) -> int:
-    gpus = (host.inventory or {}).get("gpus") or []
-    return min((int(g["total_bytes"]) for g in gpus), default=0)
-
-
-def _ram_pool(host: Host) -> str:
-    return "unified" if (host.inventory or {}).get("unified") else "ram"
-
-
-def _residents(host: Host, now: float) -> list[Resident]:
-    entries: dict[int, dict[str, int]] = {}
-    for entry in LedgerEntry.objects.filter(host=host, deployment__isnull=False):
-        if entry.pool not in ("ram",):
-            entries.setdefault(int(entry.deployment_id or 0), {})[entry.pool] = entry.bytes
-    residents = []
-    for deployment in Deployment.objects.filter(pk__in=entries).select_related("engine"):
-        capabilities = get_kind(deployment.engine.kind).capabilities(deployment.engine.options)
-        held = entries[deployment.pk]
-        claim = max(held.values(), default=0)
-        changed = deployment.state_changed_at or deployment.created_at
-        used = deployment.last_request_at or changed
-        residents.append(
-            Resident(
-                deployment_id=deployment.pk,
-                name=deployment.name,
-                host_id=host.pk,
-                state=deployment.observed_state,
-                gpu_bytes={p: b for p, b in held.items() if p != "ram"},
-                weights_bytes=estimates.weights_bytes(deployment, claim),
-                residual_bytes=None,
-                park_policy=deployment.park,
-                can_park_ram=capabilities.ram,
-                can_park_deep=capabilities.deep,
-                pinned=deployment.pinned,
-                priority=deployment.priority,
-                last_used=used.timestamp(),
-                ready_for_seconds=now - changed.timestamp(),
-                min_ready_seconds=deployment.setting("min_ready_seconds"),
-            )
-        )
-    return residents
-
-
-def snapshot(host: Host) -> HostSnapshot:
-    """The host as the policy sees it: pools with what the ledger counts, and residents."""
-    pools = {u.pool: Pool(u.pool, u.capacity_bytes, u.used_bytes) for u in pool_usage(host)}
-    return HostSnapshot(
-        host_id=host.pk,
-        name=host.name,
-        unified=bool((host.inventory or {}).get("unified")),
-        pools=pools,
-        residents=_residents(host, time.time()),
-        online=host.state != Host.State.UNREACHABLE,
-    )
-
-
-def _need(deployment: Deployment, host: Host) -> Need:
-    return Need(
-        deployment_id=deployment.pk,
-        name=deployment.name,
-        gpus=deployment.gpus,
-        claim_per_gpu_bytes=estimates.claim_per_gpu(deployment, _device_total(host)),
-        host_ram_bytes=estimates.ENGINE_RAM_ESTIMATE,
-        host_ids=(host.pk,),
-    )
-
-
-def _measured(
-    host: Host, gpu_pools: list[str], usage: ProcessUsage, fallback: int
-) -> dict[str, int]:
-    """Ledger figures from a probe reading (unknown per-GPU figures keep the claim)."""
-    figures = {}
-    unified = bool((host.inventory or {}).get("unified"))
-    for pool in gpu_pools:
-        index = 0 if unified else int(pool[3:])
-        value = usage.gpu.get(index)
-        figures[pool] = fallback if value is None else int(value)
-    if not unified:
-        figures["ram"] = usage.host_bytes
-    return figures
-
-
 # --- making room ---------------------------------------------------------------------------
 
 
@@ -239,16 +144,16 @@ def _place(deployment: Deployment, actor: str) -> tuple[Host, Placement]:
         chosen_host: Host | None = None
         for host in hosts:
             with host_lock(host.pk) as locked:
-                result = plan([snapshot(locked)], _need(deployment, locked))
+                result = plan([snapshots.snapshot(locked)], snapshots.need(deployment, locked))
                 if isinstance(result, NoCapacity):
                     continue
                 chosen_host = locked
                 if not result.victims:
-                    pools = _gpu_pools(locked, result.gpu_indices)
-                    need = _need(deployment, locked)
+                    pools = snapshots.gpu_pools(locked, result.gpu_indices)
+                    need = snapshots.need(deployment, locked)
                     figures = dict.fromkeys(pools, need.claim_per_gpu_bytes)
-                    figures[_ram_pool(locked)] = (
-                        figures.get(_ram_pool(locked), 0) + need.host_ram_bytes
+                    figures[snapshots.ram_pool(locked)] = (
+                        figures.get(snapshots.ram_pool(locked), 0) + need.host_ram_bytes
                     )
                     admit(locked, deployment.pk, figures, note="promised for a start or wake")
                     return locked, result
@@ -347,7 +252,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         deployment, "deployment.starting", f"starting {deployment.name} on {host.name}", actor=actor
     )
     driver = driver_for(host)
-    claim = estimates.claim_per_gpu(deployment, _device_total(host))
+    claim = estimates.claim_per_gpu(deployment, snapshots.device_total(host))
     request = InstanceRequest(
         instance_id=instance_id,
         kind=deployment.engine.kind,
@@ -359,7 +264,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         env=dict(deployment.engine.env),
         options=dict(deployment.engine.options),
         ram_park=deployment.park in ("auto", "ram") and not (host.inventory or {}).get("unified"),
-        memory_fraction=estimates.memory_fraction(deployment, _device_total(host)),
+        memory_fraction=estimates.memory_fraction(deployment, snapshots.device_total(host)),
     )
     try:
         launched = driver.launch(request)
@@ -375,8 +280,8 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
     except EngineError as exc:
         fail(deployment, driver, instance, f"the engine failed to start: {exc}", actor)
         raise EngineFailedError(f"{deployment.name}: the engine failed to start: {exc}") from exc
-    pools = _gpu_pools(host, placement.gpu_indices)
-    figures = _measured(host, pools, usage, claim)
+    pools = snapshots.gpu_pools(host, placement.gpu_indices)
+    figures = snapshots.measured(host, pools, usage, claim)
     with host_lock(host.pk) as locked:
         set_entries(locked, deployment.pk, figures, status=LedgerEntry.Status.HELD, note="measured")
         _transition(
@@ -446,7 +351,7 @@ def park(
             f"{deployment.name} is {deployment.observed_state}; only a ready model can be parked"
         )
     if mode is None:
-        snap = snapshot(host)
+        snap = snapshots.snapshot(host)
         resident = next((r for r in snap.residents if r.deployment_id == deployment.pk), None)
         ram_free = snap.pools[snap.ram_pool].free_bytes if snap.ram_pool in snap.pools else 0
         mode = park_mode(resident, snap, ram_free)[0] if resident else STOP
@@ -488,8 +393,8 @@ def park(
     except EngineError as exc:
         fail(deployment, driver, instance, f"park failed: {exc}", actor)
         raise EngineFailedError(f"{deployment.name}: park failed: {exc}") from exc
-    pools = _gpu_pools(host, list(instance.gpu_indices))
-    figures = _measured(host, pools, residual, 0)
+    pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
+    figures = snapshots.measured(host, pools, residual, 0)
     with host_lock(host.pk) as locked:
         set_entries(
             locked, deployment.pk, figures, status=LedgerEntry.Status.HELD, note=f"parked {mode}"
@@ -512,8 +417,8 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
     if host is None or instance is None:
         return _start(deployment, actor)
     started = time.monotonic()
-    pools = _gpu_pools(host, list(instance.gpu_indices))
-    claim = estimates.claim_per_gpu(deployment, _device_total(host))
+    pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
+    claim = estimates.claim_per_gpu(deployment, snapshots.device_total(host))
     for _round in range(MAX_SWITCH_ROUNDS):
         victims = _admit_wake(deployment, host, pools, claim)
         if not victims:
@@ -535,7 +440,7 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
     except EngineError as exc:
         fail(deployment, driver, instance, f"wake failed: {exc}", actor)
         raise EngineFailedError(f"{deployment.name}: wake failed: {exc}") from exc
-    figures = _measured(host, pools, usage, claim)
+    figures = snapshots.measured(host, pools, usage, claim)
     with host_lock(host.pk) as locked:
         set_entries(locked, deployment.pk, figures, status=LedgerEntry.Status.HELD, note="measured")
         _transition(deployment.pk, [S.WAKING], S.READY, parked_mode="", state_reason="")
@@ -564,7 +469,7 @@ def _admit_wake(
                 f"{deployment.name}: its parked memory is not confirmed released yet; "
                 "waiting for the GPU probe to show it free"
             )
-        snap = snapshot(locked)
+        snap = snapshots.snapshot(locked)
         residual = max((entries[p].bytes for p in pools if p in entries), default=0)
         kept = (*pools, snap.ram_pool)
         others = HostSnapshot(
@@ -644,7 +549,6 @@ __all__ = [
     "SchedulerError",
     "ensure_ready",
     "park",
-    "snapshot",
     "start",
     "stop",
     "touch",

@@ -1,0 +1,106 @@
+"""The host as the scheduler sees it: pools, residents and memory figures.
+
+Plain reads of the ledger and deployments, turned into the policy's data (see
+:mod:`capyctl.scheduler.policy`), and probe readings turned into ledger figures.
+"""
+
+from __future__ import annotations
+
+import time
+
+from capyctl.deployments.models import Deployment
+from capyctl.hosts.models import Host
+from capyctl.ledger.models import LedgerEntry
+from capyctl.ledger.pools import pool_usage
+from capyctl.scheduler import estimates
+from capyctl.scheduler.policy import HostSnapshot, Need, Pool, Resident
+from hostagent.kinds import get_kind
+from hostagent.probe import ProcessUsage
+
+
+def gpu_pools(host: Host, gpu_indices: list[int]) -> list[str]:
+    if (host.inventory or {}).get("unified"):
+        return ["unified"] if gpu_indices else []
+    return [f"gpu{i}" for i in gpu_indices]
+
+
+def device_total(host: Host) -> int:
+    gpus = (host.inventory or {}).get("gpus") or []
+    return min((int(g["total_bytes"]) for g in gpus), default=0)
+
+
+def ram_pool(host: Host) -> str:
+    return "unified" if (host.inventory or {}).get("unified") else "ram"
+
+
+def residents(host: Host, now: float) -> list[Resident]:
+    entries: dict[int, dict[str, int]] = {}
+    for entry in LedgerEntry.objects.filter(host=host, deployment__isnull=False):
+        if entry.pool not in ("ram",):
+            entries.setdefault(int(entry.deployment_id or 0), {})[entry.pool] = entry.bytes
+    residents = []
+    for deployment in Deployment.objects.filter(pk__in=entries).select_related("engine"):
+        capabilities = get_kind(deployment.engine.kind).capabilities(deployment.engine.options)
+        held = entries[deployment.pk]
+        claim = max(held.values(), default=0)
+        changed = deployment.state_changed_at or deployment.created_at
+        used = deployment.last_request_at or changed
+        residents.append(
+            Resident(
+                deployment_id=deployment.pk,
+                name=deployment.name,
+                host_id=host.pk,
+                state=deployment.observed_state,
+                gpu_bytes={p: b for p, b in held.items() if p != "ram"},
+                weights_bytes=estimates.weights_bytes(deployment, claim),
+                residual_bytes=None,
+                park_policy=deployment.park,
+                can_park_ram=capabilities.ram,
+                can_park_deep=capabilities.deep,
+                pinned=deployment.pinned,
+                priority=deployment.priority,
+                last_used=used.timestamp(),
+                ready_for_seconds=now - changed.timestamp(),
+                min_ready_seconds=deployment.setting("min_ready_seconds"),
+            )
+        )
+    return residents
+
+
+def snapshot(host: Host) -> HostSnapshot:
+    """The host as the policy sees it: pools with what the ledger counts, and residents."""
+    pools = {u.pool: Pool(u.pool, u.capacity_bytes, u.used_bytes) for u in pool_usage(host)}
+    return HostSnapshot(
+        host_id=host.pk,
+        name=host.name,
+        unified=bool((host.inventory or {}).get("unified")),
+        pools=pools,
+        residents=residents(host, time.time()),
+        online=host.state != Host.State.UNREACHABLE,
+    )
+
+
+def need(deployment: Deployment, host: Host) -> Need:
+    return Need(
+        deployment_id=deployment.pk,
+        name=deployment.name,
+        gpus=deployment.gpus,
+        claim_per_gpu_bytes=estimates.claim_per_gpu(deployment, device_total(host)),
+        host_ram_bytes=estimates.ENGINE_RAM_ESTIMATE,
+        host_ids=(host.pk,),
+    )
+
+
+def measured(
+    host: Host, gpu_pools: list[str], usage: ProcessUsage, fallback: int
+) -> dict[str, int]:
+    """Ledger figures from a probe reading (unknown per-GPU figures keep the claim)."""
+    figures = {}
+    unified = bool((host.inventory or {}).get("unified"))
+    for pool in gpu_pools:
+        index = 0 if unified else int(pool[3:])
+        value = usage.gpu.get(index)
+        figures[pool] = fallback if value is None else int(value)
+    if not unified:
+        figures["ram"] = usage.host_bytes
+    return figures

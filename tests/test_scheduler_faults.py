@@ -1,0 +1,100 @@
+"""Engine faults seen by the scheduler: memory kept after a park, a hung wake, a crash."""
+
+import time
+
+import pytest
+
+from capyctl.deployments.models import Deployment
+from capyctl.engines.services import add_engine
+from capyctl.hosts.models import Host
+from capyctl.ledger.models import LedgerEntry
+from capyctl.scheduler import operations
+from capyctl.scheduler.reconcile import reconcile
+from hostagent.simgpu import write_allocation
+from tests.scheduling import GIB, SIM, SIM_ENV, deployment, entries, state
+
+
+def sim_engine(name, **env):
+    return add_engine(name, kind="vllm", command=f"{SIM} vllm", env={**SIM_ENV, **env})
+
+
+@pytest.mark.django_db(transaction=True)
+def test_memory_kept_after_a_park_stays_unconfirmed_until_the_probe_shows_it_free(gpu24):
+    sim_engine("sticky", CAPYCTL_SIM_KEEP_MEMORY="1")
+    sim_engine("sim-vllm")
+    gpu24.runtime.release_timeout = 0.5
+    a = deployment("a", engine="sticky")
+    b = deployment("b")
+    operations.ensure_ready(a.pk)
+    operations.park(a.pk, "ram")
+    assert state("a") == ("parked", "ram")
+    assert entries("a")["gpu0"][0] == "unconfirmed"
+    assert "still sees its memory" in Deployment.objects.get(name="a").state_reason
+    # b cannot have that memory: it still counts, and a is not ready (so not a victim).
+    with pytest.raises(operations.NoCapacityError):
+        operations.ensure_ready(b.pk)
+    with pytest.raises(operations.EngineFailedError, match="not confirmed released yet"):
+        operations.ensure_ready(a.pk)
+
+    # The engine finally lets go: the next reconcile sees it and releases the entry.
+    instance = gpu24.instance(operations.instance_key(a.instances.get()))
+    assert instance is not None
+    write_allocation(gpu24.probe.state_dir, instance.pid, {0: 512 * 1024**2}, 8 * GIB)
+    reconcile(Host.objects.get(name="local").pk)
+    assert entries("a")["gpu0"] == ("held", 512 * 1024**2)
+    operations.ensure_ready(b.pk)
+    assert state("b") == ("ready", "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_hung_wake_fails_after_wake_timeout_and_frees_memory_once_the_process_is_gone(gpu24):
+    sim_engine("hangs", CAPYCTL_SIM_HANG_ON_WAKE="1")
+    a = deployment("a", engine="hangs", wake_timeout_seconds=1)
+    operations.ensure_ready(a.pk)
+    operations.park(a.pk, "ram")
+    pid = a.instances.get().pid
+    started = time.monotonic()
+    with pytest.raises(operations.EngineFailedError, match="wake failed"):
+        operations.ensure_ready(a.pk)
+    assert time.monotonic() - started < 10
+    observed, _ = state("a")
+    assert observed == "failed"
+    assert entries("a") == {}
+    assert gpu24.probe.process_usage(pid).gpu == {}  # the process is gone, and so its memory
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_crash_while_ready_is_failed_and_started_again_on_the_next_request(gpu24):
+    sim_engine("crashy", CAPYCTL_SIM_CRASH_AFTER="1")
+    a = deployment("a", engine="crashy")
+    operations.ensure_ready(a.pk)
+    instance = gpu24.instance(operations.instance_key(a.instances.get()))
+    assert instance is not None
+    import httpx
+
+    with pytest.raises(httpx.HTTPError):
+        httpx.post(
+            f"{instance.base_url}/v1/completions",
+            headers={"Authorization": f"Bearer {instance.api_key}"},
+            json={"model": "a", "prompt": "hi"},
+        )
+    instance.process.popen.wait(timeout=5)
+    reconcile(Host.objects.get(name="local").pk)
+    observed, _ = state("a")
+    assert observed == "failed"
+    assert "exited with status 3" in Deployment.objects.get(name="a").state_reason
+    assert not LedgerEntry.objects.filter(deployment__name="a").exists()
+    operations.ensure_ready(a.pk)
+    assert state("a") == ("ready", "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_idle_models_are_parked_after_idle_park_seconds(gpu24):
+    sim_engine("sim-vllm")
+    a = deployment("a", idle_park_seconds=1)
+    operations.ensure_ready(a.pk)
+    reconcile(Host.objects.get(name="local").pk)
+    assert state("a") == ("ready", "")
+    time.sleep(1.2)
+    reconcile(Host.objects.get(name="local").pk)
+    assert state("a")[0] == "parked"
