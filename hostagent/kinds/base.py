@@ -63,6 +63,9 @@ class EngineClient:
             timeout=timeout,
             headers={"Authorization": f"Bearer {api_key}"},
             trust_env=False,
+            # Engines speak plain HTTP on loopback. Skipping the CA bundle makes a client
+            # cost about 1 ms instead of about 90 ms, which a switch would otherwise pay.
+            verify=False,  # noqa: S501 - no TLS is ever used on this client
         )
 
     def close(self) -> None:
