@@ -25,6 +25,7 @@ from capyctl.events.models import Event
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
+from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import (
     admit,
     host_lock,
@@ -201,12 +202,18 @@ def ensure_ready(
     deployment = _load(deployment_id)
     if deployment.desired_state == "stopped":
         raise ModelStoppedError(f"{deployment.name} is stopped; start it first")
+    if deployment.observed_state == S.READY:
+        return deployment
     deadline = time.monotonic() + (timeout or deployment.setting("wake_timeout_seconds"))
     flight = _flight(deployment_id)
     while True:
-        deployment = _load(deployment_id)
-        if deployment.observed_state == S.READY:
-            return deployment
+        observed = (
+            Deployment.objects.filter(pk=deployment_id)
+            .values_list("observed_state", flat=True)
+            .first()
+        )
+        if observed == S.READY:
+            return _load(deployment_id)
         if flight.acquire(timeout=0.05):
             try:
                 deployment = _load(deployment_id)
@@ -469,8 +476,13 @@ def _admit_wake(
                 f"{deployment.name}: its parked memory is not confirmed released yet; "
                 "waiting for the GPU probe to show it free"
             )
-        snap = snapshots.snapshot(locked)
         residual = max((entries[p].bytes for p in pools if p in entries), default=0)
+        usage = {u.pool: u for u in pool_usage(locked)}
+        if all(usage[p].free_bytes + residual >= claim for p in pools if p in usage):
+            # The fast path: it fits as it is, no need to look at who else is there.
+            admit(locked, deployment.pk, dict.fromkeys(pools, claim), note="promised for a wake")
+            return ()
+        snap = snapshots.snapshot(locked)
         kept = (*pools, snap.ram_pool)
         others = HostSnapshot(
             snap.host_id,
