@@ -9,6 +9,7 @@ from capyctl.errors import NotFoundError
 from capyctl.events.services import record_event
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 from hostagent.probe import Inventory
+from hostagent.units import format_size
 
 
 def get_host(name: str) -> Host:
@@ -30,10 +31,10 @@ def ensure_local_host(inventory: Inventory) -> Host:
     host.last_seen_at = timezone.now()
     host.save()
     if created:
-        gpus = ", ".join(f"{g.name} ({g.total_bytes} B)" for g in inventory.gpus) or "no GPUs"
+        gpus = ", ".join(f"{g.name} ({format_size(g.total_bytes)})" for g in inventory.gpus)
         record_event(
             "host.added",
-            f"local host registered: {gpus}, probe {inventory.probe}",
+            f"local host registered: {gpus or 'no GPUs'}, probe {inventory.probe}",
             subject=host.name,
             host_id=host.pk,
             actor="system",

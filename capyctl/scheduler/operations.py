@@ -536,7 +536,9 @@ def _stop(
     record(
         deployment,
         "deployment.stopped",
-        reason if reason.startswith("stopped") else f"stopped {deployment.name}: {reason}",
+        reason
+        if reason.startswith(f"stopped {deployment.name}")
+        else f"stopped {deployment.name}: {reason}",
         level=level,
         started=started,
         actor=actor,
