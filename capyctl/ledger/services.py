@@ -106,6 +106,30 @@ def set_entries(
         _put(host, deployment_id, pool, max(num_bytes, 0), status=status, note=note)
 
 
+def set_measured(
+    host: Host, deployment_id: int, figures: Mapping[str, int], *, note: str = "measured"
+) -> dict[str, int]:
+    """Record what the probe measured a deployment holding, as ``held``.
+
+    A figure never takes a pool past its capacity: what exceeds the room left is not
+    admitted but returned (pool -> bytes over), for the caller to report. The pool's
+    reserve is what absorbs such an overshoot on the device itself. Must run inside
+    :func:`host_lock`.
+    """
+    usage = {p.pool: p for p in pool_usage(host)}
+    mine = {
+        e.pool: e.bytes for e in LedgerEntry.objects.filter(host=host, deployment_id=deployment_id)
+    }
+    over: dict[str, int] = {}
+    for pool, measured in figures.items():
+        room = usage[pool].free_bytes + mine.get(pool, 0) if pool in usage else measured
+        recorded = min(max(measured, 0), max(room, 0))
+        if measured > recorded:
+            over[pool] = measured - recorded
+        _put(host, deployment_id, pool, recorded, status=Status.HELD, note=note)
+    return over
+
+
 def release(host: Host, deployment_id: int, pools: list[str] | None = None) -> None:
     """Drop a deployment's entries (all, or the given pools): the probe showed them free."""
     entries = LedgerEntry.objects.filter(host=host, deployment_id=deployment_id)

@@ -31,7 +31,7 @@ from capyctl.ledger.services import (
     host_lock,
     mark_unconfirmed,
     release,
-    set_entries,
+    set_measured,
 )
 from capyctl.scheduler import estimates, inflight, snapshots
 from capyctl.scheduler.drivers import HostDriver, driver_for
@@ -50,6 +50,7 @@ from capyctl.scheduler.policy import (
 )
 from hostagent.errors import CannotParkError, EngineError, MemoryNotReleasedError
 from hostagent.runtime import InstanceRequest
+from hostagent.units import format_size
 
 logger = logging.getLogger("capyctl.scheduler")
 S = ObservedState
@@ -290,7 +291,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
     pools = snapshots.gpu_pools(host, placement.gpu_indices)
     figures = snapshots.measured(host, pools, usage, claim)
     with host_lock(host.pk) as locked:
-        set_entries(locked, deployment.pk, figures, status=LedgerEntry.Status.HELD, note="measured")
+        _record_measured(locked, deployment, figures, "measured")
         _transition(
             deployment.pk,
             [S.STARTING],
@@ -306,6 +307,20 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         actor=actor,
     )
     return deployment
+
+
+def _record_measured(
+    host: Host, deployment: Deployment, figures: dict[str, int], note: str
+) -> None:
+    """Held figures from the probe; an overshoot past a pool's capacity is reported."""
+    over = set_measured(host, deployment.pk, figures, note=note)
+    for pool, extra in over.items():
+        message = (
+            f"{deployment.name} uses {format_size(extra)} more in {pool} than the pool has room "
+            "for; the pool's reserve is absorbing it"
+        )
+        logger.warning(message)
+        record(deployment, "ledger.overshoot", message, level=Event.Level.WARNING)
 
 
 def fail(
@@ -403,9 +418,7 @@ def park(
     pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
     figures = snapshots.measured(host, pools, residual, 0)
     with host_lock(host.pk) as locked:
-        set_entries(
-            locked, deployment.pk, figures, status=LedgerEntry.Status.HELD, note=f"parked {mode}"
-        )
+        _record_measured(locked, deployment, figures, f"parked {mode}")
         _transition(deployment.pk, [S.PARKING], S.PARKED, parked_mode=mode, state_reason=reason)
     record(
         deployment,
@@ -449,7 +462,7 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
         raise EngineFailedError(f"{deployment.name}: wake failed: {exc}") from exc
     figures = snapshots.measured(host, pools, usage, claim)
     with host_lock(host.pk) as locked:
-        set_entries(locked, deployment.pk, figures, status=LedgerEntry.Status.HELD, note="measured")
+        _record_measured(locked, deployment, figures, "measured")
         _transition(deployment.pk, [S.WAKING], S.READY, parked_mode="", state_reason="")
     deployment = _load(deployment.pk)
     record(

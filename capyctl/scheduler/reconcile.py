@@ -23,7 +23,7 @@ from capyctl.deployments.models import Deployment, Instance, ObservedState
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.ledger.services import host_lock, release, set_entries
+from capyctl.ledger.services import host_lock, release, set_measured
 from capyctl.scheduler import operations
 from capyctl.scheduler.drivers import HostDriver, LocalHostDriver, driver_for
 from hostagent.runtime import RELEASED_SHARE
@@ -147,7 +147,7 @@ def _confirm_release(deployment: Deployment, driver: HostDriver, key: str, host:
             return  # still not free: keep counting it
         figures[entry.pool] = now_held
     with host_lock(host.pk) as locked:
-        set_entries(locked, deployment.pk, figures, status=LedgerEntry.Status.HELD, note="measured")
+        set_measured(locked, deployment.pk, figures)
         LedgerEntry.objects.filter(
             deployment=deployment, status=LedgerEntry.Status.UNCONFIRMED
         ).update(status=LedgerEntry.Status.HELD)

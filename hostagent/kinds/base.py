@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -174,7 +175,8 @@ def fraction_flag(spec: LaunchSpec, flag: str) -> list[str]:
         return []
     if any(arg.split("=", 1)[0] == flag for arg in spec.extra_args):
         return []
-    return [flag, f"{spec.memory_fraction:.4f}"]
+    # Rounded down: the engine must never take more than the claim admitted for it.
+    return [flag, f"{math.floor(spec.memory_fraction * 10000) / 10000:.4f}"]
 
 
 def gpu_env(spec: LaunchSpec) -> dict[str, str]:
