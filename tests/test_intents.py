@@ -77,3 +77,86 @@ def test_intents_drive_the_running_server(program_env):
     after = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
     assert after["b"]["observed_state"] == "stopped"
     assert "CapyCTL stopped" in run("events", "--model", "b").out
+
+
+def test_concurrent_intents_from_several_processes_never_overcommit(program_env, tmp_path):
+    """Several `capyctl` processes ask at once; the server's threads carry the operations
+    out; an observer checks every pool all along; the ledger ends agreeing with the probe."""
+    import random
+    import subprocess
+    import threading
+
+    program_env["CAPYCTL_SIM_GPUS"] = "24GiB,24GiB"
+    program_env["CAPYCTL_MIN_READY_SECONDS"] = "0"
+    program_env["CAPYCTL_SIM_STATE_DIR"] = str(tmp_path / "sim")
+    run = lambda *argv: run_program(program_env, *argv)  # noqa: E731
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
+    names = [f"m{i}" for i in range(5)]
+    for name, gib in zip(names, (16, 12, 10, 8, 6), strict=True):
+        assert run("deployment", "add", name, "--engine", "sim", "--source", "/m",
+                   "--gpu-memory", f"{gib}GiB").code == 0  # fmt: skip
+
+    server = start_server(program_env)
+    violations: list[str] = []
+    stop = threading.Event()
+
+    def observe() -> None:
+        while not stop.is_set():
+            status = json.loads(run("status", "--json").out)
+            for pool in status["hosts"][0]["pools"]:
+                if pool["used_bytes"] > pool["capacity_bytes"]:
+                    violations.append(f"{pool['pool']}: {pool['used_bytes']}")
+
+    observer = threading.Thread(target=observe)
+    observer.start()
+    try:
+        scripts = []
+        for seed in range(3):
+            rng = random.Random(seed)  # noqa: S311 - a seeded, repeatable schedule
+            steps = [
+                (rng.choice(["start", "wake", "wake", "park", "stop"]), rng.choice(names))
+                for _ in range(6)
+            ]
+            scripts.append(steps)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _INTENT_SCRIPT, json.dumps(steps)],
+                env=program_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for steps in scripts
+        ]
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), outputs
+    finally:
+        stop.set()
+        observer.join()
+    try:
+        assert violations == []
+        time.sleep(2.5)  # one reconcile pass
+        status = json.loads(run("status", "--json").out)
+        ledger = status["ledger"]
+        from hostagent.probe import SimulatedProbe
+        from hostagent.simgpu import parse_sim_gpus
+
+        probe = SimulatedProbe(parse_sim_gpus("24GiB,24GiB"), tmp_path / "sim")
+        for reading in probe.devices():
+            pool = f"gpu{reading.index}"
+            counted = sum(e["bytes"] for e in ledger if e["pool"] == pool)
+            assert counted == reading.used_bytes, (pool, ledger)
+    finally:
+        stop_server(server, signal.SIGTERM)
+
+
+# Run by each intent process: a list of (action, model) through the real CLI entry point.
+_INTENT_SCRIPT = """
+import json, sys
+from capyctl.cli import run
+for action, name in json.loads(sys.argv[1]):
+    code = run(["deployment", action, name, "--timeout", "120"])
+    print(action, name, code, flush=True)
+    if code not in (0, 1):
+        sys.exit(code)
+"""
