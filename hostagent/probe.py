@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -96,13 +97,34 @@ class Probe(Protocol):
         ...
 
 
+# Finding descendants scans every process on the host (a few ms); an engine's workers
+# rarely change, so a tree is reused for a short while once its root is known alive.
+_TREE_TTL_SECONDS = 2.0
+_trees: dict[int, tuple[float, list[psutil.Process]]] = {}
+_trees_lock = threading.Lock()
+
+
 def process_tree(pid: int) -> list[psutil.Process]:
     """``pid`` and its live descendants (empty when ``pid`` is gone)."""
+    now = time.monotonic()
+    with _trees_lock:
+        cached = _trees.get(pid)
+    if cached is not None and now - cached[0] < _TREE_TTL_SECONDS:
+        live = [proc for proc in cached[1] if proc.is_running()]
+        if live and live[0].pid == pid:
+            return live
     try:
         root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
+        tree = [root, *root.children(recursive=True)]
     except psutil.Error:
+        with _trees_lock:
+            _trees.pop(pid, None)
         return []
+    with _trees_lock:
+        _trees[pid] = (now, tree)
+        for old in [p for p, (when, _) in _trees.items() if now - when > 60]:
+            del _trees[old]
+    return tree
 
 
 def _tree_rss(tree: list[psutil.Process]) -> int:

@@ -186,7 +186,7 @@ def _evict(victim: Victim, actor: str, *, for_name: str) -> None:
         logger.warning(message) if level == Event.Level.WARNING else logger.info(message)
         _stop(deployment, actor, reason=f"{message} (to make room for {for_name})", level=level)
     else:
-        park(deployment.pk, victim.mode, actor=actor, reason=f"to make room for {for_name}")
+        _park(deployment, victim.mode, actor=actor, reason=f"to make room for {for_name}")
 
 
 # --- operations ----------------------------------------------------------------------------
@@ -217,7 +217,15 @@ def ensure_ready(
             return _load(deployment_id)
         if flight.acquire(timeout=0.05):
             try:
-                deployment = _load(deployment_id)
+                now_state = (
+                    Deployment.objects.filter(pk=deployment_id)
+                    .values_list("observed_state", "parked_mode")
+                    .first()
+                )
+                if now_state is None:
+                    raise SchedulerError(f"deployment {deployment_id} no longer exists")
+                if now_state != (deployment.observed_state, deployment.parked_mode):
+                    deployment = _load(deployment_id)
                 if deployment.observed_state in (S.STOPPED, S.FAILED):
                     return _start(deployment, actor)
                 if deployment.observed_state == S.PARKED:
@@ -365,7 +373,11 @@ def park(
     deployment_id: int, mode: str | None = None, *, actor: str = "system", reason: str = ""
 ) -> Deployment:
     """Give back the deployment's GPU memory in ``mode`` (None: the best mode it allows)."""
-    deployment = _load(deployment_id)
+    _park(_load(deployment_id), mode, actor=actor, reason=reason)
+    return _load(deployment_id)
+
+
+def _park(deployment: Deployment, mode: str | None, *, actor: str, reason: str) -> None:
     host = deployment.host
     instance = _live_instance(deployment)
     if host is None or instance is None or deployment.observed_state not in (S.READY, S.DRAINING):
@@ -378,7 +390,8 @@ def park(
         ram_free = snap.pools[snap.ram_pool].free_bytes if snap.ram_pool in snap.pools else 0
         mode = park_mode(resident, snap, ram_free)[0] if resident else STOP
         if mode == STOP:
-            return _stop(deployment, actor, reason="its engine cannot park, so it was stopped")
+            _stop(deployment, actor, reason="its engine cannot park, so it was stopped")
+            return
     started = time.monotonic()
     _transition(deployment.pk, [S.READY], S.DRAINING)
     drain = deployment.setting("drain_timeout_seconds")
@@ -391,7 +404,7 @@ def park(
         record(deployment, "deployment.drain_timeout", message, level=Event.Level.WARNING)
         raise SchedulerError(message)
     if not _transition(deployment.pk, [S.DRAINING], S.PARKING):
-        return _load(deployment.pk)
+        return
     driver = driver_for(host)
     key = instance_key(instance)
     try:
@@ -411,7 +424,7 @@ def park(
             started=started,
             actor=actor,
         )
-        return _load(deployment.pk)
+        return
     except EngineError as exc:
         fail(deployment, driver, instance, f"park failed: {exc}", actor)
         raise EngineFailedError(f"{deployment.name}: park failed: {exc}") from exc
@@ -428,7 +441,6 @@ def park(
         actor=actor,
         data={"mode": mode},
     )
-    return _load(deployment.pk)
 
 
 def _wake(deployment: Deployment, actor: str) -> Deployment:
@@ -464,7 +476,7 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
     with host_lock(host.pk) as locked:
         _record_measured(locked, deployment, figures, "measured")
         _transition(deployment.pk, [S.WAKING], S.READY, parked_mode="", state_reason="")
-    deployment = _load(deployment.pk)
+    deployment.observed_state, deployment.parked_mode, deployment.state_reason = S.READY, "", ""
     record(
         deployment,
         "deployment.woke",
