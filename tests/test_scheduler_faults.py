@@ -1,5 +1,9 @@
-"""Engine faults seen by the scheduler: memory kept after a park, a hung wake, a crash."""
+"""Engine faults seen by the scheduler: memory kept after a park, a hung wake, a crash,
+foreign memory and stuck transitions."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -98,3 +102,63 @@ def test_idle_models_are_parked_after_idle_park_seconds(gpu24):
     time.sleep(1.2)
     reconcile(Host.objects.get(name="local").pk)
     assert state("a")[0] == "parked"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_memory_used_by_other_processes_counts_as_foreign(gpu24):
+    sim_engine("sim-vllm")
+    a = deployment("a")
+    host = Host.objects.get(name="local")
+    # A process CapyCTL did not start takes 10 GiB of the GPU.
+    env = {
+        **os.environ,
+        "CAPYCTL_SIM_GPUS": "24GiB",
+        "CAPYCTL_SIM_STATE_DIR": str(gpu24.probe.state_dir),
+        "CAPYCTL_SIM_GPU_BYTES": "10GiB",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
+    from tests.conftest import free_port
+
+    other = subprocess.Popen(
+        [sys.executable, "-m", "hostagent.sim", "llamacpp", "-m", "/m", "--port", str(free_port())],
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while gpu24.devices()[0].used_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reconcile(host.pk)
+        foreign = LedgerEntry.objects.get(deployment=None, pool="gpu0")
+        assert (foreign.status, foreign.bytes) == ("foreign", 10 * GIB)
+        with pytest.raises(operations.NoCapacityError):
+            operations.ensure_ready(a.pk)
+    finally:
+        other.terminate()
+        other.wait()
+    reconcile(host.pk)
+    assert not LedgerEntry.objects.filter(deployment=None, pool="gpu0").exists()
+    operations.ensure_ready(a.pk)
+    assert state("a") == ("ready", "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_transition_stuck_past_its_timeout_is_repaired(gpu24):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    sim_engine("sim-vllm")
+    a = deployment("a", wake_timeout_seconds=5)
+    operations.ensure_ready(a.pk)
+    # As if a worker died in the middle of a wake a while ago.
+    Deployment.objects.filter(pk=a.pk).update(
+        observed_state="waking", state_changed_at=timezone.now() - timedelta(seconds=120)
+    )
+    reconcile(Host.objects.get(name="local").pk)
+    observed, _ = state("a")
+    assert observed == "failed"
+    assert "stayed waking for" in Deployment.objects.get(pk=a.pk).state_reason
+    assert entries("a") == {}
+    operations.ensure_ready(a.pk)
+    assert state("a") == ("ready", "")

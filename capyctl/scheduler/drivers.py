@@ -99,6 +99,11 @@ class LocalHostDriver:
         instance = self.instance(instance_id)
         return instance is not None and instance.process.alive()
 
+    def instances(self) -> list[Instance]:
+        """Every engine this process started and has not stopped."""
+        with self._lock:
+            return list(self._instances.values())
+
     def stop_all(self, grace_seconds: float = 10.0) -> None:
         """End every engine this process started (at shutdown)."""
         for instance_id in list(self._instances):

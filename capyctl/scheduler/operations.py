@@ -92,6 +92,15 @@ def _flight(deployment_id: int) -> threading.Lock:
         return _flights.setdefault(deployment_id, threading.Lock())
 
 
+def flight_free(deployment_id: int) -> bool:
+    """Whether no start or wake of the deployment is under way in this process."""
+    flight = _flight(deployment_id)
+    if flight.acquire(blocking=False):
+        flight.release()
+        return True
+    return False
+
+
 def _transition(deployment_id: int, expected: Iterable[str], new: str, **fields: object) -> bool:
     """Move to ``new`` only from one of ``expected``; return whether this call did it."""
     updated = Deployment.objects.filter(pk=deployment_id, observed_state__in=list(expected)).update(

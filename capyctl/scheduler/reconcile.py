@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import signal
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import psutil
 from django.utils import timezone
@@ -23,9 +23,11 @@ from capyctl.deployments.models import Deployment, Instance, ObservedState
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.ledger.services import host_lock, release, set_measured
+from capyctl.ledger.pools import pool_usage
+from capyctl.ledger.services import host_lock, release, set_foreign, set_measured
 from capyctl.scheduler import operations
 from capyctl.scheduler.drivers import HostDriver, LocalHostDriver, driver_for
+from hostagent.probe import host_ram
 from hostagent.runtime import RELEASED_SHARE
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -86,11 +88,38 @@ def recover_local(host: Host, *, shutting_down: bool = False) -> int:
     return recovered
 
 
+# How long each passing state may last (its own timeout, plus this margin) before a
+# reconcile treats the deployment as stuck.
+STUCK_MARGIN_SECONDS = 30
+_STUCK_LIMITS: dict[str, str | None] = {
+    S.STARTING: "start_timeout_seconds",
+    S.WAKING: "wake_timeout_seconds",
+    S.DRAINING: "drain_timeout_seconds",
+    S.PARKING: "drain_timeout_seconds",
+    S.STOPPING: None,
+}
+_PARK_CALL_SECONDS = 600  # a park call's own limit (see operations.park)
+
+
+def _stuck_for(deployment: Deployment, now: datetime) -> float | None:
+    """Seconds past its limit a deployment has stayed in a passing state, else None."""
+    if deployment.observed_state not in _STUCK_LIMITS or deployment.state_changed_at is None:
+        return None
+    setting = _STUCK_LIMITS[deployment.observed_state]
+    limit = float(STUCK_MARGIN_SECONDS + (deployment.setting(setting) if setting else 60))
+    if deployment.observed_state == S.PARKING:
+        limit += _PARK_CALL_SECONDS
+    waited = (now - deployment.state_changed_at).total_seconds()
+    return waited if waited > limit else None
+
+
 def reconcile(host_id: int) -> None:
-    """One pass over a host: dead engines, unconfirmed memory, idle models."""
+    """One pass over a host: dead or stuck engines, unconfirmed and foreign memory, idle
+    models."""
     host = Host.objects.get(pk=host_id)
     driver = driver_for(host)
     now = timezone.now()
+    _update_foreign(host, driver)
     deployments = Deployment.objects.filter(host=host, observed_state__in=LIVE).select_related(
         "engine", "host"
     )
@@ -103,6 +132,16 @@ def reconcile(host_id: int) -> None:
             continue  # not started by this process (another worker owns it)
         if not driver.alive(key):
             _engine_died(deployment, driver, instance)
+            continue
+        stuck = _stuck_for(deployment, now)
+        if stuck is not None and operations.flight_free(deployment.pk):
+            operations.fail(
+                deployment,
+                driver,
+                instance,
+                f"it stayed {deployment.observed_state} for {stuck:.0f}s, past its timeout",
+                "system",
+            )
             continue
         if deployment.observed_state == S.PARKED:
             _confirm_release(deployment, driver, key, host)
@@ -119,6 +158,45 @@ def reconcile(host_id: int) -> None:
                 operations.park(deployment.pk, actor="system", reason=f"after {idle}s idle")
             except operations.SchedulerError as exc:
                 logger.warning("idle park of %s did not happen: %s", deployment.name, exc)
+
+
+def _update_foreign(host: Host, driver: HostDriver) -> None:
+    """Count memory used by processes CapyCTL did not start, per pool, from the probe."""
+    if not isinstance(driver, LocalHostDriver):
+        return  # remote hosts report their own figures
+    ours: dict[int, int] = {}
+    ram_ours = 0
+    for instance in driver.instances():
+        usage = driver.runtime.usage(instance)
+        for index, used in usage.gpu.items():
+            ours[index] = ours.get(index, 0) + (used or 0)
+        ram_ours += usage.host_bytes
+    unified = bool((host.inventory or {}).get("unified"))
+    figures: dict[str, int] = {}
+    for reading in driver.devices():
+        pool = "unified" if unified else f"gpu{reading.index}"
+        figures[pool] = max(reading.used_bytes - ours.get(reading.index, 0), 0)
+    if not unified:
+        total, available = host_ram()
+        figures["ram"] = max(total - available - ram_ours - _own_rss(), 0)
+    with host_lock(host.pk) as locked:
+        usage_now = {u.pool: u for u in pool_usage(locked)}
+        allowed = {}
+        for pool, foreign in figures.items():
+            if pool not in usage_now:
+                continue
+            current = usage_now[pool]
+            room = current.capacity_bytes - (current.used_bytes - current.foreign_bytes)
+            allowed[pool] = min(foreign, max(room, 0))
+        set_foreign(locked, allowed)
+
+
+def _own_rss() -> int:
+    """This process counts as CapyCTL, not as foreign."""
+    try:
+        return int(psutil.Process().memory_info().rss)
+    except psutil.Error:
+        return 0
 
 
 def _engine_died(deployment: Deployment, driver: HostDriver, instance: Instance) -> None:

@@ -59,6 +59,7 @@ class EngineClient:
     def __init__(self, port: int, api_key: str, *, timeout: float = 30.0) -> None:
         self.base_url = f"http://{LOOPBACK}:{port}"
         self.api_key = api_key
+        self.closed = False
         self._client = httpx.Client(
             base_url=self.base_url,
             timeout=timeout,
@@ -70,6 +71,7 @@ class EngineClient:
         )
 
     def close(self) -> None:
+        self.closed = True
         self._client.close()
 
     def request(
@@ -82,6 +84,8 @@ class EngineClient:
         timeout: float | None = None,
         expect: tuple[int, ...] = (200,),
     ) -> httpx.Response:
+        if self.closed:
+            raise EngineCallError(f"{method} {path}: the engine was stopped meanwhile")
         try:
             response = self._client.request(
                 method,
@@ -92,6 +96,8 @@ class EngineClient:
             )
         except httpx.HTTPError as exc:
             raise EngineCallError(f"{method} {path} failed: {type(exc).__name__}: {exc}") from exc
+        except RuntimeError as exc:  # closed by a concurrent stop between the check and here
+            raise EngineCallError(f"{method} {path}: the engine was stopped meanwhile") from exc
         if response.status_code not in expect:
             body = response.text[:300].strip()
             raise EngineCallError(
@@ -101,9 +107,11 @@ class EngineClient:
 
     def healthy(self, path: str) -> bool:
         """Whether ``GET path`` answers 200 now (a refused connection is just "not yet")."""
+        if self.closed:
+            return False
         try:
             return self._client.get(path, timeout=2.0).status_code == 200
-        except httpx.HTTPError:
+        except (httpx.HTTPError, RuntimeError):  # RuntimeError: closed by a concurrent stop
             return False
 
 
