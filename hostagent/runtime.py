@@ -238,12 +238,10 @@ class EngineRuntime:
 
 @contextlib.contextmanager
 def _client_for(instance: Instance, timeout: float) -> Iterator[EngineClient]:
-    """A control client whose calls give up after ``timeout`` (a hung engine never blocks)."""
-    client = EngineClient(instance.port, instance.api_key, timeout=timeout)
-    try:
-        yield client
-    finally:
-        client.close()
+    """The instance's control client, its calls giving up after ``timeout`` meanwhile (a
+    hung engine never blocks). Park and wake of one instance never overlap."""
+    with instance.client.default_timeout(timeout):
+        yield instance.client
 
 
 def _released(before: ProcessUsage, now: ProcessUsage) -> bool:

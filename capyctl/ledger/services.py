@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
+from django.utils import timezone
 
 from capyctl.errors import UserError
 from capyctl.hosts.models import Host
@@ -77,12 +79,20 @@ def admit(
 def _put(
     host: Host, deployment_id: int | None, pool: str, num_bytes: int, *, status: str, note: str
 ) -> None:
-    entries = LedgerEntry.objects.filter(host=host, pool=pool)
-    if deployment_id is None:
-        entries = entries.filter(deployment__isnull=True)
-    else:
-        entries = entries.filter(deployment_id=deployment_id)
-    updated = entries.update(bytes=num_bytes, status=status, note=note)
+    # The hot path of every switch: one plain UPDATE (the ORM's query building costs about
+    # ten times the statement here), an INSERT through the ORM only for a new entry.
+    table = connection.ops.quote_name(LedgerEntry._meta.db_table)
+    who = "deployment_id IS NULL" if deployment_id is None else "deployment_id = %s"
+    params: list[Any] = [num_bytes, status, note, timezone.now(), host.pk, pool]
+    if deployment_id is not None:
+        params.append(deployment_id)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} SET bytes = %s, status = %s, note = %s, updated_at = %s "  # noqa: S608 - our own table name
+            f"WHERE host_id = %s AND pool = %s AND {who}",
+            params,
+        )
+        updated = cursor.rowcount
     if not updated:
         LedgerEntry.objects.create(
             host=host,
@@ -117,9 +127,11 @@ def set_measured(
     :func:`host_lock`.
     """
     usage = {p.pool: p for p in pool_usage(host)}
-    mine = {
-        e.pool: e.bytes for e in LedgerEntry.objects.filter(host=host, deployment_id=deployment_id)
-    }
+    mine = dict(
+        LedgerEntry.objects.filter(host=host, deployment_id=deployment_id).values_list(
+            "pool", "bytes"
+        )
+    )
     over: dict[str, int] = {}
     for pool, measured in figures.items():
         room = usage[pool].free_bytes + mine.get(pool, 0) if pool in usage else measured

@@ -141,7 +141,12 @@ def _load(deployment_id: int) -> Deployment:
 
 
 def _live_instance(deployment: Deployment) -> Instance | None:
-    return deployment.instances.exclude(state=Instance.State.EXITED).first()
+    return (
+        Instance.objects.filter(deployment_id=deployment.pk)
+        .exclude(state=Instance.State.EXITED)
+        .only("pk", "pid", "port", "gpu_indices", "log_path", "state")
+        .first()
+    )
 
 
 # --- making room ---------------------------------------------------------------------------
@@ -402,7 +407,8 @@ def _park(deployment: Deployment, mode: str | None, *, actor: str, reason: str) 
             _stop(deployment, actor, reason="its engine cannot park, so it was stopped")
             return
     started = time.monotonic()
-    _transition(deployment.pk, [S.READY], S.DRAINING)
+    if deployment.observed_state == S.READY:
+        _transition(deployment.pk, [S.READY], S.DRAINING)
     drain = deployment.setting("drain_timeout_seconds")
     if not inflight.wait_drained(deployment.pk, drain):
         left = inflight.count(deployment.pk)

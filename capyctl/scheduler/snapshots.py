@@ -33,13 +33,36 @@ def ram_pool(host: Host) -> str:
     return "unified" if (host.inventory or {}).get("unified") else "ram"
 
 
+# The fields a resident needs (a switch reads them under the host lock: keep it light).
+_RESIDENT_FIELDS = (
+    "name",
+    "observed_state",
+    "park",
+    "pinned",
+    "priority",
+    "source",
+    "weights_bytes",
+    "measured_weights_bytes",
+    "min_ready_seconds",
+    "last_request_at",
+    "state_changed_at",
+    "created_at",
+    "engine__kind",
+    "engine__options",
+)
+
+
 def residents(host: Host, now: float) -> list[Resident]:
     entries: dict[int, dict[str, int]] = {}
-    for entry in LedgerEntry.objects.filter(host=host, deployment__isnull=False):
-        if entry.pool not in ("ram",):
-            entries.setdefault(int(entry.deployment_id or 0), {})[entry.pool] = entry.bytes
+    rows = LedgerEntry.objects.filter(host=host, deployment__isnull=False).values_list(
+        "deployment_id", "pool", "bytes"
+    )
+    for deployment_id, pool, num_bytes in rows:
+        if pool != "ram":
+            entries.setdefault(int(deployment_id), {})[pool] = num_bytes
     residents = []
-    for deployment in Deployment.objects.filter(pk__in=entries).select_related("engine"):
+    wanted = Deployment.objects.filter(pk__in=entries).select_related("engine")
+    for deployment in wanted.only(*_RESIDENT_FIELDS):
         capabilities = get_kind(deployment.engine.kind).capabilities(deployment.engine.options)
         held = entries[deployment.pk]
         claim = max(held.values(), default=0)

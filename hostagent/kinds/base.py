@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shlex
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,6 +71,16 @@ class EngineClient:
             # cost about 1 ms instead of about 90 ms, which a switch would otherwise pay.
             verify=False,  # noqa: S501 - no TLS is ever used on this client
         )
+
+    @contextlib.contextmanager
+    def default_timeout(self, seconds: float) -> Iterator[None]:
+        """Calls without their own timeout give up after ``seconds`` inside the block."""
+        previous = self._client.timeout
+        self._client.timeout = httpx.Timeout(seconds)
+        try:
+            yield
+        finally:
+            self._client.timeout = previous
 
     def close(self) -> None:
         self.closed = True
