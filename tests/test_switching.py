@@ -5,6 +5,7 @@ import threading
 import pytest
 from django.db import connection
 
+from capyctl.deployments.models import Deployment
 from capyctl.engines.services import add_engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
@@ -45,6 +46,9 @@ def test_a_then_b_parks_a_in_ram_and_wakes_b(gpu24):
     assert state("b") == ("ready", "")
     assert entries("a")["gpu0"] == ("held", 512 * MIB)
     assert entries("a")["ram"][1] >= 8 * GIB  # the weights copy, counted in host RAM
+    measured_copy = Deployment.objects.get(name="a").measured_weights_bytes
+    assert measured_copy is not None
+    assert abs(measured_copy - 8 * GIB) < 64 * MIB  # remembered for the next plan
     assert gpu_ledger_matches_probe(gpu24)
     assert overcommitted(Host.objects.get(name="local")) == []
     parked = Event.objects.get(kind="deployment.parked", subject="a")
@@ -167,3 +171,15 @@ def test_on_unified_memory_the_park_is_deep(tmp_path, settings):
     finally:
         driver.stop_all(grace_seconds=2)
         set_local_driver(None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_celery_tasks_run_the_same_operations_in_process(gpu24):
+    from capyctl.scheduler import tasks
+
+    vllm_engine()
+    a = deployment("a")
+    tasks.ensure_ready.delay(a.pk)  # standalone: eager, in this process
+    assert state("a") == ("ready", "")
+    tasks.reconcile_hosts.delay()
+    assert state("a") == ("ready", "")

@@ -445,9 +445,26 @@ def _park(deployment: Deployment, mode: str | None, *, actor: str, reason: str) 
         raise EngineFailedError(f"{deployment.name}: park failed: {exc}") from exc
     pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
     figures = snapshots.measured(host, pools, residual, 0)
+    remembered: dict[str, object] = {}
     with host_lock(host.pk) as locked:
+        if mode == RAM and "ram" in figures:
+            # The weights copy, measured: what host RAM grew by when the weights moved there.
+            before = (
+                LedgerEntry.objects.filter(host=locked, deployment=deployment, pool="ram")
+                .values_list("bytes", flat=True)
+                .first()
+            )
+            if before is not None and figures["ram"] > before:
+                remembered["measured_weights_bytes"] = figures["ram"] - before
         _record_measured(locked, deployment, figures, f"parked {mode}")
-        _transition(deployment.pk, [S.PARKING], S.PARKED, parked_mode=mode, state_reason=reason)
+        _transition(
+            deployment.pk,
+            [S.PARKING],
+            S.PARKED,
+            parked_mode=mode,
+            state_reason=reason,
+            **remembered,
+        )
     record(
         deployment,
         "deployment.parked",

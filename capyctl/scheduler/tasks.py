@@ -25,3 +25,12 @@ def ensure_ready(deployment_id: int) -> None:
 @shared_task(acks_late=True, ignore_result=True)
 def reconcile_host(host_id: int) -> None:
     reconcile.reconcile(host_id)
+
+
+@shared_task(ignore_result=True)
+def reconcile_hosts() -> None:
+    """The periodic pass (every few seconds, from Celery beat in server mode)."""
+    from capyctl.hosts.models import Host
+
+    for host_id in Host.objects.filter(is_local=True).values_list("pk", flat=True):
+        reconcile_host.delay(host_id)

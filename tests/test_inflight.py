@@ -1,0 +1,54 @@
+"""Requests in flight, counted in-process (standalone) or in Redis (server mode)."""
+
+import threading
+import time
+
+import pytest
+
+from capyctl.scheduler.inflight import LocalInFlight, RedisInFlight
+
+
+@pytest.fixture(params=["local", "redis"])
+def tracker(request):
+    if request.param == "local":
+        return LocalInFlight()
+    redis_tracker = RedisInFlight("redis://127.0.0.1:6379/14")
+    redis_tracker._redis.flushdb()
+    return redis_tracker
+
+
+def test_begin_end_and_count(tracker):
+    assert tracker.count(7) == 0
+    tracker.begin(7)
+    tracker.begin(7)
+    tracker.begin(8)
+    assert (tracker.count(7), tracker.count(8)) == (2, 1)
+    tracker.end(7)
+    tracker.end(7)
+    tracker.end(7)  # one too many never goes below zero
+    assert tracker.count(7) == 0
+    assert tracker.count(8) == 1
+
+
+def test_a_second_process_sees_redis_counts():
+    first = RedisInFlight("redis://127.0.0.1:6379/14")
+    first._redis.flushdb()
+    second = RedisInFlight("redis://127.0.0.1:6379/14")
+    first.begin(3)
+    assert second.count(3) == 1
+    second.end(3)
+    assert first.count(3) == 0
+
+
+def test_draining_waits_for_requests_in_flight(settings, monkeypatch):
+    from capyctl.scheduler import inflight
+
+    local = LocalInFlight()
+    monkeypatch.setattr(inflight, "_tracker", local)
+    local.begin(5)
+    threading.Timer(0.3, lambda: local.end(5)).start()
+    started = time.monotonic()
+    assert inflight.wait_drained(5, timeout=5)
+    assert 0.25 < time.monotonic() - started < 3
+    local.begin(5)
+    assert not inflight.wait_drained(5, timeout=0.2)
