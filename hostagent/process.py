@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import psutil
+
 from hostagent.errors import EngineExitedError, StartTimeoutError
 
 logger = logging.getLogger("hostagent.process")
@@ -155,6 +157,10 @@ def wait_ready(
 
 def stop_process(process: EngineProcess, *, grace_seconds: float = 10.0) -> int:
     """SIGTERM the process group, SIGKILL it after ``grace_seconds``; return the exit code."""
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
     if process.exit_code() is None:
         _signal_group(process.pid, signal.SIGTERM)
         try:
@@ -165,8 +171,10 @@ def stop_process(process: EngineProcess, *, grace_seconds: float = 10.0) -> int:
             )
             _signal_group(process.pid, signal.SIGKILL)
             process.popen.wait()
-    # Children that outlived the leader in its group go too.
+    # Children that outlived the leader in its group go too, and are waited for: they may
+    # hold the GPU memory (vLLM's engine core, tensor-parallel workers).
     _signal_group(process.pid, signal.SIGKILL)
+    psutil.wait_procs(children, timeout=grace_seconds)
     if process._pump is not None:
         process._pump.join(timeout=5)
     code = process.popen.returncode

@@ -190,6 +190,10 @@ class EngineRuntime:
         but the probe does not show the memory released within ``release_timeout``.
         """
         before = self.usage(instance)
+        assigned = instance.request.gpu_indices or []
+        if assigned and not all(before.gpu.get(i) is not None for i in assigned):
+            # Without a reading for each of its GPUs, a release could never be confirmed.
+            before = ProcessUsage(gpu={i: before.gpu.get(i) for i in assigned}, host_bytes=0)
         with _client_for(instance, timeout) as client:
             self._call(instance, lambda: instance.kind.park(client, instance.spec, mode))
         instance.parked_mode = mode

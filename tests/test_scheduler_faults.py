@@ -10,6 +10,7 @@ import pytest
 
 from capyctl.deployments.models import Deployment
 from capyctl.engines.services import add_engine
+from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.scheduler import operations
@@ -37,8 +38,7 @@ def test_memory_kept_after_a_park_stays_unconfirmed_until_the_probe_shows_it_fre
     # b cannot have that memory: it still counts, and a is not ready (so not a victim).
     with pytest.raises(operations.NoCapacityError):
         operations.ensure_ready(b.pk)
-    with pytest.raises(operations.EngineFailedError, match="not confirmed released yet"):
-        operations.ensure_ready(a.pk)
+    assert state("b") == ("stopped", "")
 
     # The engine finally lets go: the next reconcile sees it and releases the entry.
     instance = gpu24.instance(operations.instance_key(a.instances.get()))
@@ -162,3 +162,71 @@ def test_a_transition_stuck_past_its_timeout_is_repaired(gpu24):
     assert entries("a") == {}
     operations.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_model_can_wake_over_its_own_unconfirmed_memory(gpu24):
+    sim_engine("sticky", CAPYCTL_SIM_KEEP_MEMORY="1")
+    gpu24.runtime.release_timeout = 0.5
+    a = deployment("a", engine="sticky")
+    operations.ensure_ready(a.pk)
+    operations.park(a.pk, "ram")
+    assert entries("a")["gpu0"][0] == "unconfirmed"
+    # Its unconfirmed entry counts its whole claim already: waking it takes nothing more.
+    operations.ensure_ready(a.pk)
+    assert state("a") == ("ready", "")
+    assert entries("a")["gpu0"][0] == "held"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_during_a_start_leaves_no_engine_and_no_memory(gpu24):
+    import threading
+
+    from django.db import connection
+
+    sim_engine("slow", CAPYCTL_SIM_LOAD_SECONDS="1.5")
+    a = deployment("a", engine="slow")
+    outcome: list[object] = []
+
+    def start_a() -> None:
+        try:
+            outcome.append(operations.ensure_ready(a.pk).observed_state)
+        except operations.SchedulerError as exc:
+            outcome.append(exc)
+        finally:
+            connection.close()
+
+    starter = threading.Thread(target=start_a)
+    starter.start()
+    deadline = time.monotonic() + 10
+    while state("a")[0] != "starting" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    operations.stop(a.pk)
+    starter.join(timeout=30)
+    assert state("a") == ("stopped", "")
+    assert entries("a") == {}
+    assert gpu24.devices()[0].used_bytes == 0
+    assert gpu24.instances() == []
+    assert len(outcome) == 1
+    operations.start(a.pk)  # and it starts again cleanly
+    assert state("a") == ("ready", "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_sglang_victim_with_cpu_backup_is_stopped_rather_than_copied(gpu24, settings):
+    import psutil
+
+    settings.CAPYCTL = {
+        **settings.CAPYCTL,
+        "RAM_RESERVE_BYTES": psutil.virtual_memory().total - 6 * GIB,
+    }
+    add_engine("sim-sglang", kind="sglang", command=f"{SIM} sglang", env=SIM_ENV)
+    sim_engine("sim-vllm")
+    a = deployment("a", engine="sim-sglang")
+    b = deployment("b")
+    operations.ensure_ready(a.pk)
+    operations.ensure_ready(b.pk)
+    assert state("a") == ("stopped", "")
+    assert state("b") == ("ready", "")
+    stopped = Event.objects.get(kind="deployment.stopped", subject="a")
+    assert "instead of parking" in stopped.message

@@ -15,6 +15,11 @@ from django.conf import settings
 
 _KEY = "capyctl:inflight:{}"
 _TTL_SECONDS = 3600  # a crashed process's counts cannot pin a model forever
+_END_SCRIPT = """
+local left = redis.call('DECR', KEYS[1])
+if left <= 0 then redis.call('DEL', KEYS[1]) end
+return left
+"""
 
 
 class InFlight(Protocol):
@@ -52,6 +57,7 @@ class RedisInFlight:
         import redis
 
         self._redis = redis.Redis.from_url(url, socket_timeout=2)
+        self._end = self._redis.register_script(_END_SCRIPT)
 
     def begin(self, deployment_id: int) -> None:
         key = _KEY.format(deployment_id)
@@ -61,9 +67,9 @@ class RedisInFlight:
         pipe.execute()
 
     def end(self, deployment_id: int) -> None:
-        key = _KEY.format(deployment_id)
-        if int(self._redis.decr(key)) <= 0:
-            self._redis.delete(key)
+        # Decrement and drop an emptied key in one step, so a request that begins in
+        # between is never wiped out.
+        self._end(keys=[_KEY.format(deployment_id)])
 
     def count(self, deployment_id: int) -> int:
         value = self._redis.get(_KEY.format(deployment_id))

@@ -9,14 +9,15 @@ engine starts or wakes, and replaced by the probe's measured figures once it is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from typing import Any
 
-from django.db import transaction
 from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, Instance, ObservedState
@@ -27,6 +28,7 @@ from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import (
+    InsufficientMemoryError,
     admit,
     host_lock,
     mark_unconfirmed,
@@ -43,7 +45,6 @@ from capyctl.scheduler.policy import (
     Need,
     NoCapacity,
     Placement,
-    Pool,
     Victim,
     park_mode,
     plan,
@@ -83,17 +84,31 @@ class EngineFailedError(SchedulerError):
 
 # --- state ------------------------------------------------------------------------------
 
-_flights: dict[int, threading.Lock] = {}
+# One re-entrant lock per deployment: a start, wake, park or stop of one deployment runs
+# alone in this process (across processes, conditional transitions decide).
+_flights: dict[int, threading.RLock] = {}
 _flights_lock = threading.Lock()
+OPERATION_LOCK_SECONDS = 3600.0
 
 
-def _flight(deployment_id: int) -> threading.Lock:
+def _flight(deployment_id: int) -> threading.RLock:
     with _flights_lock:
-        return _flights.setdefault(deployment_id, threading.Lock())
+        return _flights.setdefault(deployment_id, threading.RLock())
+
+
+@contextlib.contextmanager
+def _operating(deployment: Deployment) -> Iterator[None]:
+    lock = _flight(deployment.pk)
+    if not lock.acquire(timeout=OPERATION_LOCK_SECONDS):
+        raise SchedulerError(f"{deployment.name}: another operation on it did not finish")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def flight_free(deployment_id: int) -> bool:
-    """Whether no start or wake of the deployment is under way in this process."""
+    """Whether no operation on the deployment is under way in this process."""
     flight = _flight(deployment_id)
     if flight.acquire(blocking=False):
         flight.release()
@@ -101,11 +116,25 @@ def flight_free(deployment_id: int) -> bool:
     return False
 
 
-def _transition(deployment_id: int, expected: Iterable[str], new: str, **fields: object) -> bool:
-    """Move to ``new`` only from one of ``expected``; return whether this call did it."""
-    updated = Deployment.objects.filter(pk=deployment_id, observed_state__in=list(expected)).update(
-        observed_state=new, state_changed_at=timezone.now(), **fields
-    )
+def transition_back_to_ready(deployment_id: int) -> bool:
+    """DRAINING -> READY, for a drain that was abandoned."""
+    return _transition(deployment_id, [S.DRAINING], S.READY)
+
+
+def _transition(
+    deployment_id: int,
+    expected: Iterable[str],
+    new: str,
+    *,
+    wanted: bool = False,
+    **fields: object,
+) -> bool:
+    """Move to ``new`` only from one of ``expected`` (and, with ``wanted``, only while its
+    desired state is running); return whether this call did it."""
+    rows = Deployment.objects.filter(pk=deployment_id, observed_state__in=list(expected))
+    if wanted:
+        rows = rows.filter(desired_state="running")
+    updated = rows.update(observed_state=new, state_changed_at=timezone.now(), **fields)
     return updated == 1
 
 
@@ -152,33 +181,49 @@ def _live_instance(deployment: Deployment) -> Instance | None:
 # --- making room ---------------------------------------------------------------------------
 
 
-def _place(deployment: Deployment, actor: str) -> tuple[Host, Placement]:
-    """Choose the host and pools, evicting victims until the need fits; admit it."""
+def _place(deployment: Deployment, actor: str) -> tuple[Host, Placement, Instance] | None:
+    """Choose the host and pools, evicting victims until the need fits; then, in one
+    transaction under the host lock, claim the start (STOPPED/FAILED -> STARTING), admit
+    the memory and create the instance row. ``None``: another caller started or stopped
+    it meanwhile, and nothing was admitted."""
     hosts: list[Host] = [deployment.host] if deployment.host else list(Host.objects.all())
     for _round in range(MAX_SWITCH_ROUNDS):
         result: Placement | NoCapacity = NoCapacity(f"no host can run {deployment.name}")
-        chosen_host: Host | None = None
         for host in hosts:
             with host_lock(host.pk) as locked:
-                result = plan([snapshots.snapshot(locked)], snapshots.need(deployment, locked))
+                need = snapshots.need(deployment, locked)
+                result = plan([snapshots.snapshot(locked)], need)
                 if isinstance(result, NoCapacity):
                     continue
-                chosen_host = locked
                 if not result.victims:
+                    if not _transition(
+                        deployment.pk,
+                        [S.STOPPED, S.FAILED],
+                        S.STARTING,
+                        wanted=True,
+                        host=locked,
+                        state_reason="",
+                    ):
+                        return None
                     pools = snapshots.gpu_pools(locked, result.gpu_indices)
-                    need = snapshots.need(deployment, locked)
                     figures = dict.fromkeys(pools, need.claim_per_gpu_bytes)
-                    figures[snapshots.ram_pool(locked)] = (
-                        figures.get(snapshots.ram_pool(locked), 0) + need.host_ram_bytes
+                    ram = snapshots.ram_pool(locked)
+                    figures[ram] = figures.get(ram, 0) + need.host_ram_bytes
+                    try:
+                        admit(locked, deployment.pk, figures, note="promised for a start")
+                    except InsufficientMemoryError as exc:
+                        raise NoCapacityError(f"{deployment.name}: {exc}") from exc
+                    instance = Instance.objects.create(
+                        deployment=deployment,
+                        host=locked,
+                        launch_key="",
+                        gpu_indices=result.gpu_indices,
+                        log_path=f"{deployment.name}-{uuid.uuid4().hex[:8]}",
                     )
-                    admit(locked, deployment.pk, figures, note="promised for a start or wake")
-                    return locked, result
-                for victim in result.victims:
-                    _transition(victim.deployment_id, [S.READY], S.DRAINING)
+                    return locked, result, instance
             break
         if isinstance(result, NoCapacity):
             raise NoCapacityError(result.reason, result.blockers)
-        assert chosen_host is not None  # noqa: S101 - set together with a Placement
         for victim in result.victims:
             _evict(victim, actor, for_name=deployment.name)
     raise NoCapacityError(
@@ -187,20 +232,36 @@ def _place(deployment: Deployment, actor: str) -> tuple[Host, Placement]:
 
 
 def _evict(victim: Victim, actor: str, *, for_name: str) -> None:
+    """Park or stop one victim; one no longer ready is left alone (the next round
+    re-plans)."""
     deployment = _load(victim.deployment_id)
-    if victim.mode == STOP:
-        drain = deployment.setting("drain_timeout_seconds")
-        if not inflight.wait_drained(deployment.pk, drain):
-            _transition(deployment.pk, [S.DRAINING], S.READY)
-            raise SchedulerError(
-                f"gave up stopping {deployment.name}: requests still in flight after {drain}s"
-            )
+    if deployment.observed_state not in (S.READY, S.DRAINING):
+        return
+    reason = f"to make room for {for_name}"
+    if victim.mode != STOP:
+        _park(deployment, victim.mode, actor=actor, reason=reason)
+        return
+    with _operating(deployment):
+        if not _drain(deployment, "stopping"):
+            return
         level = Event.Level.WARNING if "copy" in victim.reason else Event.Level.INFO
         message = f"stopped {deployment.name} instead of parking: {victim.reason}"
         logger.warning(message) if level == Event.Level.WARNING else logger.info(message)
-        _stop(deployment, actor, reason=f"{message} (to make room for {for_name})", level=level)
-    else:
-        _park(deployment, victim.mode, actor=actor, reason=f"to make room for {for_name}")
+        _stop(deployment, actor, reason=f"{message} ({reason})", level=level)
+
+
+def _drain(deployment: Deployment, doing: str) -> bool:
+    """READY -> DRAINING, then wait for its requests in flight; on a timeout it goes back
+    to READY and this raises (CapyCTL never cuts a request short to make room)."""
+    _transition(deployment.pk, [S.READY], S.DRAINING)
+    drain = deployment.setting("drain_timeout_seconds")
+    if inflight.wait_drained(deployment.pk, drain):
+        return True
+    left = inflight.count(deployment.pk)
+    _transition(deployment.pk, [S.DRAINING], S.READY)
+    message = f"gave up {doing} {deployment.name}: {left} request(s) still in flight after {drain}s"
+    record(deployment, "deployment.drain_timeout", message, level=Event.Level.WARNING)
+    raise SchedulerError(message)
 
 
 # --- operations ----------------------------------------------------------------------------
@@ -222,13 +283,15 @@ def ensure_ready(
     deadline = time.monotonic() + (timeout or deployment.setting("wake_timeout_seconds"))
     flight = _flight(deployment_id)
     while True:
-        observed = (
+        observed, desired = (
             Deployment.objects.filter(pk=deployment_id)
-            .values_list("observed_state", flat=True)
+            .values_list("observed_state", "desired_state")
             .first()
-        )
+        ) or (None, None)
         if observed == S.READY:
             return _load(deployment_id)
+        if desired == "stopped":
+            raise ModelStoppedError(f"{deployment.name} was stopped meanwhile")
         if flight.acquire(timeout=0.05):
             try:
                 now_state = (
@@ -240,10 +303,9 @@ def ensure_ready(
                     raise SchedulerError(f"deployment {deployment_id} no longer exists")
                 if now_state != (deployment.observed_state, deployment.parked_mode):
                     deployment = _load(deployment_id)
-                if deployment.observed_state in (S.STOPPED, S.FAILED):
-                    return _start(deployment, actor)
-                if deployment.observed_state == S.PARKED:
-                    return _wake(deployment, actor)
+                deployment = _act(deployment, actor)
+                if deployment.observed_state == S.READY:
+                    return deployment
             finally:
                 flight.release()
         if time.monotonic() >= deadline:
@@ -251,6 +313,15 @@ def ensure_ready(
                 f"{deployment.name} is still {deployment.observed_state} after waiting"
             )
         time.sleep(0.05)
+
+
+def _act(deployment: Deployment, actor: str) -> Deployment:
+    """Start a stopped or failed deployment, wake a parked one; others are left alone."""
+    if deployment.observed_state in (S.STOPPED, S.FAILED):
+        return _start(deployment, actor)
+    if deployment.observed_state == S.PARKED:
+        return _wake(deployment, actor)
+    return deployment
 
 
 def start(deployment_id: int, actor: str = "system") -> Deployment:
@@ -261,22 +332,11 @@ def start(deployment_id: int, actor: str = "system") -> Deployment:
 
 def _start(deployment: Deployment, actor: str) -> Deployment:
     started = time.monotonic()
-    host, placement = _place(deployment, actor)
-    instance_id = f"{deployment.name}-{uuid.uuid4().hex[:8]}"
-    with transaction.atomic():
-        if not _transition(
-            deployment.pk, [S.STOPPED, S.FAILED], S.STARTING, host=host, state_reason=""
-        ):
-            with host_lock(host.pk) as locked:
-                release(locked, deployment.pk)
-            return _load(deployment.pk)
-        instance = Instance.objects.create(
-            deployment=deployment,
-            host=host,
-            launch_key="",
-            gpu_indices=placement.gpu_indices,
-            log_path=instance_id,
-        )
+    placed = _place(deployment, actor)
+    if placed is None:
+        return _load(deployment.pk)
+    host, placement, instance = placed
+    instance_id = instance.log_path
     deployment = _load(deployment.pk)
     record(
         deployment, "deployment.starting", f"starting {deployment.name} on {host.name}", actor=actor
@@ -293,33 +353,43 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         gpu_indices=placement.gpu_indices if deployment.gpus else [],
         env=dict(deployment.engine.env),
         options=dict(deployment.engine.options),
-        ram_park=deployment.park in ("auto", "ram") and not (host.inventory or {}).get("unified"),
+        ram_park=snapshots.launch_keeps_ram_copy(deployment, host),
         memory_fraction=estimates.memory_fraction(deployment, snapshots.device_total(host)),
     )
     try:
         launched = driver.launch(request)
-        Instance.objects.filter(pk=instance.pk).update(
+        attached = Instance.objects.filter(pk=instance.pk, state=Instance.State.LAUNCHING).update(
             pid=launched.pid,
             port=launched.port,
             launch_key=launched.api_key,
             state=Instance.State.RUNNING,
             log_path=str(launched.process.log_path),
         )
+        if not attached:  # stopped while it launched: end what was launched
+            driver.stop(instance_id, STOP_GRACE_SECONDS)
+            return _load(deployment.pk)
         driver.wait_ready(instance_id, deployment.setting("start_timeout_seconds"))
         usage = driver.usage(instance_id)
     except EngineError as exc:
         fail(deployment, driver, instance, f"the engine failed to start: {exc}", actor)
         raise EngineFailedError(f"{deployment.name}: the engine failed to start: {exc}") from exc
+    except Exception as exc:
+        fail(deployment, driver, instance, f"the start failed: {type(exc).__name__}: {exc}", actor)
+        raise
     pools = snapshots.gpu_pools(host, placement.gpu_indices)
     figures = snapshots.measured(host, pools, usage, claim)
     with host_lock(host.pk) as locked:
-        _record_measured(locked, deployment, figures, "measured")
-        _transition(
+        ready = _transition(
             deployment.pk,
             [S.STARTING],
             S.READY,
             measured_gpu_bytes=max((figures[p] for p in pools), default=None),
         )
+        if ready:
+            _record_measured(locked, deployment, figures, "measured")
+    if not ready:  # stopped or failed meanwhile: its entries are gone, so is the engine
+        driver.stop(instance_id, STOP_GRACE_SECONDS)
+        return _load(deployment.pk)
     deployment = _load(deployment.pk)
     record(
         deployment,
@@ -364,7 +434,7 @@ def fail(
             release(locked, deployment.pk)
     _transition(
         deployment.pk,
-        [s for s in S.values if s != S.FAILED],
+        [s for s in S.values if s not in (S.FAILED, S.STOPPED, S.STOPPING)],
         S.FAILED,
         state_reason=reason[:2000],
         parked_mode="",
@@ -391,88 +461,135 @@ def park(
     return _load(deployment_id)
 
 
-def _park(deployment: Deployment, mode: str | None, *, actor: str, reason: str) -> None:
-    host = deployment.host
-    instance = _live_instance(deployment)
-    if host is None or instance is None or deployment.observed_state not in (S.READY, S.DRAINING):
-        raise SchedulerError(
-            f"{deployment.name} is {deployment.observed_state}; only a ready model can be parked"
-        )
-    if mode is None:
-        snap = snapshots.snapshot(host)
-        resident = next((r for r in snap.residents if r.deployment_id == deployment.pk), None)
-        ram_free = snap.pools[snap.ram_pool].free_bytes if snap.ram_pool in snap.pools else 0
-        mode = park_mode(resident, snap, ram_free)[0] if resident else STOP
-        if mode == STOP:
-            _stop(deployment, actor, reason="its engine cannot park, so it was stopped")
+def _park(  # noqa: PLR0915 - one operation, read top to bottom
+    deployment: Deployment, mode: str | None, *, actor: str, reason: str
+) -> None:
+    with _operating(deployment):
+        deployment = _load(deployment.pk)  # as it is now that this call has it alone
+        host = deployment.host
+        instance = _live_instance(deployment)
+        if (
+            host is None
+            or instance is None
+            or deployment.observed_state
+            not in (
+                S.READY,
+                S.DRAINING,
+            )
+        ):
+            raise SchedulerError(
+                f"{deployment.name} is {deployment.observed_state}; only a ready model can be "
+                "parked"
+            )
+        evicting = reason.startswith("to make room")
+        if mode is None:
+            snap = snapshots.snapshot(host)
+            resident = next((r for r in snap.residents if r.deployment_id == deployment.pk), None)
+            ram_free = snap.pools[snap.ram_pool].free_bytes if snap.ram_pool in snap.pools else 0
+            mode = park_mode(resident, snap, ram_free)[0] if resident else STOP
+            if mode == STOP:
+                _stop(deployment, actor, reason="its engine cannot park, so it was stopped")
+                return
+        started = time.monotonic()
+        _drain(deployment, "parking")
+        if not _transition(deployment.pk, [S.DRAINING], S.PARKING):
             return
-    started = time.monotonic()
-    if deployment.observed_state == S.READY:
-        _transition(deployment.pk, [S.READY], S.DRAINING)
-    drain = deployment.setting("drain_timeout_seconds")
-    if not inflight.wait_drained(deployment.pk, drain):
-        left = inflight.count(deployment.pk)
-        _transition(deployment.pk, [S.DRAINING], S.READY)
-        message = (
-            f"gave up parking {deployment.name}: {left} request(s) still in flight after {drain}s"
-        )
-        record(deployment, "deployment.drain_timeout", message, level=Event.Level.WARNING)
-        raise SchedulerError(message)
-    if not _transition(deployment.pk, [S.DRAINING], S.PARKING):
-        return
-    driver = driver_for(host)
-    key = instance_key(instance)
-    try:
-        residual = driver.park(key, mode, deployment.setting("drain_timeout_seconds") + 600)
-    except CannotParkError as exc:
-        _transition(deployment.pk, [S.PARKING], S.READY)
-        raise SchedulerError(f"{deployment.name}: {exc}") from exc
-    except MemoryNotReleasedError as exc:
+        engine_ram = _engine_ram(host, deployment)
+        if mode == RAM and not _reserve_copy(deployment, host, engine_ram):
+            mode = DEEP
+        driver = driver_for(host)
+        key = instance_key(instance)
+        try:
+            residual = driver.park(key, mode, deployment.setting("drain_timeout_seconds") + 600)
+        except CannotParkError as exc:
+            _transition(deployment.pk, [S.PARKING], S.READY)
+            with host_lock(host.pk) as locked:
+                set_measured(locked, deployment.pk, {"ram": engine_ram}, note="measured")
+            if not evicting:
+                raise SchedulerError(f"{deployment.name}: {exc}") from exc
+            message = f"stopped {deployment.name} instead of parking: {exc}"
+            logger.warning(message)
+            _stop(deployment, actor, reason=f"{message} ({reason})", level=Event.Level.WARNING)
+            return
+        except MemoryNotReleasedError as exc:
+            with host_lock(host.pk) as locked:
+                if _transition(
+                    deployment.pk, [S.PARKING], S.PARKED, parked_mode=mode, state_reason=str(exc)
+                ):
+                    mark_unconfirmed(locked, deployment.pk, "park answered, memory not seen free")
+            record(
+                deployment,
+                "deployment.parked",
+                f"{deployment.name} parked ({mode}) but its memory is not confirmed released: "
+                f"{exc}",
+                level=Event.Level.WARNING,
+                started=started,
+                actor=actor,
+            )
+            return
+        except EngineError as exc:
+            fail(deployment, driver, instance, f"park failed: {exc}", actor)
+            raise EngineFailedError(f"{deployment.name}: park failed: {exc}") from exc
+        pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
+        figures = snapshots.measured(host, pools, residual, 0)
+        remembered: dict[str, Any] = {}
+        if mode == RAM and "ram" in figures and engine_ram and figures["ram"] > engine_ram:
+            # The weights copy, measured: what host RAM grew by when the weights moved there.
+            remembered["measured_weights_bytes"] = figures["ram"] - engine_ram
         with host_lock(host.pk) as locked:
-            mark_unconfirmed(locked, deployment.pk, "park answered, memory not seen released")
-        _transition(deployment.pk, [S.PARKING], S.PARKED, parked_mode=mode, state_reason=str(exc))
+            if _transition(
+                deployment.pk,
+                [S.PARKING],
+                S.PARKED,
+                parked_mode=mode,
+                state_reason=reason,
+                **remembered,
+            ):
+                _record_measured(locked, deployment, figures, f"parked {mode}")
         record(
             deployment,
             "deployment.parked",
-            f"{deployment.name} parked ({mode}) but its memory is not confirmed released: {exc}",
-            level=Event.Level.WARNING,
+            f"parked {deployment.name} ({mode})" + (f" {reason}" if reason else ""),
             started=started,
             actor=actor,
+            data={"mode": mode},
         )
-        return
-    except EngineError as exc:
-        fail(deployment, driver, instance, f"park failed: {exc}", actor)
-        raise EngineFailedError(f"{deployment.name}: park failed: {exc}") from exc
-    pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
-    figures = snapshots.measured(host, pools, residual, 0)
-    remembered: dict[str, object] = {}
-    with host_lock(host.pk) as locked:
-        if mode == RAM and "ram" in figures:
-            # The weights copy, measured: what host RAM grew by when the weights moved there.
-            before = (
-                LedgerEntry.objects.filter(host=locked, deployment=deployment, pool="ram")
-                .values_list("bytes", flat=True)
-                .first()
-            )
-            if before is not None and figures["ram"] > before:
-                remembered["measured_weights_bytes"] = figures["ram"] - before
-        _record_measured(locked, deployment, figures, f"parked {mode}")
-        _transition(
-            deployment.pk,
-            [S.PARKING],
-            S.PARKED,
-            parked_mode=mode,
-            state_reason=reason,
-            **remembered,
-        )
-    record(
-        deployment,
-        "deployment.parked",
-        f"parked {deployment.name} ({mode})" + (f" {reason}" if reason else ""),
-        started=started,
-        actor=actor,
-        data={"mode": mode},
+
+
+def _engine_ram(host: Host, deployment: Deployment) -> int:
+    """What the ledger counts for the engine process in host RAM (before a park)."""
+    found = (
+        LedgerEntry.objects.filter(host=host, deployment=deployment, pool="ram")
+        .values_list("bytes", flat=True)
+        .first()
     )
+    return int(found or 0)
+
+
+def _reserve_copy(deployment: Deployment, host: Host, engine_ram: int) -> bool:
+    """Promise host RAM for a ``ram`` park's weights copy before making it; False (park
+    deep instead) when host RAM cannot hold it now."""
+    with host_lock(host.pk) as locked:
+        if snapshots.ram_pool(locked) != "ram":
+            return True  # unified: the copy stays in the same pool
+        claim = max(
+            LedgerEntry.objects.filter(host=locked, deployment=deployment)
+            .exclude(pool="ram")
+            .values_list("bytes", flat=True),
+            default=0,
+        )
+        copy = estimates.weights_bytes(deployment, claim)
+        try:
+            admit(locked, deployment.pk, {"ram": engine_ram + copy}, note="promised for a copy")
+        except InsufficientMemoryError:
+            record(
+                deployment,
+                "deployment.park_mode",
+                f"parking {deployment.name} deep: its copy ({format_size(copy)}) no longer fits "
+                "in host RAM",
+            )
+            return False
+        return True
 
 
 def _wake(deployment: Deployment, actor: str) -> Deployment:
@@ -485,6 +602,8 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
     claim = estimates.claim_per_gpu(deployment, snapshots.device_total(host))
     for _round in range(MAX_SWITCH_ROUNDS):
         victims = _admit_wake(deployment, host, pools, claim)
+        if victims is None:
+            return _load(deployment.pk)  # woken, or stopped, by someone else meanwhile
         if not victims:
             break
         for victim in victims:
@@ -494,8 +613,6 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
             f"{deployment.name}: memory was not freed after {MAX_SWITCH_ROUNDS} rounds"
         )
     mode = deployment.parked_mode or RAM
-    if not _transition(deployment.pk, [S.PARKED], S.WAKING):
-        return _load(deployment.pk)
     driver = driver_for(host)
     key = instance_key(instance)
     try:
@@ -504,10 +621,16 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
     except EngineError as exc:
         fail(deployment, driver, instance, f"wake failed: {exc}", actor)
         raise EngineFailedError(f"{deployment.name}: wake failed: {exc}") from exc
+    except Exception as exc:
+        fail(deployment, driver, instance, f"wake failed: {type(exc).__name__}: {exc}", actor)
+        raise
     figures = snapshots.measured(host, pools, usage, claim)
     with host_lock(host.pk) as locked:
-        _record_measured(locked, deployment, figures, "measured")
-        _transition(deployment.pk, [S.WAKING], S.READY, parked_mode="", state_reason="")
+        woke = _transition(deployment.pk, [S.WAKING], S.READY, parked_mode="", state_reason="")
+        if woke:
+            _record_measured(locked, deployment, figures, "measured")
+    if not woke:
+        return _load(deployment.pk)
     deployment.observed_state, deployment.parked_mode, deployment.state_reason = S.READY, "", ""
     record(
         deployment,
@@ -522,47 +645,47 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
 
 def _admit_wake(
     deployment: Deployment, host: Host, pools: list[str], claim: int
-) -> tuple[Victim, ...]:
-    """Promise the claim back on the deployment's own GPUs, or name who must make room."""
+) -> tuple[Victim, ...] | None:
+    """Under the host lock: if the claim fits back on its own GPUs, move PARKED -> WAKING
+    and promise it (returns ``()``); else name who must make room. ``None``: it is no
+    longer a parked model that should run (another caller woke or stopped it)."""
     with host_lock(host.pk) as locked:
-        entries = {
-            e.pool: e for e in LedgerEntry.objects.filter(host=locked, deployment=deployment)
-        }
-        if any(e.status == LedgerEntry.Status.UNCONFIRMED for e in entries.values()):
-            raise EngineFailedError(
-                f"{deployment.name}: its parked memory is not confirmed released yet; "
-                "waiting for the GPU probe to show it free"
-            )
-        residual = max((entries[p].bytes for p in pools if p in entries), default=0)
+        now = (
+            Deployment.objects.filter(pk=deployment.pk)
+            .values_list("observed_state", "desired_state")
+            .first()
+        )
+        if now != (S.PARKED, "running"):
+            return None
+        # Its own entries (held residual, or unconfirmed: they still count the whole claim)
+        # are replaced by the promise, so they count as room for it.
+        mine = dict(
+            LedgerEntry.objects.filter(host=locked, deployment=deployment)
+            .exclude(pool="ram")
+            .values_list("pool", "bytes")
+        )
         usage = {u.pool: u for u in pool_usage(locked)}
-        if all(usage[p].free_bytes + residual >= claim for p in pools if p in usage):
-            # The fast path: it fits as it is, no need to look at who else is there.
-            admit(locked, deployment.pk, dict.fromkeys(pools, claim), note="promised for a wake")
+        if all(usage[p].free_bytes + mine.get(p, 0) >= claim for p in pools if p in usage):
+            _transition(deployment.pk, [S.PARKED], S.WAKING, wanted=True)
+            try:
+                admit(locked, deployment.pk, dict.fromkeys(pools, claim), note="promised")
+            except InsufficientMemoryError as exc:
+                raise NoCapacityError(f"{deployment.name}: {exc}") from exc
             return ()
         snap = snapshots.snapshot(locked)
-        kept = (*pools, snap.ram_pool)
+        residual = min((mine.get(p, 0) for p in pools), default=0)
         others = HostSnapshot(
             snap.host_id,
             snap.name,
             snap.unified,
-            {
-                # Its own residual stays where it is: count only what it still lacks.
-                p: Pool(p, snap.pools[p].capacity_bytes, snap.pools[p].used_bytes)
-                for p in kept
-                if p in snap.pools
-            },
+            {p: snap.pools[p] for p in (*pools, snap.ram_pool) if p in snap.pools},
             [r for r in snap.residents if r.deployment_id != deployment.pk],
         )
         need = Need(deployment.pk, deployment.name, len(pools), claim - residual, 0, (host.pk,))
         result = plan([others], need)
         if isinstance(result, NoCapacity):
             raise NoCapacityError(result.reason, result.blockers)
-        if not result.victims:
-            admit(locked, deployment.pk, dict.fromkeys(pools, claim), note="promised for a wake")
-            return ()
-        for victim in result.victims:
-            _transition(victim.deployment_id, [S.READY], S.DRAINING)
-        return result.victims
+        return result.victims or ()
 
 
 def stop(deployment_id: int, actor: str = "system") -> Deployment:
@@ -574,33 +697,40 @@ def stop(deployment_id: int, actor: str = "system") -> Deployment:
 def _stop(
     deployment: Deployment, actor: str, *, reason: str, level: str = Event.Level.INFO
 ) -> Deployment:
-    started = time.monotonic()
-    current = deployment.observed_state
-    if current == S.STOPPED:
-        return deployment
-    if not _transition(deployment.pk, [current], S.STOPPING):
-        return _load(deployment.pk)
-    instance = _live_instance(deployment)
-    if instance is not None and deployment.host is not None:
-        driver_for(deployment.host).stop(instance_key(instance), STOP_GRACE_SECONDS)
-        Instance.objects.filter(pk=instance.pk).update(
-            state=Instance.State.EXITED, ended_at=timezone.now()
+    with _operating(deployment):
+        started = time.monotonic()
+        for _attempt in range(5):
+            current = (
+                Deployment.objects.filter(pk=deployment.pk)
+                .values_list("observed_state", flat=True)
+                .first()
+            )
+            if current is None:
+                raise SchedulerError(f"deployment {deployment.pk} no longer exists")
+            if current == S.STOPPED:
+                return _load(deployment.pk)
+            if _transition(deployment.pk, [current], S.STOPPING):
+                break
+        else:
+            raise SchedulerError(f"could not stop {deployment.name}: its state kept changing")
+        deployment = _load(deployment.pk)
+        instance = _live_instance(deployment)
+        if instance is not None and deployment.host is not None:
+            driver_for(deployment.host).stop(instance_key(instance), STOP_GRACE_SECONDS)
+            Instance.objects.filter(pk=instance.pk).update(
+                state=Instance.State.EXITED, ended_at=timezone.now()
+            )
+        if deployment.host_id is not None:
+            with host_lock(deployment.host_id) as locked:
+                release(locked, deployment.pk)
+        _transition(deployment.pk, [S.STOPPING], S.STOPPED, parked_mode="", state_reason=reason)
+        message = (
+            reason
+            if reason.startswith(f"stopped {deployment.name}")
+            else f"stopped {deployment.name}: {reason}"
         )
-    if deployment.host_id is not None:
-        with host_lock(deployment.host_id) as locked:
-            release(locked, deployment.pk)
-    _transition(deployment.pk, [S.STOPPING], S.STOPPED, parked_mode="", state_reason=reason)
-    record(
-        deployment,
-        "deployment.stopped",
-        reason
-        if reason.startswith(f"stopped {deployment.name}")
-        else f"stopped {deployment.name}: {reason}",
-        level=level,
-        started=started,
-        actor=actor,
-    )
-    return _load(deployment.pk)
+        record(deployment, "deployment.stopped", message, level=level, started=started, actor=actor)
+        return _load(deployment.pk)
 
 
 def touch(deployment_id: int) -> None:

@@ -183,8 +183,10 @@ def _frees(resident: Resident, mode: str) -> dict[str, int]:
 def _shortfall(host: HostSnapshot, pools: tuple[str, ...], need: Need) -> dict[str, int]:
     """Bytes missing per pool (only pools that lack something)."""
     missing = {}
+    # On unified memory the engine process lives in the same pool as its GPU memory.
+    per_pool = need.claim_per_gpu_bytes + (need.host_ram_bytes if host.unified else 0)
     for pool in pools:
-        lack = need.claim_per_gpu_bytes - host.pools[pool].free_bytes
+        lack = per_pool - host.pools[pool].free_bytes
         if lack > 0:
             missing[pool] = lack
     ram_need = need.host_ram_bytes

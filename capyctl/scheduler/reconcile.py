@@ -124,6 +124,10 @@ def reconcile(host_id: int) -> None:
         "engine", "host"
     )
     for deployment in deployments:
+        stuck = _stuck_for(deployment, now)
+        if stuck is not None and operations.flight_free(deployment.pk):
+            _repair_stuck(deployment, driver, stuck)
+            continue
         instance = deployment.instances.exclude(state=Instance.State.EXITED).first()
         if instance is None:
             continue
@@ -132,16 +136,6 @@ def reconcile(host_id: int) -> None:
             continue  # not started by this process (another worker owns it)
         if not driver.alive(key):
             _engine_died(deployment, driver, instance)
-            continue
-        stuck = _stuck_for(deployment, now)
-        if stuck is not None and operations.flight_free(deployment.pk):
-            operations.fail(
-                deployment,
-                driver,
-                instance,
-                f"it stayed {deployment.observed_state} for {stuck:.0f}s, past its timeout",
-                "system",
-            )
             continue
         if deployment.observed_state == S.PARKED:
             _confirm_release(deployment, driver, key, host)
@@ -158,6 +152,23 @@ def reconcile(host_id: int) -> None:
                 operations.park(deployment.pk, actor="system", reason=f"after {idle}s idle")
             except operations.SchedulerError as exc:
                 logger.warning("idle park of %s did not happen: %s", deployment.name, exc)
+
+
+def _repair_stuck(deployment: Deployment, driver: HostDriver, stuck: float) -> None:
+    """A passing state held past its timeout with no operation running on it here."""
+    if deployment.observed_state == S.DRAINING:
+        # A switch gave up on it (or its worker died): it is still a working model.
+        if operations.transition_back_to_ready(deployment.pk):
+            logger.info("%s was left draining for %.0fs; it is ready again", deployment.name, stuck)
+        return
+    instance = deployment.instances.exclude(state=Instance.State.EXITED).first()
+    operations.fail(
+        deployment,
+        driver,
+        instance,
+        f"it stayed {deployment.observed_state} for {stuck:.0f}s, past its timeout",
+        "system",
+    )
 
 
 def _update_foreign(host: Host, driver: HostDriver) -> None:

@@ -127,3 +127,9 @@ def measured(
     if not unified:
         figures["ram"] = usage.host_bytes
     return figures
+
+
+def launch_keeps_ram_copy(deployment: Deployment, host: Host) -> bool:
+    """Whether its engine is launched ready for ``ram`` parks (SGLang's CPU backup): when
+    its park policy allows RAM and the host is not unified."""
+    return deployment.park in ("auto", "ram") and not (host.inventory or {}).get("unified")

@@ -60,6 +60,12 @@ class SGLangKind(ProgramKind):
             raise self.refuse_park(mode)
         if mode == "ram" and not spec.ram_park:
             raise self.refuse_park_ram()
+        if mode == "deep" and spec.ram_park:
+            # With the CPU backup, releasing still copies the weights to host RAM.
+            raise CannotParkError(
+                f"this sglang launch has {CPU_BACKUP_FLAG}: releasing would still copy its "
+                "weights to host RAM"
+            )
         client.request("POST", "/release_memory_occupation", json={})
 
     def refuse_park_ram(self) -> CannotParkError:
