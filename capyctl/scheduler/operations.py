@@ -239,7 +239,7 @@ def _evict(victim: Victim, actor: str, *, for_name: str) -> None:
         return
     reason = f"to make room for {for_name}"
     if victim.mode != STOP:
-        _park(deployment, victim.mode, actor=actor, reason=reason)
+        _park(deployment, victim.mode, actor=actor, reason=reason, fresh=True)
         return
     with _operating(deployment):
         if not _drain(deployment, "stopping"):
@@ -282,12 +282,19 @@ def ensure_ready(
         return deployment
     deadline = time.monotonic() + (timeout or deployment.setting("wake_timeout_seconds"))
     flight = _flight(deployment_id)
+    first = True
     while True:
         observed, desired = (
-            Deployment.objects.filter(pk=deployment_id)
-            .values_list("observed_state", "desired_state")
-            .first()
-        ) or (None, None)
+            (deployment.observed_state, deployment.desired_state)
+            if first
+            else (
+                Deployment.objects.filter(pk=deployment_id)
+                .values_list("observed_state", "desired_state")
+                .first()
+            )
+            or (None, None)
+        )
+        first = False
         if observed == S.READY:
             return _load(deployment_id)
         if desired == "stopped":
@@ -461,22 +468,16 @@ def park(
     return _load(deployment_id)
 
 
-def _park(  # noqa: PLR0915 - one operation, read top to bottom
-    deployment: Deployment, mode: str | None, *, actor: str, reason: str
+def _park(  # noqa: PLR0912, PLR0915 - one operation, read top to bottom
+    deployment: Deployment, mode: str | None, *, actor: str, reason: str, fresh: bool = False
 ) -> None:
     with _operating(deployment):
-        deployment = _load(deployment.pk)  # as it is now that this call has it alone
+        if not fresh:  # as it is now that this call has it alone
+            deployment = _load(deployment.pk)
         host = deployment.host
         instance = _live_instance(deployment)
-        if (
-            host is None
-            or instance is None
-            or deployment.observed_state
-            not in (
-                S.READY,
-                S.DRAINING,
-            )
-        ):
+        parkable = (S.READY, S.DRAINING)
+        if host is None or instance is None or deployment.observed_state not in parkable:
             raise SchedulerError(
                 f"{deployment.name} is {deployment.observed_state}; only a ready model can be "
                 "parked"
@@ -492,11 +493,17 @@ def _park(  # noqa: PLR0915 - one operation, read top to bottom
                 return
         started = time.monotonic()
         _drain(deployment, "parking")
-        if not _transition(deployment.pk, [S.DRAINING], S.PARKING):
-            return
-        engine_ram = _engine_ram(host, deployment)
-        if mode == RAM and not _reserve_copy(deployment, host, engine_ram):
-            mode = DEEP
+        with host_lock(host.pk) as locked:
+            if not _transition(deployment.pk, [S.DRAINING], S.PARKING):
+                return
+            mine = dict(
+                LedgerEntry.objects.filter(host=locked, deployment=deployment).values_list(
+                    "pool", "bytes"
+                )
+            )
+            engine_ram = mine.get("ram", 0)
+            if mode == RAM and not _reserve_copy(deployment, locked, mine):
+                mode = DEEP
         driver = driver_for(host)
         key = instance_key(instance)
         try:
@@ -556,40 +563,32 @@ def _park(  # noqa: PLR0915 - one operation, read top to bottom
         )
 
 
-def _engine_ram(host: Host, deployment: Deployment) -> int:
-    """What the ledger counts for the engine process in host RAM (before a park)."""
-    found = (
-        LedgerEntry.objects.filter(host=host, deployment=deployment, pool="ram")
-        .values_list("bytes", flat=True)
-        .first()
-    )
-    return int(found or 0)
-
-
-def _reserve_copy(deployment: Deployment, host: Host, engine_ram: int) -> bool:
+def _reserve_copy(deployment: Deployment, host: Host, mine: dict[str, int]) -> bool:
     """Promise host RAM for a ``ram`` park's weights copy before making it; False (park
-    deep instead) when host RAM cannot hold it now."""
-    with host_lock(host.pk) as locked:
-        if snapshots.ram_pool(locked) != "ram":
-            return True  # unified: the copy stays in the same pool
-        claim = max(
-            LedgerEntry.objects.filter(host=locked, deployment=deployment)
-            .exclude(pool="ram")
-            .values_list("bytes", flat=True),
-            default=0,
+    deep instead) when host RAM cannot hold it now. Runs inside :func:`host_lock`;
+    ``mine`` is the deployment's entries (pool -> bytes)."""
+    if snapshots.ram_pool(host) != "ram":
+        return True  # unified: the copy stays in the same pool
+    claim = max((b for p, b in mine.items() if p != "ram"), default=0)
+    copy = estimates.weights_bytes(deployment, claim)
+    try:
+        # admit() checks every pool before writing, so a refusal changes nothing.
+        admit(
+            host,
+            deployment.pk,
+            {"ram": mine.get("ram", 0) + copy},
+            note="promised for a copy",
+            held_now=mine,
         )
-        copy = estimates.weights_bytes(deployment, claim)
-        try:
-            admit(locked, deployment.pk, {"ram": engine_ram + copy}, note="promised for a copy")
-        except InsufficientMemoryError:
-            record(
-                deployment,
-                "deployment.park_mode",
-                f"parking {deployment.name} deep: its copy ({format_size(copy)}) no longer fits "
-                "in host RAM",
-            )
-            return False
-        return True
+    except InsufficientMemoryError:
+        record(
+            deployment,
+            "deployment.park_mode",
+            f"parking {deployment.name} deep: its copy ({format_size(copy)}) no longer fits "
+            "in host RAM",
+        )
+        return False
+    return True
 
 
 def _wake(deployment: Deployment, actor: str) -> Deployment:
@@ -660,15 +659,21 @@ def _admit_wake(
         # Its own entries (held residual, or unconfirmed: they still count the whole claim)
         # are replaced by the promise, so they count as room for it.
         mine = dict(
-            LedgerEntry.objects.filter(host=locked, deployment=deployment)
-            .exclude(pool="ram")
-            .values_list("pool", "bytes")
+            LedgerEntry.objects.filter(host=locked, deployment=deployment).values_list(
+                "pool", "bytes"
+            )
         )
         usage = {u.pool: u for u in pool_usage(locked)}
         if all(usage[p].free_bytes + mine.get(p, 0) >= claim for p in pools if p in usage):
             _transition(deployment.pk, [S.PARKED], S.WAKING, wanted=True)
             try:
-                admit(locked, deployment.pk, dict.fromkeys(pools, claim), note="promised")
+                admit(
+                    locked,
+                    deployment.pk,
+                    dict.fromkeys(pools, claim),
+                    note="promised",
+                    held_now=mine,
+                )
             except InsufficientMemoryError as exc:
                 raise NoCapacityError(f"{deployment.name}: {exc}") from exc
             return ()
