@@ -16,6 +16,7 @@ from django.core.asgi import get_asgi_application
 
 django_application = get_asgi_application()
 
+from capyctl.gateway.app import gateway  # noqa: E402
 from capyctl.web.staticfiles import StaticFilesApp  # noqa: E402
 
 static_application = StaticFilesApp()
@@ -23,7 +24,10 @@ static_application = StaticFilesApp()
 
 async def http_application(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Route one HTTP request to the app that serves its path."""
-    if static_application.handles(scope):
+    path = str(scope["path"])
+    if path.startswith("/v1/"):
+        await gateway(scope, receive, send)
+    elif static_application.handles(scope):
         await static_application(scope, receive, send)
     else:
         await django_application(scope, receive, send)

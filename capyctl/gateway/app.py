@@ -1,0 +1,358 @@
+"""The ``/v1`` ASGI app: authenticate, resolve, wait for a ready engine, forward.
+
+Order of events (DESIGN §4): key → body (bounded) → model → allowed? → desired state →
+ready, or wait in the model's bounded queue while ONE wake runs → forward with the launch
+key, streaming the answer back unbuffered. Every error is OpenAI-shaped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from typing import Any
+
+import aiohttp
+from django.conf import settings
+from django.db import connection
+
+from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
+from capyctl.gateway.keys import KeyCache, KeyInfo
+from capyctl.gateway.routing import Route, RoutingTable, list_models
+from capyctl.scheduler import inflight, operations
+
+logger = logging.getLogger("capyctl.gateway")
+
+Scope = dict[str, Any]
+_HOP_BY_HOP = {
+    b"host",
+    b"authorization",
+    b"x-api-key",
+    b"content-length",
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"te",
+    b"upgrade",
+    b"proxy-authorization",
+}
+_MULTIPART_MODEL = re.compile(rb'name="model"\r\n(?:[^\r\n]*\r\n)*\r\n([^\r\n]*)\r\n')
+
+
+class Gateway:
+    def __init__(self) -> None:
+        self.keys = KeyCache()
+        self.routes = RoutingTable()
+        self._session: aiohttp.ClientSession | None = None
+        self._wakes: dict[int, asyncio.Future[None]] = {}
+        self._waiting: dict[int, int] = {}
+        self._touched: dict[int, float] = {}
+
+    # -- the ASGI entry point ----------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        started = time.perf_counter()
+        try:
+            await self._handle(scope, receive, send, started)
+        except GatewayError as error:
+            await _respond(send, error.status, error.body(), error.response_headers())
+
+    async def _handle(self, scope: Scope, receive: Any, send: Any, started: float) -> None:
+        headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        key = await self.keys.check(_presented_key(headers))
+        if key is None:
+            raise invalid_key()
+        path = str(scope["path"])
+        if scope["method"] == "GET" and path.rstrip("/") == "/v1/models":
+            await self._models(send, key)
+            return
+        body = await _read_body(receive, int(settings.CAPYCTL["MAX_BODY_BYTES"]))
+        name = _model_of(headers.get(b"content-type", b""), body)
+        route = await self.routes.get(name)
+        if route is None or not key.allows(route.deployment_id):
+            raise model_not_found(name)
+        if route.desired_state == "stopped":
+            raise GatewayError(
+                503, "model_stopped", f"The model `{name}` is stopped.", "server_error", False
+            )
+        if name != route.name:  # an alias: the engine serves the deployment's own name
+            body = _rename_model(headers.get(b"content-type", b""), body, route.name)
+        waited_ms = 0.0
+        if route.observed_state != "ready" or route.base_url is None:
+            wait_started = time.perf_counter()
+            route = await self._wait_ready(route)
+            waited_ms = (time.perf_counter() - wait_started) * 1000
+        await self._forward(
+            scope,
+            receive,
+            send,
+            headers=headers,
+            body=body,
+            route=route,
+            started=started,
+            waited_ms=waited_ms,
+        )
+
+    # -- /v1/models --------------------------------------------------------------------------
+
+    async def _models(self, send: Any, key: KeyInfo) -> None:
+        from asgiref.sync import sync_to_async
+
+        models = await sync_to_async(list_models, thread_sensitive=False)()
+        data = [
+            {
+                "id": m["id"],
+                "object": "model",
+                "created": m["created"],
+                "owned_by": "capyctl",
+                "state": m["state"],
+                "host": m["host"],
+            }
+            for m in models
+            if key.allows(int(str(m["pk"])))
+        ]
+        body = json.dumps({"object": "list", "data": data}).encode()
+        await _respond(send, 200, body, [(b"content-type", b"application/json")])
+
+    # -- waiting for a wake --------------------------------------------------------------------
+
+    async def _wait_ready(self, route: Route) -> Route:
+        deployment_id = route.deployment_id
+        if self._waiting.get(deployment_id, 0) >= route.max_waiting:
+            raise GatewayError(
+                429,
+                "queue_full",
+                f"Too many requests are waiting for `{route.name}`; retry shortly.",
+                "rate_limit_error",
+                headers=[(b"retry-after", b"1")],
+            )
+        self._waiting[deployment_id] = self._waiting.get(deployment_id, 0) + 1
+        try:
+            wake = self._wakes.get(deployment_id)
+            if wake is None or wake.done():
+                wake = asyncio.ensure_future(asyncio.to_thread(_ensure_ready, deployment_id))
+                self._wakes[deployment_id] = wake
+            try:
+                await asyncio.wait_for(asyncio.shield(wake), timeout=route.wake_timeout_seconds)
+            except TimeoutError:
+                raise GatewayError(
+                    504,
+                    "wake_timeout",
+                    f"`{route.name}` did not become ready within {route.wake_timeout_seconds}s.",
+                    "server_error",
+                ) from None
+        finally:
+            self._waiting[deployment_id] -= 1
+        fresh = await self.routes.get(route.name, fresh=True)
+        if fresh is None or fresh.base_url is None:
+            raise GatewayError(
+                503, "engine_failed", f"`{route.name}` is not running.", "server_error"
+            )
+        return fresh
+
+    # -- forwarding ------------------------------------------------------------------------------
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            )
+        return self._session
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Any,
+        send: Any,
+        *,
+        headers: dict[bytes, bytes],
+        body: bytes,
+        route: Route,
+        started: float,
+        waited_ms: float,
+    ) -> None:
+        upstream_headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in headers.items()
+            if k not in _HOP_BY_HOP
+        }
+        upstream_headers["Authorization"] = f"Bearer {route.launch_key}"
+        url = f"{route.base_url}{scope['path']}"
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        inflight.begin(route.deployment_id)
+        self._touch(route.deployment_id)
+        forwarding = asyncio.ensure_future(
+            self._stream(
+                scope["method"],
+                url,
+                headers=upstream_headers,
+                body=body,
+                send=send,
+                started=started,
+                waited_ms=waited_ms,
+            )
+        )
+        disconnected = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait(
+                {forwarding, disconnected}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if forwarding not in done:  # the client went away: cancel the upstream request
+                forwarding.cancel()
+            await asyncio.gather(forwarding, return_exceptions=True)
+            if forwarding.done() and not forwarding.cancelled() and forwarding.exception():
+                raise forwarding.exception()  # type: ignore[misc]
+        finally:
+            disconnected.cancel()
+            inflight.end(route.deployment_id)
+
+    async def _stream(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: dict[str, str],
+        body: bytes,
+        send: Any,
+        started: float,
+        waited_ms: float,
+    ) -> None:
+        sent_headers = False
+        try:
+            async with self._client().request(method, url, data=body, headers=headers) as upstream:
+                out = [
+                    (k.lower().encode("latin-1"), v.encode("latin-1"))
+                    for k, v in upstream.headers.items()
+                    if k.lower().encode("latin-1") not in _HOP_BY_HOP
+                ]
+                overhead = (time.perf_counter() - started) * 1000 - waited_ms
+                out.append((b"x-capyctl-overhead-ms", f"{overhead:.1f}".encode()))
+                if waited_ms:
+                    out.append((b"x-capyctl-waited-ms", f"{waited_ms:.0f}".encode()))
+                await send(
+                    {"type": "http.response.start", "status": upstream.status, "headers": out}
+                )
+                sent_headers = True
+                async for chunk in upstream.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            message = f"the engine did not answer: {type(exc).__name__}: {exc}"
+            if not sent_headers:
+                raise GatewayError(502, "engine_failed", message, "server_error") from exc
+            error = GatewayError(502, "engine_failed", message, "server_error")
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"data: " + error.body() + b"\n\n",
+                    "more_body": False,
+                }
+            )
+
+    def _touch(self, deployment_id: int) -> None:
+        now = time.monotonic()
+        if now - self._touched.get(deployment_id, 0.0) >= 1.0:
+            self._touched[deployment_id] = now
+            asyncio.get_running_loop().run_in_executor(None, _touch_sync, deployment_id)
+
+
+def _ensure_ready(deployment_id: int) -> None:
+    """Runs on a worker thread: ONE wake per model, however many requests wait for it."""
+    try:
+        operations.ensure_ready(deployment_id)
+    except operations.NoCapacityError as exc:
+        raise GatewayError(503, "no_capacity", str(exc), "server_error", False) from exc
+    except operations.ModelStoppedError as exc:
+        raise GatewayError(503, "model_stopped", str(exc), "server_error", False) from exc
+    except operations.EngineFailedError as exc:
+        raise GatewayError(502, "engine_failed", str(exc), "server_error") from exc
+    except operations.SchedulerError as exc:
+        raise GatewayError(503, "unavailable", str(exc), "server_error") from exc
+    finally:
+        connection.close()
+
+
+def _touch_sync(deployment_id: int) -> None:
+    try:
+        operations.touch(deployment_id)
+    finally:
+        connection.close()
+
+
+def _presented_key(headers: dict[bytes, bytes]) -> str:
+    auth = headers.get(b"authorization", b"").decode("latin-1")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return headers.get(b"x-api-key", b"").decode("latin-1").strip()
+
+
+async def _read_body(receive: Any, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise GatewayError(400, "client_disconnected", "the client went away")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(
+                413, "request_too_large", f"The request body is larger than {limit} bytes."
+            )
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _model_of(content_type: bytes, body: bytes) -> str:
+    if content_type.startswith(b"multipart/form-data"):
+        match = _MULTIPART_MODEL.search(body)
+        if match is None:
+            raise GatewayError(400, "invalid_request_error", "The form has no `model` field.")
+        return match.group(1).decode("utf-8", "replace")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise GatewayError(
+            400, "invalid_request_error", "The request body is not valid JSON."
+        ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), str):
+        raise GatewayError(400, "invalid_request_error", "The request needs a `model` string.")
+    return str(data["model"])
+
+
+def _rename_model(content_type: bytes, body: bytes, served_name: str) -> bytes:
+    if content_type.startswith(b"multipart/form-data"):
+        match = _MULTIPART_MODEL.search(body)
+        if match is None:
+            return body
+        return body[: match.start(1)] + served_name.encode() + body[match.end(1) :]
+    data = json.loads(body)
+    data["model"] = served_name
+    return json.dumps(data).encode()
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _respond(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+gateway = Gateway()

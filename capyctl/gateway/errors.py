@@ -1,0 +1,50 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GatewayError(Exception):
+    status: int
+    code: str
+    message: str
+    type: str = "invalid_request_error"
+    retry: bool = True
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+    def body(self) -> bytes:
+        return json.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.type,
+                    "param": None,
+                    "code": self.code,
+                }
+            }
+        ).encode()
+
+    def response_headers(self) -> list[tuple[bytes, bytes]]:
+        headers = [(b"content-type", b"application/json"), *self.headers]
+        if not self.retry:
+            headers.append((b"x-should-retry", b"false"))
+        return headers
+
+
+def invalid_key() -> GatewayError:
+    return GatewayError(
+        401, "invalid_api_key", "Incorrect or missing API key.", "authentication_error", False
+    )
+
+
+def model_not_found(name: str) -> GatewayError:
+    return GatewayError(
+        404,
+        "model_not_found",
+        f"The model `{name}` does not exist or you do not have access to it.",
+        "invalid_request_error",
+        False,
+    )

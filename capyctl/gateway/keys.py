@@ -1,0 +1,67 @@
+"""API keys as the gateway sees them: looked up by id, checked by HMAC, cached briefly.
+
+An entry is trusted for at most ``TTL_SECONDS``, so a revoked key stops working on every
+process within a second without a database query per request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass
+
+from asgiref.sync import sync_to_async
+from django.utils import timezone
+
+from capyctl.access.models import ApiKey
+from capyctl.access.services import hash_secret, split_key
+
+TTL_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    key_id: str
+    secret_hmac: str
+    active: bool
+    models: frozenset[int]  # empty: every deployment
+    fetched_at: float
+
+    def allows(self, deployment_id: int) -> bool:
+        return not self.models or deployment_id in self.models
+
+
+def _fetch(key_id: str) -> KeyInfo | None:
+    key = ApiKey.objects.filter(key_id=key_id).select_related("user").first()
+    if key is None:
+        return None
+    return KeyInfo(
+        key_id=key.key_id,
+        secret_hmac=key.secret_hmac,
+        active=key.is_active(timezone.now()) and key.user.is_active,
+        models=frozenset(key.allowed_models.values_list("pk", flat=True)),
+        fetched_at=time.monotonic(),
+    )
+
+
+class KeyCache:
+    def __init__(self) -> None:
+        self._keys: dict[str, KeyInfo | None] = {}
+        self._times: dict[str, float] = {}
+
+    async def check(self, full_key: str) -> KeyInfo | None:
+        """The key's info if ``full_key`` is a valid, active key; else None."""
+        parts = split_key(full_key)
+        if parts is None:
+            return None
+        key_id, secret = parts
+        now = time.monotonic()
+        if key_id not in self._keys or now - self._times[key_id] > TTL_SECONDS:
+            self._keys[key_id] = await sync_to_async(_fetch, thread_sensitive=False)(key_id)
+            self._times[key_id] = now
+        info = self._keys[key_id]
+        if info is None or not info.active:
+            return None
+        if not hmac.compare_digest(info.secret_hmac, hash_secret(secret)):
+            return None
+        return info
