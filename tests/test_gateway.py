@@ -21,7 +21,20 @@ def served(program_env):
     program_env["CAPYCTL_MAX_BODY_BYTES"] = "64KiB"
     run = lambda *argv: run_program(program_env, *argv)  # noqa: E731
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
-    for name, extra in (("a", ["--alias", "model-a"]), ("b", []), ("big", []), ("off", [])):
+    slow = ["--env", "CAPYCTL_SIM_LOAD_SECONDS=2"]
+    assert (
+        run("engine", "add", "slow", "--kind", "vllm", "--command", f"{SIM} vllm", *slow).code == 0
+    )
+    queued = run("deployment", "add", "q", "--engine", "slow", "--source", "/m/q",
+                 "--gpu-memory", "4GiB", "--max-waiting", "5")  # fmt: skip
+    assert queued.code == 0, queued.err
+    models: tuple[tuple[str, list[str]], ...] = (
+        ("a", ["--alias", "model-a", "--max-waiting", "1000"]),
+        ("b", []),
+        ("big", []),
+        ("off", []),
+    )
+    for name, extra in models:
         gib = "30GiB" if name == "big" else "16GiB"
         added = run("deployment", "add", name, "--engine", "sim", "--source", f"/m/{name}",
                     "--gpu-memory", gib, *extra)  # fmt: skip
@@ -104,3 +117,94 @@ def test_errors_are_openai_shaped(served):
         content=b"x" * (65 * 1024),
     )
     assert huge.status_code == 413
+
+
+def test_the_official_openai_client_works_through_it(served):
+    import openai
+
+    server, key, _, _ = served
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+    assert {m.id for m in client.models.list().data} >= {"a", "b", "big", "off"}
+    reply = client.chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "hello"}], max_tokens=3
+    )
+    assert reply.choices[0].message.content == "tok0 tok1 tok2"
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 3
+    chunks = list(
+        client.chat.completions.create(
+            model="a",
+            messages=[{"role": "user", "content": "hello"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("tok0 tok1")
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 8
+    completion = client.completions.create(model="a", prompt="Once", max_tokens=2)
+    assert completion.choices[0].text == "tok0 tok1"
+    embedding = client.embeddings.create(model="a", input=["one", "two"])
+    assert len(embedding.data) == 2
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="ghost", messages=[])
+
+
+def test_keys_count_usage_and_limits_and_revocation_is_quick(served):
+    import time
+
+    server, key, _, run = served
+    assert chat(server, key, "a", max_tokens=2).status_code == 200
+    limited_key = run("key", "create", "--user", "admin", "--rpm", "2").out.strip()
+    assert chat(server, limited_key, "a").status_code == 200
+    assert chat(server, limited_key, "a").status_code == 200
+    third = chat(server, limited_key, "a")
+    assert third.status_code == 429
+    assert third.json()["error"]["code"] == "rate_limited"
+    assert int(third.headers["retry-after"]) >= 1
+
+    time.sleep(1.5)  # usage is written after each response, off the request path
+    rows = {k["id"]: k for k in json.loads(run("key", "list", "--json").out)}
+    used = rows[key.split("_")[1]]
+    assert used["requests"] >= 1
+    assert used["completion_tokens"] >= 2
+    assert used["last_used_at"] is not None
+
+    assert run("key", "revoke", key.split("_")[1]).code == 0
+    time.sleep(1.1)
+    refused = chat(server, key, "a")
+    assert refused.status_code == 401
+
+
+def test_a_thousand_requests_for_a_parked_model_cause_one_wake(served):
+    import asyncio
+
+    server, key, _, run = served
+    assert chat(server, key, "a").status_code == 200
+    assert chat(server, key, "b").status_code == 200  # a is parked now
+
+    async def burst(model: str, count: int) -> list[int]:
+        limits = httpx.Limits(max_connections=1000)
+        async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+
+            async def one() -> int:
+                response = await client.post(
+                    f"{server.base_url}/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {key}"},
+                    json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+                )
+                return response.status_code
+
+            return await asyncio.gather(*(one() for _ in range(count)))
+
+    statuses = asyncio.run(burst("a", 1000))
+    assert statuses.count(200) == 1000
+    events = run("events", "--model", "a", "--limit", "200").out
+    assert events.count("deployment.woke") == 1
+
+    # q lets 5 wait: while its slow start runs, the rest are told the queue is full.
+    assert run("deployment", "stop", "b").code == 0
+    statuses = asyncio.run(burst("q", 20))
+    assert statuses.count(200) == 5
+    assert statuses.count(429) == 15

@@ -21,6 +21,7 @@ from django.db import connection
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
 from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.routing import Route, RoutingTable, list_models
+from capyctl.gateway.usage import RateLimiter, UsageTap, record_use
 from capyctl.scheduler import inflight, operations
 
 logger = logging.getLogger("capyctl.gateway")
@@ -49,6 +50,7 @@ class Gateway:
         self._wakes: dict[int, asyncio.Future[None]] = {}
         self._waiting: dict[int, int] = {}
         self._touched: dict[int, float] = {}
+        self.limits = RateLimiter()
 
     # -- the ASGI entry point ----------------------------------------------------------------
 
@@ -64,6 +66,15 @@ class Gateway:
         key = await self.keys.check(_presented_key(headers))
         if key is None:
             raise invalid_key()
+        wait = self.limits.retry_after(key.pk, key.requests_per_minute)
+        if wait is not None:
+            raise GatewayError(
+                429,
+                "rate_limited",
+                f"This key allows {key.requests_per_minute} requests per minute.",
+                "rate_limit_error",
+                headers=[(b"retry-after", str(int(wait + 0.999)).encode())],
+            )
         path = str(scope["path"])
         if scope["method"] == "GET" and path.rstrip("/") == "/v1/models":
             await self._models(send, key)
@@ -88,6 +99,7 @@ class Gateway:
             scope,
             receive,
             send,
+            key=key,
             headers=headers,
             body=body,
             route=route,
@@ -169,6 +181,7 @@ class Gateway:
         receive: Any,
         send: Any,
         *,
+        key: KeyInfo,
         headers: dict[bytes, bytes],
         body: bytes,
         route: Route,
@@ -186,10 +199,12 @@ class Gateway:
             url += "?" + scope["query_string"].decode("latin-1")
         inflight.begin(route.deployment_id)
         self._touch(route.deployment_id)
+        tap = UsageTap()
         forwarding = asyncio.ensure_future(
             self._stream(
                 scope["method"],
                 url,
+                tap=tap,
                 headers=upstream_headers,
                 body=body,
                 send=send,
@@ -210,12 +225,15 @@ class Gateway:
         finally:
             disconnected.cancel()
             inflight.end(route.deployment_id)
+            prompt, completion = tap.tokens()
+            asyncio.get_running_loop().run_in_executor(None, record_use, key.pk, prompt, completion)
 
     async def _stream(
         self,
         method: str,
         url: str,
         *,
+        tap: UsageTap,
         headers: dict[str, str],
         body: bytes,
         send: Any,
@@ -239,6 +257,7 @@ class Gateway:
                 )
                 sent_headers = True
                 async for chunk in upstream.content.iter_any():
+                    tap.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -21,10 +21,12 @@ TTL_SECONDS = 1.0
 
 @dataclass(frozen=True)
 class KeyInfo:
+    pk: int
     key_id: str
     secret_hmac: str
     active: bool
     models: frozenset[int]  # empty: every deployment
+    requests_per_minute: int | None
     fetched_at: float
 
     def allows(self, deployment_id: int) -> bool:
@@ -36,10 +38,12 @@ def _fetch(key_id: str) -> KeyInfo | None:
     if key is None:
         return None
     return KeyInfo(
+        pk=key.pk,
         key_id=key.key_id,
         secret_hmac=key.secret_hmac,
         active=key.is_active(timezone.now()) and key.user.is_active,
         models=frozenset(key.allowed_models.values_list("pk", flat=True)),
+        requests_per_minute=key.requests_per_minute,
         fetched_at=time.monotonic(),
     )
 
