@@ -21,7 +21,7 @@ from django.db import connection
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
 from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.routing import Route, RoutingTable, list_models
-from capyctl.gateway.usage import RateLimiter, UsageTap, record_use
+from capyctl.gateway.usage import RateLimiter, UsageBook, UsageTap, write_usage
 from capyctl.scheduler import inflight, operations
 
 logger = logging.getLogger("capyctl.gateway")
@@ -51,6 +51,8 @@ class Gateway:
         self._waiting: dict[int, int] = {}
         self._touched: dict[int, float] = {}
         self.limits = RateLimiter()
+        self.usage = UsageBook()
+        self._usage_flush: asyncio.Task[None] | None = None
 
     # -- the ASGI entry point ----------------------------------------------------------------
 
@@ -226,7 +228,8 @@ class Gateway:
             disconnected.cancel()
             inflight.end(route.deployment_id)
             prompt, completion = tap.tokens()
-            asyncio.get_running_loop().run_in_executor(None, record_use, key.pk, prompt, completion)
+            self.usage.add(key.pk, prompt, completion)
+            self._schedule_usage_flush()
 
     async def _stream(
         self,
@@ -272,6 +275,16 @@ class Gateway:
                     "more_body": False,
                 }
             )
+
+    def _schedule_usage_flush(self) -> None:
+        if self._usage_flush is None or self._usage_flush.done():
+            self._usage_flush = asyncio.ensure_future(self._flush_usage_soon())
+
+    async def _flush_usage_soon(self) -> None:
+        await asyncio.sleep(1.0)  # one write per second, however many requests
+        pending = self.usage.take()
+        if pending:
+            await asyncio.get_running_loop().run_in_executor(None, write_usage, pending)
 
     def _touch(self, deployment_id: int) -> None:
         now = time.monotonic()

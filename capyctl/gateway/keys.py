@@ -6,6 +6,7 @@ process within a second without a database query per request.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from django.utils import timezone
 from capyctl.access.models import ApiKey
 from capyctl.access.services import hash_secret, split_key
 
+# Past SOFT an entry is refreshed in the background while still used; past HARD (so a
+# revoked key stops working within a second) requests wait for the fresh read.
+SOFT_TTL_SECONDS = 0.5
 TTL_SECONDS = 1.0
 
 
@@ -49,9 +53,34 @@ def _fetch(key_id: str) -> KeyInfo | None:
 
 
 class KeyCache:
+    """Key infos by id. A stale entry is refreshed by ONE query while requests keep using
+    it for those few milliseconds; a key not seen before waits for its first read."""
+
     def __init__(self) -> None:
         self._keys: dict[str, KeyInfo | None] = {}
         self._times: dict[str, float] = {}
+        self._refreshing: dict[str, asyncio.Task[KeyInfo | None]] = {}
+
+    async def _refresh(self, key_id: str) -> KeyInfo | None:
+        try:
+            info = await sync_to_async(_fetch, thread_sensitive=False)(key_id)
+            self._keys[key_id] = info
+            self._times[key_id] = time.monotonic()
+            return info
+        finally:
+            self._refreshing.pop(key_id, None)
+
+    async def _info(self, key_id: str) -> KeyInfo | None:
+        age = time.monotonic() - self._times.get(key_id, -1e9)
+        if age <= SOFT_TTL_SECONDS:
+            return self._keys[key_id]
+        task = self._refreshing.get(key_id)
+        if task is None:
+            task = asyncio.ensure_future(self._refresh(key_id))
+            self._refreshing[key_id] = task
+        if key_id in self._keys and age <= TTL_SECONDS:
+            return self._keys[key_id]  # a little stale while the refresh is under way
+        return await asyncio.shield(task)
 
     async def check(self, full_key: str) -> KeyInfo | None:
         """The key's info if ``full_key`` is a valid, active key; else None."""
@@ -59,11 +88,7 @@ class KeyCache:
         if parts is None:
             return None
         key_id, secret = parts
-        now = time.monotonic()
-        if key_id not in self._keys or now - self._times[key_id] > TTL_SECONDS:
-            self._keys[key_id] = await sync_to_async(_fetch, thread_sensitive=False)(key_id)
-            self._times[key_id] = now
-        info = self._keys[key_id]
+        info = await self._info(key_id)
         if info is None or not info.active:
             return None
         if not hmac.compare_digest(info.secret_hmac, hash_secret(secret)):

@@ -6,6 +6,7 @@ table is re-read at most every ``TTL_SECONDS`` and right after a wake.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -14,7 +15,8 @@ from django.db.models import Q
 
 from capyctl.deployments.models import Deployment, Instance
 
-TTL_SECONDS = 0.5
+SOFT_TTL_SECONDS = 0.25  # refreshed in the background past this age
+TTL_SECONDS = 1.0  # never used older than this
 
 
 @dataclass(frozen=True)
@@ -61,20 +63,34 @@ def _fetch(name: str) -> Route | None:
 
 
 class RoutingTable:
+    """Routes by model name. A stale route is refreshed by ONE query while requests keep
+    using it; ``fresh=True`` (after a wake) waits for the database's word."""
+
     def __init__(self) -> None:
         self._routes: dict[str, Route | None] = {}
+        self._times: dict[str, float] = {}
+        self._refreshing: dict[str, asyncio.Task[Route | None]] = {}
+
+    async def _refresh(self, name: str) -> Route | None:
+        try:
+            route = await sync_to_async(_fetch, thread_sensitive=False)(name)
+            self._routes[name] = route
+            self._times[name] = time.monotonic()
+            return route
+        finally:
+            self._refreshing.pop(name, None)
 
     async def get(self, name: str, *, fresh: bool = False) -> Route | None:
-        cached = self._routes.get(name)
-        if (
-            fresh
-            or name not in self._routes
-            or cached is None
-            or time.monotonic() - cached.fetched_at > TTL_SECONDS
-        ):
-            cached = await sync_to_async(_fetch, thread_sensitive=False)(name)
-            self._routes[name] = cached
-        return cached
+        age = time.monotonic() - self._times.get(name, -1e9)
+        if not fresh and age <= SOFT_TTL_SECONDS:
+            return self._routes[name]
+        task = self._refreshing.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._refresh(name))
+            self._refreshing[name] = task
+        if not fresh and name in self._routes and age <= TTL_SECONDS:
+            return self._routes[name]
+        return await asyncio.shield(task)
 
 
 def list_models() -> list[dict[str, object]]:

@@ -48,16 +48,35 @@ class UsageTap:
         return 0, 0
 
 
-def record_use(key_pk: int, prompt_tokens: int, completion_tokens: int) -> None:
-    """One request on a key (runs on a worker thread after the response ended)."""
+class UsageBook:
+    """Counts per key in memory; :meth:`flush` writes them in one go (once a second)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, list[int]] = {}
+        self._flushing = False
+
+    def add(self, key_pk: int, prompt_tokens: int, completion_tokens: int) -> None:
+        counts = self._pending.setdefault(key_pk, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += prompt_tokens
+        counts[2] += completion_tokens
+
+    def take(self) -> dict[int, list[int]]:
+        pending, self._pending = self._pending, {}
+        return pending
+
+
+def write_usage(pending: dict[int, list[int]]) -> None:
+    """Add the counted requests and tokens to their keys (runs on a worker thread)."""
     try:
         now = timezone.now()
-        ApiKey.objects.filter(pk=key_pk).update(
-            request_count=F("request_count") + 1,
-            prompt_tokens=F("prompt_tokens") + prompt_tokens,
-            completion_tokens=F("completion_tokens") + completion_tokens,
-        )
-        ApiKey.objects.filter(pk=key_pk).filter(
+        for key_pk, (requests, prompt, completion) in pending.items():
+            ApiKey.objects.filter(pk=key_pk).update(
+                request_count=F("request_count") + requests,
+                prompt_tokens=F("prompt_tokens") + prompt,
+                completion_tokens=F("completion_tokens") + completion,
+            )
+        ApiKey.objects.filter(pk__in=list(pending)).filter(
             Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - LAST_USED_EVERY)
         ).update(last_used_at=now)
     finally:
