@@ -28,6 +28,14 @@ def served(program_env):
     queued = run("deployment", "add", "q", "--engine", "slow", "--source", "/m/q",
                  "--gpu-memory", "4GiB", "--max-waiting", "5")  # fmt: skip
     assert queued.code == 0, queued.err
+    assert run("engine", "add", "sleepy", "--kind", "vllm", "--command", f"{SIM} vllm",
+               "--env", "CAPYCTL_SIM_LOAD_SECONDS=5").code == 0  # fmt: skip
+    assert run("deployment", "add", "sleepy", "--engine", "sleepy", "--source", "/m",
+               "--gpu-memory", "1GiB", "--wake-timeout", "1").code == 0  # fmt: skip
+    broken = f"{sys.executable} -c 'import sys; print(\"no such model file\"); sys.exit(3)'"
+    assert run("engine", "add", "broken", "--kind", "llamacpp", "--command", broken).code == 0
+    assert run("deployment", "add", "broken", "--engine", "broken", "--source", "/m",
+               "--gpus", "0").code == 0  # fmt: skip
     models: tuple[tuple[str, list[str]], ...] = (
         ("a", ["--alias", "model-a", "--max-waiting", "1000"]),
         ("b", []),
@@ -208,3 +216,15 @@ def test_a_thousand_requests_for_a_parked_model_cause_one_wake(served):
     statuses = asyncio.run(burst("q", 20))
     assert statuses.count(200) == 5
     assert statuses.count(429) == 15
+
+
+def test_a_slow_start_times_out_and_a_broken_engine_fails(served):
+    server, key, _, _ = served
+    slow = chat(server, key, "sleepy")
+    assert slow.status_code == 504
+    assert slow.json()["error"]["code"] == "wake_timeout"
+    broken = chat(server, key, "broken")
+    assert broken.status_code == 502
+    error = broken.json()["error"]
+    assert error["code"] == "engine_failed"
+    assert "no such model file" in error["message"]
