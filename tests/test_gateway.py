@@ -228,3 +228,43 @@ def test_a_slow_start_times_out_and_a_broken_engine_fails(served):
     error = broken.json()["error"]
     assert error["code"] == "engine_failed"
     assert "no such model file" in error["message"]
+
+
+def test_the_real_llama_server_answers_through_v1_and_makes_room(program_env):
+    """llama.cpp cannot park: it is stopped to make room, and started again on demand."""
+    from tests.test_llama_server import llama_server_binary, smollm2_gguf
+
+    program_env["CAPYCTL_SIM_GPUS"] = "2GiB"
+    program_env["CAPYCTL_MIN_READY_SECONDS"] = "0"
+    program_env["CAPYCTL_GPU_RESERVE"] = "0"
+    run = lambda *argv: run_program(program_env, *argv)  # noqa: E731
+    assert run("engine", "add", "llama", "--kind", "llamacpp",
+               "--command", llama_server_binary()).code == 0  # fmt: skip
+    assert run("deployment", "add", "smollm", "--engine", "llama", "--source", smollm2_gguf(),
+               "--gpu-memory", "1536MiB", "--args", "-t 1 -c 2048").code == 0  # fmt: skip
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
+    assert run("deployment", "add", "other", "--engine", "sim", "--source", "/m",
+               "--gpu-memory", "1536MiB").code == 0  # fmt: skip
+    key = run("key", "create", "--user", "admin").out.strip()
+    server = start_server(program_env)
+    try:
+        answer = chat(server, key, "smollm", max_tokens=8, temperature=0)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"].strip()
+        assert chat(server, key, "other").status_code == 200
+        states = {
+            d["name"]: d["observed_state"]
+            for d in json.loads(run("deployment", "list", "--json").out)
+        }
+        assert states == {"smollm": "stopped", "other": "ready"}
+        assert "stopped smollm instead of parking: its engine cannot park" in run("events").out
+        again = chat(server, key, "smollm", max_tokens=4)
+        assert again.status_code == 200, again.text
+        states = {
+            d["name"]: d["observed_state"]
+            for d in json.loads(run("deployment", "list", "--json").out)
+        }
+        assert states["smollm"] == "ready"
+        assert states["other"] == "parked"
+    finally:
+        stop_server(server, signal.SIGTERM)
