@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,11 +22,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from hostagent.runtime import free_port
 
 
 def capyctl(env: dict[str, str], *argv: str) -> str:

@@ -17,11 +17,7 @@ import time
 
 import aiohttp
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from hostagent.runtime import free_port
 
 
 async def load(url: str, key: str, concurrency: int, seconds: float) -> tuple[int, list[float]]:

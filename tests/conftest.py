@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ import httpx
 import psycopg
 import pytest
 from django.contrib.auth.models import User
+
+from hostagent.runtime import free_port
 
 CAPYCTL = str(Path(sys.executable).parent / "capyctl")
 
@@ -88,12 +89,6 @@ def table_counts() -> dict[str, int]:
 
 
 # --- the program itself, in subprocesses -------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from capyctl.ledger.services import (
     mark_unconfirmed,
     overcommitted,
     release,
-    set_entries,
     set_foreign,
+    set_measured,
 )
 from hostagent.probe import SimulatedProbe
 from hostagent.simgpu import SimSpec
@@ -67,7 +67,7 @@ def test_a_deployment_asks_for_its_total_not_an_increment(gpu_host, models):
         admit(host, a, {"gpu0": 22 * GIB})  # replaces its own 20, does not add to it
     assert free(gpu_host, "gpu0") == 2 * GIB
     with host_lock(gpu_host.pk) as host:
-        set_entries(host, a, {"gpu0": 15 * GIB}, status="held")
+        set_measured(host, a, {"gpu0": 15 * GIB})
     entry = LedgerEntry.objects.get(deployment_id=a)
     assert (entry.bytes, entry.status) == (15 * GIB, "held")
 

@@ -117,7 +117,7 @@ def test_memory_used_by_other_processes_counts_as_foreign(gpu24):
         "CAPYCTL_SIM_GPU_BYTES": "10GiB",
         "CUDA_VISIBLE_DEVICES": "0",
     }
-    from tests.conftest import free_port
+    from hostagent.runtime import free_port
 
     other = subprocess.Popen(
         [sys.executable, "-m", "hostagent.sim", "llamacpp", "-m", "/m", "--port", str(free_port())],

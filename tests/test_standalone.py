@@ -7,7 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port, run_program, start_server, stop_server
+from hostagent.runtime import free_port
+from tests.conftest import run_program, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 

@@ -82,7 +82,8 @@ class Gateway:
             await self._models(send, key)
             return
         body = await _read_body(receive, int(settings.CAPYCTL["MAX_BODY_BYTES"]))
-        name = _model_of(headers.get(b"content-type", b""), body)
+        content_type = headers.get(b"content-type", b"")
+        name, parsed = _model_of(content_type, body)
         route = await self.routes.get(name)
         if route is None or not key.allows(route.deployment_id):
             raise model_not_found(name)
@@ -91,7 +92,7 @@ class Gateway:
                 503, "model_stopped", f"The model `{name}` is stopped.", "server_error", False
             )
         if name != route.name:  # an alias: the engine serves the deployment's own name
-            body = _rename_model(headers.get(b"content-type", b""), body, route.name)
+            body = _rename_model(body, parsed, route.name)
         waited_ms = 0.0
         if route.observed_state != "ready" or route.base_url is None:
             wait_started = time.perf_counter()
@@ -341,12 +342,13 @@ async def _read_body(receive: Any, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-def _model_of(content_type: bytes, body: bytes) -> str:
+def _model_of(content_type: bytes, body: bytes) -> tuple[str, dict[str, Any] | None]:
+    """The model a request names, and its parsed JSON body (None for a multipart form)."""
     if content_type.startswith(b"multipart/form-data"):
         match = _MULTIPART_MODEL.search(body)
         if match is None:
             raise GatewayError(400, "invalid_request_error", "The form has no `model` field.")
-        return match.group(1).decode("utf-8", "replace")
+        return match.group(1).decode("utf-8", "replace"), None
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -355,18 +357,16 @@ def _model_of(content_type: bytes, body: bytes) -> str:
         ) from None
     if not isinstance(data, dict) or not isinstance(data.get("model"), str):
         raise GatewayError(400, "invalid_request_error", "The request needs a `model` string.")
-    return str(data["model"])
+    return str(data["model"]), data
 
 
-def _rename_model(content_type: bytes, body: bytes, served_name: str) -> bytes:
-    if content_type.startswith(b"multipart/form-data"):
-        match = _MULTIPART_MODEL.search(body)
-        if match is None:
-            return body
-        return body[: match.start(1)] + served_name.encode() + body[match.end(1) :]
-    data = json.loads(body)
-    data["model"] = served_name
-    return json.dumps(data).encode()
+def _rename_model(body: bytes, parsed: dict[str, Any] | None, served_name: str) -> bytes:
+    if parsed is not None:
+        return json.dumps({**parsed, "model": served_name}).encode()
+    match = _MULTIPART_MODEL.search(body)
+    if match is None:
+        return body
+    return body[: match.start(1)] + served_name.encode() + body[match.end(1) :]
 
 
 async def _wait_disconnect(receive: Any) -> None:

@@ -109,18 +109,6 @@ def _put(
         )
 
 
-def set_entries(
-    host: Host, deployment_id: int, figures: Mapping[str, int], *, status: str, note: str = ""
-) -> None:
-    """Record what a deployment holds now (measured, or kept as unconfirmed).
-
-    Used after the probe has measured: the figures replace what was promised. Pools not in
-    ``figures`` keep their entries. Must run inside :func:`host_lock`.
-    """
-    for pool, num_bytes in figures.items():
-        _put(host, deployment_id, pool, max(num_bytes, 0), status=status, note=note)
-
-
 def set_measured(
     host: Host, deployment_id: int, figures: Mapping[str, int], *, note: str = "measured"
 ) -> dict[str, int]:

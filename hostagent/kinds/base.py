@@ -189,6 +189,11 @@ def check_reserved_flags(kind: str, args: list[str], reserved: tuple[str, ...]) 
             )
 
 
+def loopback_flags(spec: LaunchSpec) -> list[str]:
+    """``--host 127.0.0.1 --port P --api-key K``: where and how every engine listens."""
+    return ["--host", LOOPBACK, "--port", str(spec.port), "--api-key", spec.api_key]
+
+
 def fraction_flag(spec: LaunchSpec, flag: str) -> list[str]:
     """``[flag, fraction]`` unless the deployment's own args already set ``flag``."""
     if spec.memory_fraction is None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from hostagent.errors import CannotParkError
 from hostagent.kinds.base import (
-    LOOPBACK,
     RESERVED_FLAGS,
     EngineClient,
     LaunchSpec,
     ProgramKind,
     fraction_flag,
+    loopback_flags,
     one_token_completion,
 )
 
@@ -39,12 +39,7 @@ class SGLangKind(ProgramKind):
             spec.source,
             "--served-model-name",
             spec.served_name,
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(spec.port),
-            "--api-key",
-            spec.api_key,
+            *loopback_flags(spec),
             "--enable-memory-saver",
             *fraction_flag(spec, "--mem-fraction-static"),
         ]

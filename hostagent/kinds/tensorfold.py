@@ -3,7 +3,7 @@ parking, so it is stopped to make room and started again on its next request."""
 
 from __future__ import annotations
 
-from hostagent.kinds.base import LOOPBACK, RESERVED_FLAGS, LaunchSpec, ProgramKind
+from hostagent.kinds.base import RESERVED_FLAGS, LaunchSpec, ProgramKind, loopback_flags
 
 
 class TensorFoldKind(ProgramKind):
@@ -17,10 +17,5 @@ class TensorFoldKind(ProgramKind):
             spec.source,
             "--name",
             spec.served_name,
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(spec.port),
-            "--api-key",
-            spec.api_key,
+            *loopback_flags(spec),
         ]

@@ -10,12 +10,12 @@ agree, and the runtime confirms the release with the GPU probe.
 from __future__ import annotations
 
 from hostagent.kinds.base import (
-    LOOPBACK,
     RESERVED_FLAGS,
     EngineClient,
     LaunchSpec,
     ProgramKind,
     fraction_flag,
+    loopback_flags,
     one_token_completion,
     wait_until,
 )
@@ -35,12 +35,7 @@ class VLLMKind(ProgramKind):
             spec.source,
             "--served-model-name",
             spec.served_name,
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(spec.port),
-            "--api-key",
-            spec.api_key,
+            *loopback_flags(spec),
             "--enable-sleep-mode",
             *fraction_flag(spec, "--gpu-memory-utilization"),
         ]
