@@ -33,4 +33,16 @@ async def http_application(scope: dict[str, Any], receive: Any, send: Any) -> No
         await django_application(scope, receive, send)
 
 
-application = ProtocolTypeRouter({"http": http_application})
+async def lifespan_application(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Start-up and shutdown: the gateway closes its engine connections on the way out."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await gateway.close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+application = ProtocolTypeRouter({"http": http_application, "lifespan": lifespan_application})

@@ -132,7 +132,7 @@ def _serve_uvicorn(host: str, port: int) -> int:
         port=port,
         loop="uvloop",
         http="httptools",
-        lifespan="off",
+        lifespan="on",
         access_log=False,
         log_level=settings.LOG_LEVEL.lower(),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,

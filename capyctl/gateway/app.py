@@ -169,6 +169,11 @@ class Gateway:
 
     # -- forwarding ------------------------------------------------------------------------------
 
+    async def close(self) -> None:
+        """Close the connections to engines (at shutdown)."""
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
