@@ -3,6 +3,8 @@
 import json
 import signal
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -32,6 +34,16 @@ def served(program_env):
                "--env", "CAPYCTL_SIM_LOAD_SECONDS=5").code == 0  # fmt: skip
     assert run("deployment", "add", "sleepy", "--engine", "sleepy", "--source", "/m",
                "--gpu-memory", "1GiB", "--wake-timeout", "1").code == 0  # fmt: skip
+    trickle = [
+        "--env",
+        "CAPYCTL_SIM_TOKENS_PER_SECOND=5",
+        "--env",
+        "CAPYCTL_SIM_COMPLETION_TOKENS=100",
+    ]
+    assert run("engine", "add", "trickle", "--kind", "vllm", "--command", f"{SIM} vllm",
+               *trickle).code == 0  # fmt: skip
+    assert run("deployment", "add", "trickle", "--engine", "trickle", "--source", "/m",
+               "--gpu-memory", "1GiB").code == 0  # fmt: skip
     broken = f"{sys.executable} -c 'import sys; print(\"no such model file\"); sys.exit(3)'"
     assert run("engine", "add", "broken", "--kind", "llamacpp", "--command", broken).code == 0
     assert run("deployment", "add", "broken", "--engine", "broken", "--source", "/m",
@@ -159,9 +171,87 @@ def test_the_official_openai_client_works_through_it(served):
         client.chat.completions.create(model="ghost", messages=[])
 
 
-def test_keys_count_usage_and_limits_and_revocation_is_quick(served):
-    import time
+def test_responses_audio_and_one_model_through_the_openai_client(served):
+    import openai
 
+    server, key, _, run = served
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+    assert client.models.retrieve("b").id == "b"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("ghost")
+
+    made = client.responses.create(model="model-a", input="Say three words", max_output_tokens=3)
+    assert made.output_text == "tok0 tok1 tok2"
+    assert made.usage is not None
+    assert made.usage.output_tokens == 3
+    # GET /v1/responses/{id} names no model: it reaches the engine that made the response.
+    again = client.responses.retrieve(made.id)
+    assert again.id == made.id
+    assert again.output_text == "tok0 tok1 tok2"
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel"):
+        client.responses.cancel(made.id)
+    with pytest.raises(openai.NotFoundError, match="resp_unknown"):
+        client.responses.retrieve("resp_unknown")
+
+    events = list(client.responses.create(model="a", input="Stream it", stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created"
+    assert kinds[-1] == "response.completed"
+    deltas = "".join(
+        e.delta for e in events if isinstance(e, openai.types.responses.ResponseTextDeltaEvent)
+    )
+    assert deltas.startswith("tok0 tok1")
+    created = events[0]
+    assert isinstance(created, openai.types.responses.ResponseCreatedEvent)
+    assert client.responses.retrieve(created.response.id).status == "completed"
+
+    # Audio: a multipart upload in (the model named by an alias inside the form)...
+    sound = bytes(range(256)) * 64
+    heard = client.audio.transcriptions.create(model="model-a", file=("clip.wav", sound))
+    assert heard.text.startswith(f"{len(sound)} bytes of audio")
+    # ...and binary audio out, byte for byte.
+    spoken = client.audio.speech.create(model="a", input="hello", voice="alloy")
+    audio = spoken.read()
+    assert audio[:4] == b"RIFF"
+    assert audio[8:12] == b"WAVE"
+    assert len(audio) == 44 + 1600
+
+    time.sleep(1.5)  # usage is written once a second, off the request path
+    rows = {k["id"]: k for k in json.loads(run("key", "list", "--json").out)}
+    # The Responses API counts input/output tokens: 3 from the first answer, 8 streamed.
+    assert rows[key.split("_")[1]]["completion_tokens"] >= 11
+
+
+def test_a_client_that_goes_away_cancels_its_upstream_request(served, program_env):
+    server, key, _, run = served
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "trickle", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        timeout=60,
+    ) as streaming:
+        assert streaming.status_code == 200
+        first = next(streaming.iter_lines())
+        assert first.startswith("data: ")
+    # The client hung up 100 tokens early (20 s of generation at 5 tokens/s): the engine
+    # must see its request cancelled, and the model must not count it as in flight.
+    logs = Path(program_env["CAPYCTL_DATA_DIR"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = "".join(p.read_text() for p in logs.rglob("*.log"))
+        if "cancelled by the client" in text:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the engine never saw the request cancelled")
+    started = time.monotonic()
+    parked = run("deployment", "park", "trickle")
+    assert parked.code == 0, parked.err
+    assert time.monotonic() - started < 10  # no draining of a request that is gone
+
+
+def test_keys_count_usage_and_limits_and_revocation_is_quick(served):
     server, key, _, run = served
     assert chat(server, key, "a", max_tokens=2).status_code == 200
     limited_key = run("key", "create", "--user", "admin", "--rpm", "2").out.strip()

@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import time
+from collections import OrderedDict
 from typing import Any
 
 import aiohttp
@@ -39,6 +40,8 @@ _HOP_BY_HOP = {
     b"upgrade",
     b"proxy-authorization",
 }
+_MODELS_PATH = re.compile(r"^/v1/models(?:/([^/]+))?/?$")
+_STORED_RESPONSE_PATH = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_-]+)(?:/[a-z_]+)?/?$")
 _MULTIPART_MODEL = re.compile(rb'name="model"\r\n(?:[^\r\n]*\r\n)*\r\n([^\r\n]*)\r\n')
 
 
@@ -53,6 +56,7 @@ class Gateway:
         self.limits = RateLimiter()
         self.usage = UsageBook()
         self._usage_flush: asyncio.Task[None] | None = None
+        self.stored_responses = StoredResponses()
 
     # -- the ASGI entry point ----------------------------------------------------------------
 
@@ -78,12 +82,25 @@ class Gateway:
                 headers=[(b"retry-after", str(int(wait + 0.999)).encode())],
             )
         path = str(scope["path"])
-        if scope["method"] == "GET" and path.rstrip("/") == "/v1/models":
-            await self._models(send, key)
+        listing = _MODELS_PATH.match(path) if scope["method"] == "GET" else None
+        if listing is not None:
+            await self._models(send, key, listing.group(1))
             return
         body = await _read_body(receive, int(settings.CAPYCTL["MAX_BODY_BYTES"]))
-        content_type = headers.get(b"content-type", b"")
-        name, parsed = _model_of(content_type, body)
+        stored = _STORED_RESPONSE_PATH.match(path)
+        if stored is not None:  # GET /v1/responses/{id}, …/cancel: no body names the model
+            parsed = None
+            name = self.stored_responses.get(stored.group(1)) or ""
+            if not name:
+                raise GatewayError(
+                    404,
+                    "response_not_found",
+                    f"No response `{stored.group(1)}` was made through this endpoint.",
+                    retry=False,
+                )
+        else:
+            content_type = headers.get(b"content-type", b"")
+            name, parsed = _model_of(content_type, body)
         route = await self.routes.get(name)
         if route is None or not key.allows(route.deployment_id):
             raise model_not_found(name)
@@ -112,7 +129,8 @@ class Gateway:
 
     # -- /v1/models --------------------------------------------------------------------------
 
-    async def _models(self, send: Any, key: KeyInfo) -> None:
+    async def _models(self, send: Any, key: KeyInfo, one: str | None) -> None:
+        """``GET /v1/models`` (the list) or ``GET /v1/models/{name}`` (one of it)."""
         from asgiref.sync import sync_to_async
 
         models = await sync_to_async(list_models, thread_sensitive=False)()
@@ -128,7 +146,13 @@ class Gateway:
             for m in models
             if key.allows(int(str(m["pk"])))
         ]
-        body = json.dumps({"object": "list", "data": data}).encode()
+        if one is not None:
+            found = [m for m in data if m["id"] == one]
+            if not found:
+                raise model_not_found(one)
+            body = json.dumps(found[0]).encode()
+        else:
+            body = json.dumps({"object": "list", "data": data}).encode()
         await _respond(send, 200, body, [(b"content-type", b"application/json")])
 
     # -- waiting for a wake --------------------------------------------------------------------
@@ -207,7 +231,7 @@ class Gateway:
             url += "?" + scope["query_string"].decode("latin-1")
         inflight.begin(route.deployment_id)
         self._touch(route.deployment_id)
-        tap = UsageTap()
+        tap = UsageTap(want_response_id=scope["method"] == "POST" and path_is_responses(scope))
         forwarding = asyncio.ensure_future(
             self._stream(
                 scope["method"],
@@ -233,6 +257,8 @@ class Gateway:
         finally:
             disconnected.cancel()
             inflight.end(route.deployment_id)
+            if tap.response_id is not None:
+                self.stored_responses.put(tap.response_id, route.name)
             prompt, completion = tap.tokens()
             self.usage.add(key.pk, prompt, completion)
             self._schedule_usage_flush()
@@ -320,6 +346,29 @@ def _touch_sync(deployment_id: int) -> None:
         operations.touch(deployment_id)
     finally:
         connection.close()
+
+
+def path_is_responses(scope: Scope) -> bool:
+    return str(scope["path"]).rstrip("/") == "/v1/responses"
+
+
+class StoredResponses:
+    """Which model made each stored response (``resp_…``), so that ``GET
+    /v1/responses/{id}`` and its sub-paths, which name no model, reach the same engine.
+    The newest ``limit`` ids are kept."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.limit = limit
+        self._models: OrderedDict[str, str] = OrderedDict()
+
+    def put(self, response_id: str, model: str) -> None:
+        self._models[response_id] = model
+        self._models.move_to_end(response_id)
+        while len(self._models) > self.limit:
+            self._models.popitem(last=False)
+
+    def get(self, response_id: str) -> str | None:
+        return self._models.get(response_id)
 
 
 def _presented_key(headers: dict[bytes, bytes]) -> str:

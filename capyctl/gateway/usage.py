@@ -4,7 +4,7 @@ the requests-per-minute limit."""
 
 from __future__ import annotations
 
-import json
+import re
 import time
 from collections import deque
 from datetime import timedelta
@@ -17,35 +17,52 @@ from capyctl.access.models import ApiKey
 
 LAST_USED_EVERY = timedelta(minutes=1)
 _TAIL_BYTES = 8192
+_HEAD_BYTES = 4096
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,200})"')
+_PROMPT_TOKENS = re.compile(rb'"(prompt_tokens|input_tokens)"\s*:\s*(\d{1,12})')
+_COMPLETION_TOKENS = re.compile(rb'"(completion_tokens|output_tokens)"\s*:\s*(\d{1,12})')
 
 
 class UsageTap:
-    """Watches a response as it streams by and finds its ``usage`` object at the end."""
+    """Watches a response as it streams by: finds its ``usage`` object at the end and,
+    when asked, the id of a stored response (``resp_…``) near its start."""
 
-    def __init__(self) -> None:
-        self._tail = b""
+    def __init__(self, *, want_response_id: bool = False) -> None:
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._head = b"" if want_response_id else None
+        self.response_id: str | None = None
 
     def feed(self, chunk: bytes) -> None:
-        self._tail = (self._tail + chunk)[-_TAIL_BYTES:]
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        if self._size > 4 * _TAIL_BYTES:  # trim now and then: O(1) a byte, not a copy a chunk
+            tail = b"".join(self._chunks)[-_TAIL_BYTES:]
+            self._chunks, self._size = [tail], len(tail)
+        if self._head is not None and self.response_id is None and len(self._head) < _HEAD_BYTES:
+            self._head += chunk[: _HEAD_BYTES - len(self._head)]
+            found = _RESPONSE_ID.search(self._head)
+            if found is not None:
+                self.response_id = found.group(1).decode()
 
     def tokens(self) -> tuple[int, int]:
-        """(prompt, completion) tokens, or zeros when the response carried no usage."""
-        text = self._tail.decode("utf-8", "replace")
-        candidates = [text] if text.lstrip().startswith("{") else []
-        candidates += [
-            line.removeprefix("data: ")
-            for line in reversed(text.splitlines())
-            if line.startswith("data: {") and '"usage"' in line
-        ]
-        for candidate in candidates:
-            try:
-                usage = json.loads(candidate).get("usage") or {}
-            except (json.JSONDecodeError, AttributeError):
-                continue
-            prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
-            completion = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
-            return prompt, completion
-        return 0, 0
+        """(prompt, completion) tokens, or zeros when the response carried no usage.
+
+        Chat and completions name them ``prompt_tokens``/``completion_tokens`` (at the top
+        level, or in the last streamed chunk); the Responses API names them
+        ``input_tokens``/``output_tokens`` inside its final ``response`` object. The last
+        ``"usage"`` in the answer's tail is the one that counts."""
+        tail = b"".join(self._chunks)[-_TAIL_BYTES:]
+        at = tail.rfind(b'"usage"')
+        if at < 0:
+            return 0, 0
+        rest = tail[at:]
+        prompt = _PROMPT_TOKENS.search(rest)
+        completion = _COMPLETION_TOKENS.search(rest)
+        return (
+            int(prompt.group(2)) if prompt else 0,
+            int(completion.group(2)) if completion else 0,
+        )
 
 
 class UsageBook:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -33,12 +34,19 @@ def _error(message: str, status: int, kind: str = "invalid_request_error") -> we
     )
 
 
+def _form_value(value: str | bytes | bytearray | web.FileField) -> str | bytes:
+    if isinstance(value, web.FileField):
+        return value.file.read()
+    return value if isinstance(value, str) else bytes(value)
+
+
 class SimEngine:
     def __init__(self, options: SimOptions, knobs: Knobs) -> None:
         self.options = options
         self.knobs = knobs
         self.memory = SimMemory(options, knobs)
         self.requests = 0
+        self.responses: dict[str, dict[str, Any]] = {}
         self.created = int(time.time())
         self.ready = asyncio.Event()
 
@@ -64,9 +72,14 @@ class SimEngine:
             return _error("Invalid API key", 401, "authentication_error")
         if not self.ready.is_set():
             return _error("Loading model", 503, "unavailable_error")
+        body: Any
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            if request.content_type == "multipart/form-data":
+                form = await request.post()
+                body = {k: _form_value(v) for k, v in form.items()}
+            else:
+                body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             return _error("request body is not valid JSON", 400)
         if not isinstance(body, dict):
             return _error("request body must be a JSON object", 400)
@@ -160,6 +173,24 @@ class SimEngine:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
+        try:
+            await self._stream_chunks(response, ident, words, finish, usage, chat=chat)
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away: stop generating, as engines do, and say so in the log.
+            print(f"stream {ident} cancelled by the client", flush=True)
+            raise
+        return response
+
+    async def _stream_chunks(
+        self,
+        response: web.StreamResponse,
+        ident: str,
+        words: list[str],
+        finish: str,
+        usage: dict[str, int] | None,
+        *,
+        chat: bool,
+    ) -> None:
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
@@ -198,7 +229,127 @@ class SimEngine:
             await send([], {"usage": usage})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+
+    # -- the Responses API (create, retrieve, cancel, as vLLM serves it) ----------------------
+
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        given = body.get("input", "")
+        if isinstance(given, list):
+            given = " ".join(
+                str(item.get("content", "")) for item in given if isinstance(item, dict)
+            )
+        limit = body.get("max_output_tokens")
+        count = (
+            max(1, min(int(limit), self.knobs.completion_tokens))
+            if limit
+            else self.knobs.completion_tokens
+        )
+        words = [f"tok{i}" for i in range(count)]
+        ident = f"resp_{uuid.uuid4().hex}"
+        prompt_tokens = max(1, len(str(given).split()))
+        message = {
+            "type": "message",
+            "id": f"msg_{uuid.uuid4().hex[:16]}",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": " ".join(words), "annotations": []}],
+        }
+        done = {
+            "id": ident,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "completed",
+            "model": self.options.served_name,
+            "output": [message],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": {
+                "input_tokens": prompt_tokens,
+                "output_tokens": count,
+                "total_tokens": prompt_tokens + count,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+        }
+        if body.get("store", True):
+            self.responses[ident] = done
+        if not body.get("stream"):
+            return _json(done)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        sequence = 0
+
+        async def event(kind: str, **fields: Any) -> None:
+            nonlocal sequence
+            data = {"type": kind, "sequence_number": sequence, **fields}
+            sequence += 1
+            await response.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+
+        started = {**done, "status": "in_progress", "output": [], "usage": None}
+        await event("response.created", response=started)
+        delay = 1 / self.knobs.tokens_per_second if self.knobs.tokens_per_second > 0 else 0
+        for i, word in enumerate(words):
+            if delay:
+                await asyncio.sleep(delay)
+            await event(
+                "response.output_text.delta",
+                item_id=message["id"],
+                output_index=0,
+                content_index=0,
+                delta=word if i == 0 else " " + word,
+            )
+        await event("response.completed", response=done)
+        await response.write_eof()
         return response
+
+    def _stored(self, request: web.Request) -> dict[str, Any] | web.Response:
+        if not self.authorized(request):
+            return _error("Invalid API key", 401, "authentication_error")
+        ident = request.match_info["ident"]
+        found = self.responses.get(ident)
+        return found if found is not None else _error(f"Response with id '{ident}' not found.", 404)
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        found = self._stored(request)
+        return found if isinstance(found, web.Response) else _json(found)
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        found = self._stored(request)
+        if isinstance(found, web.Response):
+            return found
+        if found["status"] == "completed":
+            return _error("Cannot cancel a synchronous response.", 400)
+        return _json(found)
+
+    # -- audio: a multipart upload in, and binary speech out ---------------------------------
+
+    async def transcription(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        audio = body.get("file")
+        if not isinstance(audio, bytes):
+            return _error("the form needs a `file` upload", 400)
+        digest = hashlib.sha256(audio).hexdigest()[:12]
+        return _json({"text": f"{len(audio)} bytes of audio, sha256 {digest}"})
+
+    async def speech(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        text = str(body.get("input", "")).encode()
+        samples = bytes(text[i % len(text)] for i in range(1600)) if text else b""
+        header = b"RIFF" + (36 + len(samples)).to_bytes(4, "little") + b"WAVEfmt "
+        header += (16).to_bytes(4, "little") + (1).to_bytes(2, "little") * 2
+        header += (8000).to_bytes(4, "little") * 2 + (1).to_bytes(2, "little")
+        header += (8).to_bytes(2, "little") + b"data" + len(samples).to_bytes(4, "little")
+        return web.Response(body=header + samples, content_type="audio/wav")
 
     async def embeddings(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -292,6 +443,11 @@ class SimEngine:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/responses", self.create_response)
+        app.router.add_get("/v1/responses/{ident}", self.get_response)
+        app.router.add_post("/v1/responses/{ident}/cancel", self.cancel_response)
+        app.router.add_post("/v1/audio/transcriptions", self.transcription)
+        app.router.add_post("/v1/audio/speech", self.speech)
         if self.options.kind == "vllm" and self.options.sleep_mode:
             app.router.add_post("/sleep", self.sleep)
             app.router.add_post("/wake_up", self.wake_up)
