@@ -2,7 +2,8 @@
 
 A simulated engine with no delay is the upstream. The same load goes to it directly and
 through CapyCTL (standalone, uvicorn): small JSON chat at concurrency 1, 32 and 256, then
-128 paced streams (50 chunks, 20 ms apart) with their first-chunk latency.
+128 clients streaming paced answers (50 chunks, 20 ms apart) one after another, with the
+first-chunk latency of the first 128 (all started at once) and of the later ones apart.
 
 Run: .venv/bin/python bench/proxy.py [--seconds 5]
 """
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -59,25 +61,43 @@ async def small_json(
     return latencies
 
 
-async def paced_streams(url: str, key: str, model: str, streams: int) -> tuple[float, list[float]]:
+@dataclass
+class StreamRun:
+    seconds: float  # from the first start to the last stream's end
+    streams: int
+    burst_firsts: list[float]  # first-chunk latency of the first 128, started at once
+    steady_firsts: list[float]  # of every later stream, each started as another ended
+
+
+async def paced_streams(url: str, key: str, model: str, streams: int, seconds: float) -> StreamRun:
+    """``streams`` clients, each streaming one answer after another for ``seconds``."""
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    firsts: list[float] = []
+    run = StreamRun(0.0, 0, [], [])
     connector = aiohttp.TCPConnector(limit=streams)
     headers = {"Authorization": f"Bearer {key}"}
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
 
-        async def one() -> None:
-            started = time.perf_counter()
-            async with session.post(url, json=body) as response:
-                first = True
-                async for _chunk in response.content.iter_any():
-                    if first:
-                        firsts.append(time.perf_counter() - started)
-                        first = False
+        async def client() -> None:
+            firsts = run.burst_firsts
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                chunks = 0
+                async with session.post(url, json=body) as response:
+                    async for line in response.content:
+                        if line.startswith(b"data: {"):
+                            if chunks == 0:
+                                firsts.append(time.perf_counter() - started)
+                            chunks += 1
+                if chunks < 50:
+                    raise RuntimeError(f"a stream ended after {chunks} chunks")
+                run.streams += 1
+                firsts = run.steady_firsts
 
         started = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(streams)))
-    return time.perf_counter() - started, firsts
+        deadline = started + seconds
+        await asyncio.gather(*(client() for _ in range(streams)))
+        run.seconds = time.perf_counter() - started
+    return run
 
 
 def pct(values: list[float], q: float) -> float:
@@ -152,17 +172,25 @@ def main() -> None:
             print(f"{concurrency:>11}  {d_rate:>12.0f}  {p_rate:>13.0f}  {p_rate / d_rate:>6.2f}  "
                   f"{pct(direct, 0.5):>8.1f}/{pct(direct, 0.99):<9.1f}  "
                   f"{pct(proxied, 0.5):>8.1f}/{pct(proxied, 0.99):<9.1f}")  # fmt: skip
-        d_time, d_first = asyncio.run(
-            paced_streams(f"{direct_stream}/v1/chat/completions", stream_key, "stream", 128)
+        seconds = max(args.seconds, 3.0)
+        direct = asyncio.run(paced_streams(f"{direct_stream}/v1/chat/completions", stream_key,
+                                           "stream", 128, seconds))  # fmt: skip
+        proxied = asyncio.run(paced_streams(f"{base}/v1/chat/completions", key, "stream", 128,
+                                            seconds))  # fmt: skip
+        d_rate, p_rate = direct.streams / direct.seconds, proxied.streams / proxied.seconds
+        print(f"\n128 paced streams (50 chunks, 20 ms apart), each client streaming one after another "
+              f"for {seconds:.0f}s")  # fmt: skip
+        print(
+            f"  streams/s: direct {d_rate:.1f}, capyctl {p_rate:.1f}, ratio {p_rate / d_rate:.2f}"
         )
-        p_time, p_first = asyncio.run(
-            paced_streams(f"{base}/v1/chat/completions", key, "stream", 128)
-        )
-        ratio = d_time / p_time
-        overhead = statistics.median(p_first) * 1000 - statistics.median(d_first) * 1000
-        print(f"128 paced streams (50 chunks, 20 ms apart): direct {d_time:.2f}s, capyctl {p_time:.2f}s, "
-              f"ratio {ratio:.2f}; first chunk p50 direct {statistics.median(d_first) * 1000:.1f} ms, "
-              f"capyctl {statistics.median(p_first) * 1000:.1f} ms (overhead {overhead:.1f} ms)")  # fmt: skip
+        for label, d_firsts, p_firsts in (
+            ("steady", direct.steady_firsts, proxied.steady_firsts),
+            ("burst (128 at once)", direct.burst_firsts, proxied.burst_firsts),
+        ):
+            d50, p50 = statistics.median(d_firsts) * 1000, statistics.median(p_firsts) * 1000
+            print(f"  first chunk p50, {label}: direct {d50:.1f} ms, capyctl {p50:.1f} ms "
+                  f"(overhead {p50 - d50:.1f} ms); p99 direct {pct(d_firsts, 0.99):.1f} ms, "
+                  f"capyctl {pct(p_firsts, 0.99):.1f} ms")  # fmt: skip
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -52,3 +52,34 @@ def test_draining_waits_for_requests_in_flight(settings, monkeypatch):
     assert 0.25 < time.monotonic() - started < 3
     local.begin(5)
     assert not inflight.wait_drained(5, timeout=0.2)
+
+
+def test_a_closed_gate_refuses_new_requests_until_reopened(tracker):
+    assert tracker.begin(4)
+    tracker.close(4)  # draining: the one in flight finishes, no new one starts
+    assert not tracker.begin(4)
+    assert tracker.count(4) == 1
+    assert tracker.begin(9)  # other deployments are not affected
+    tracker.end(4)
+    assert tracker.count(4) == 0
+    tracker.reopen(4)
+    assert tracker.begin(4)
+    assert tracker.count(4) == 1
+
+
+def test_a_drain_closes_the_gate_and_ready_reopens_it(monkeypatch, db):
+    from capyctl.deployments.models import Deployment
+    from capyctl.scheduler import inflight, operations
+    from tests.scheduling import deployment as add_deployment
+    from tests.scheduling import vllm_engine
+
+    local = LocalInFlight()
+    monkeypatch.setattr(inflight, "_tracker", local)
+    vllm_engine()
+    deployment = add_deployment("gated")
+    Deployment.objects.filter(pk=deployment.pk).update(observed_state="ready")
+    deployment.refresh_from_db()
+    assert operations._drain(deployment, "parking")
+    assert not local.begin(deployment.pk)
+    assert operations._transition(deployment.pk, ["draining"], "ready")
+    assert local.begin(deployment.pk)

@@ -13,7 +13,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from django.conf import settings
@@ -22,7 +22,7 @@ from django.db import connection
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
 from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.routing import Route, RoutingTable, list_models
-from capyctl.gateway.usage import RateLimiter, UsageBook, UsageTap, write_usage
+from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
 from capyctl.scheduler import inflight, operations
 
 logger = logging.getLogger("capyctl.gateway")
@@ -40,6 +40,7 @@ _HOP_BY_HOP = {
     b"upgrade",
     b"proxy-authorization",
 }
+_GATE_TRIES = 3  # waits for a wake when a drain closed the gate under a request
 _MODELS_PATH = re.compile(r"^/v1/models(?:/([^/]+))?/?$")
 _STORED_RESPONSE_PATH = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_-]+)(?:/[a-z_]+)?/?$")
 _MULTIPART_MODEL = re.compile(rb'name="model"\r\n(?:[^\r\n]*\r\n)*\r\n([^\r\n]*)\r\n')
@@ -53,7 +54,7 @@ class Gateway:
         self._wakes: dict[int, asyncio.Future[None]] = {}
         self._waiting: dict[int, int] = {}
         self._touched: dict[int, float] = {}
-        self.limits = RateLimiter()
+        self.limits = make_limiter(settings.REDIS_URL)
         self.usage = UsageBook()
         self._usage_flush: asyncio.Task[None] | None = None
         self.stored_responses = StoredResponses()
@@ -72,7 +73,7 @@ class Gateway:
         key = await self.keys.check(_presented_key(headers))
         if key is None:
             raise invalid_key()
-        wait = self.limits.retry_after(key.pk, key.requests_per_minute)
+        wait = await self.limits.retry_after(key.pk, key.requests_per_minute)
         if wait is not None:
             raise GatewayError(
                 429,
@@ -87,20 +88,7 @@ class Gateway:
             await self._models(send, key, listing.group(1))
             return
         body = await _read_body(receive, int(settings.CAPYCTL["MAX_BODY_BYTES"]))
-        stored = _STORED_RESPONSE_PATH.match(path)
-        if stored is not None:  # GET /v1/responses/{id}, …/cancel: no body names the model
-            parsed = None
-            name = self.stored_responses.get(stored.group(1)) or ""
-            if not name:
-                raise GatewayError(
-                    404,
-                    "response_not_found",
-                    f"No response `{stored.group(1)}` was made through this endpoint.",
-                    retry=False,
-                )
-        else:
-            content_type = headers.get(b"content-type", b"")
-            name, parsed = _model_of(content_type, body)
+        name, parsed = self._model_named(path, headers, body)
         route = await self.routes.get(name)
         if route is None or not key.allows(route.deployment_id):
             raise model_not_found(name)
@@ -110,21 +98,59 @@ class Gateway:
             )
         if name != route.name:  # an alias: the engine serves the deployment's own name
             body = _rename_model(body, parsed, route.name)
+        route, waited_ms = await self._admit(route)
+        try:
+            await self._forward(
+                scope,
+                receive,
+                send,
+                key=key,
+                headers=headers,
+                body=body,
+                route=route,
+                started=started,
+                waited_ms=waited_ms,
+            )
+        finally:
+            inflight.end(route.deployment_id)
+
+    def _model_named(
+        self, path: str, headers: dict[bytes, bytes], body: bytes
+    ) -> tuple[str, dict[str, Any] | None]:
+        """The model a request is for, and its parsed JSON body (when it has one)."""
+        stored = _STORED_RESPONSE_PATH.match(path)
+        if stored is None:
+            return _model_of(headers.get(b"content-type", b""), body)
+        # GET /v1/responses/{id}, …/cancel: no body names the model; its maker does.
+        name = self.stored_responses.get(stored.group(1))
+        if name is None:
+            raise GatewayError(
+                404,
+                "response_not_found",
+                f"No response `{stored.group(1)}` was made through this endpoint.",
+                retry=False,
+            )
+        return name, None
+
+    async def _admit(self, route: Route) -> tuple[Route, float]:
+        """Count the request in flight on a ready engine, waiting for a wake if needed;
+        returns the route to use and the milliseconds waited."""
         waited_ms = 0.0
-        if route.observed_state != "ready" or route.base_url is None:
-            wait_started = time.perf_counter()
-            route = await self._wait_ready(route)
-            waited_ms = (time.perf_counter() - wait_started) * 1000
-        await self._forward(
-            scope,
-            receive,
-            send,
-            key=key,
-            headers=headers,
-            body=body,
-            route=route,
-            started=started,
-            waited_ms=waited_ms,
+        ready = route.observed_state == "ready" and route.base_url is not None
+        for _ in range(_GATE_TRIES):
+            if not ready:
+                wait_started = time.perf_counter()
+                route = await self._wait_ready(route)
+                waited_ms += (time.perf_counter() - wait_started) * 1000
+            if inflight.begin(route.deployment_id):
+                return route, waited_ms
+            ready = False  # it began draining after our route was read: wait for the wake
+        raise GatewayError(
+            503,
+            "unavailable",
+            f"`{route.name}` is being switched over and over; retry shortly.",
+            "server_error",
+            headers=[(b"retry-after", b"1")],
         )
 
     # -- /v1/models --------------------------------------------------------------------------
@@ -197,6 +223,7 @@ class Gateway:
         """Close the connections to engines (at shutdown)."""
         if self._session is not None and not self._session.closed:
             await self._session.close()
+        await self.limits.close()
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -229,11 +256,15 @@ class Gateway:
         url = f"{route.base_url}{scope['path']}"
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
-        inflight.begin(route.deployment_id)
         self._touch(route.deployment_id)
         tap = UsageTap(want_response_id=scope["method"] == "POST" and path_is_responses(scope))
-        forwarding = asyncio.ensure_future(
-            self._stream(
+        # The answer streams in this task; a watcher cancels it if the client goes away, so
+        # the engine stops generating for no one (one extra task a request, no more).
+        this = cast("asyncio.Task[None]", asyncio.current_task())
+        gone = asyncio.Event()
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(receive, this, gone))
+        try:
+            await self._stream(
                 scope["method"],
                 url,
                 tap=tap,
@@ -243,20 +274,12 @@ class Gateway:
                 started=started,
                 waited_ms=waited_ms,
             )
-        )
-        disconnected = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            done, _ = await asyncio.wait(
-                {forwarding, disconnected}, return_when=asyncio.FIRST_COMPLETED
-            )
-            if forwarding not in done:  # the client went away: cancel the upstream request
-                forwarding.cancel()
-            await asyncio.gather(forwarding, return_exceptions=True)
-            if forwarding.done() and not forwarding.cancelled() and forwarding.exception():
-                raise forwarding.exception()  # type: ignore[misc]
+        except asyncio.CancelledError:
+            if not gone.is_set():
+                raise  # cancelled for another reason (shutdown): not ours to swallow
+            this.uncancel()
         finally:
-            disconnected.cancel()
-            inflight.end(route.deployment_id)
+            watcher.cancel()
             if tap.response_id is not None:
                 self.stored_responses.put(tap.response_id, route.name)
             prompt, completion = tap.tokens()
@@ -423,11 +446,14 @@ def _rename_model(body: bytes, parsed: dict[str, Any] | None, served_name: str) 
     return body[: match.start(1)] + served_name.encode() + body[match.end(1) :]
 
 
-async def _wait_disconnect(receive: Any) -> None:
+async def _cancel_on_disconnect(receive: Any, task: asyncio.Task[Any], gone: asyncio.Event) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return
+            break
+    if not task.done():
+        gone.set()
+        task.cancel()
 
 
 async def _respond(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections import deque
 from datetime import timedelta
 
@@ -101,7 +102,7 @@ def write_usage(pending: dict[int, list[int]]) -> None:
 
 
 class RateLimiter:
-    """A sliding one-minute window per key, in this process."""
+    """A sliding one-minute window per key, in this process (standalone)."""
 
     def __init__(self) -> None:
         self._hits: dict[int, deque[float]] = {}
@@ -118,3 +119,55 @@ class RateLimiter:
             return max(60 - (now - hits[0]), 1.0)
         hits.append(now)
         return None
+
+
+_LIMIT_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return tostring(60 - (now - tonumber(oldest[2])))
+end
+redis.call('ZADD', KEYS[1], now, ARGV[2])
+redis.call('EXPIRE', KEYS[1], 61)
+return false
+"""
+
+
+class RedisRateLimiter:
+    """The same sliding window, kept in Redis (server mode): every API process counts
+    against one window per key, by Redis's clock, in one atomic step a request."""
+
+    def __init__(self, url: str) -> None:
+        import redis.asyncio
+
+        self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=2)
+        self._script = self._redis.register_script(_LIMIT_SCRIPT)
+
+    async def retry_after(self, key_pk: int, limit: int | None) -> float | None:
+        if not limit:
+            return None
+        member = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
+        wait = await self._script(keys=[f"capyctl:rpm:{key_pk}"], args=[limit, member])
+        return None if wait is None else max(float(wait), 1.0)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+class LocalLimiter:
+    """:class:`RateLimiter` behind the same awaitable face as :class:`RedisRateLimiter`."""
+
+    def __init__(self) -> None:
+        self._window = RateLimiter()
+
+    async def retry_after(self, key_pk: int, limit: int | None) -> float | None:
+        return self._window.retry_after(key_pk, limit)
+
+    async def close(self) -> None:
+        return None
+
+
+def make_limiter(redis_url: str | None) -> LocalLimiter | RedisRateLimiter:
+    return RedisRateLimiter(redis_url) if redis_url else LocalLimiter()

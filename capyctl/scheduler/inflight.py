@@ -3,6 +3,11 @@
 The gateway calls :func:`begin` and :func:`end` around every forwarded request; the
 scheduler reads :func:`count`. In standalone the counter lives in this process; in server
 mode (``CAPYCTL_REDIS_URL``) it lives in Redis, shared by every process.
+
+Draining closes a gate first (:func:`close`): from then on :func:`begin` refuses, in the
+same atomic step that counts, so a request that read a slightly old route cannot slip in
+after the count reached zero and land on an engine being parked; the gateway sends it to
+wait for the wake instead. The gate opens again when the deployment is next ready.
 """
 
 from __future__ import annotations
@@ -14,7 +19,14 @@ from typing import Protocol
 from django.conf import settings
 
 _KEY = "capyctl:inflight:{}"
-_TTL_SECONDS = 3600  # a crashed process's counts cannot pin a model forever
+_CLOSED = "capyctl:inflight-closed:{}"
+_TTL_SECONDS = 3600  # a crashed process's counts (or gate) cannot pin a model forever
+_BEGIN_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
 _END_SCRIPT = """
 local left = redis.call('DECR', KEYS[1])
 if left <= 0 then redis.call('DEL', KEYS[1]) end
@@ -23,7 +35,11 @@ return left
 
 
 class InFlight(Protocol):
-    def begin(self, deployment_id: int) -> None: ...
+    def begin(self, deployment_id: int) -> bool: ...
+
+    def close(self, deployment_id: int) -> None: ...
+
+    def reopen(self, deployment_id: int) -> None: ...
 
     def end(self, deployment_id: int) -> None: ...
 
@@ -33,11 +49,23 @@ class InFlight(Protocol):
 class LocalInFlight:
     def __init__(self) -> None:
         self._counts: dict[int, int] = {}
+        self._closed: set[int] = set()
         self._lock = threading.Lock()
 
-    def begin(self, deployment_id: int) -> None:
+    def begin(self, deployment_id: int) -> bool:
         with self._lock:
+            if deployment_id in self._closed:
+                return False
             self._counts[deployment_id] = self._counts.get(deployment_id, 0) + 1
+            return True
+
+    def close(self, deployment_id: int) -> None:
+        with self._lock:
+            self._closed.add(deployment_id)
+
+    def reopen(self, deployment_id: int) -> None:
+        with self._lock:
+            self._closed.discard(deployment_id)
 
     def end(self, deployment_id: int) -> None:
         with self._lock:
@@ -58,13 +86,17 @@ class RedisInFlight:
 
         self._redis = redis.Redis.from_url(url, socket_timeout=2)
         self._end = self._redis.register_script(_END_SCRIPT)
+        self._begin = self._redis.register_script(_BEGIN_SCRIPT)
 
-    def begin(self, deployment_id: int) -> None:
-        key = _KEY.format(deployment_id)
-        pipe = self._redis.pipeline()
-        pipe.incr(key)
-        pipe.expire(key, _TTL_SECONDS)
-        pipe.execute()
+    def begin(self, deployment_id: int) -> bool:
+        keys = [_KEY.format(deployment_id), _CLOSED.format(deployment_id)]
+        return bool(self._begin(keys=keys, args=[_TTL_SECONDS]))
+
+    def close(self, deployment_id: int) -> None:
+        self._redis.set(_CLOSED.format(deployment_id), 1, ex=_TTL_SECONDS)
+
+    def reopen(self, deployment_id: int) -> None:
+        self._redis.delete(_CLOSED.format(deployment_id))
 
     def end(self, deployment_id: int) -> None:
         # Decrement and drop an emptied key in one step, so a request that begins in
@@ -88,8 +120,17 @@ def tracker() -> InFlight:
         return _tracker
 
 
-def begin(deployment_id: int) -> None:
-    tracker().begin(deployment_id)
+def begin(deployment_id: int) -> bool:
+    """Count a request in; False (and not counted) while the deployment drains."""
+    return tracker().begin(deployment_id)
+
+
+def close(deployment_id: int) -> None:
+    tracker().close(deployment_id)
+
+
+def reopen(deployment_id: int) -> None:
+    tracker().reopen(deployment_id)
 
 
 def end(deployment_id: int) -> None:

@@ -135,6 +135,8 @@ def _transition(
     if wanted:
         rows = rows.filter(desired_state="running")
     updated = rows.update(observed_state=new, state_changed_at=timezone.now(), **fields)
+    if updated == 1 and new == S.READY:
+        inflight.reopen(deployment_id)  # the drain gate, closed while it drained
     return updated == 1
 
 
@@ -254,6 +256,7 @@ def _drain(deployment: Deployment, doing: str) -> bool:
     """READY -> DRAINING, then wait for its requests in flight; on a timeout it goes back
     to READY and this raises (CapyCTL never cuts a request short to make room)."""
     _transition(deployment.pk, [S.READY], S.DRAINING)
+    inflight.close(deployment.pk)  # from here new requests wait for the next wake
     drain = deployment.setting("drain_timeout_seconds")
     if inflight.wait_drained(deployment.pk, drain):
         return True

@@ -1,0 +1,65 @@
+"""The gateway's parts that need no server: usage taps and rate limits (in this process,
+and in Redis shared by several processes)."""
+
+import asyncio
+import json
+
+from capyctl.gateway.usage import LocalLimiter, RedisRateLimiter, UsageTap
+
+
+def test_the_tap_finds_usage_in_json_streams_and_responses():
+    answer = json.dumps({"id": "chatcmpl-1", "choices": [], "usage": {
+        "prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}).encode()  # fmt: skip
+    tap = UsageTap()
+    for i in range(0, len(answer), 9):  # split anywhere, even inside a number
+        tap.feed(answer[i : i + 9])
+    assert tap.tokens() == (5, 7)
+
+    stream = UsageTap()
+    for n in range(2000):  # a long stream: only its tail is kept, and it is enough
+        stream.feed(b'data: {"choices":[{"delta":{"content":"tok%d"}}],"usage":null}\n\n' % n)
+    stream.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2000}}\n\n')
+    stream.feed(b"data: [DONE]\n\n")
+    assert stream.tokens() == (3, 2000)
+
+    responses = UsageTap(want_response_id=True)
+    created = {"type": "response.created", "response": {"id": "resp_abc123", "usage": None}}
+    responses.feed(b"event: response.created\ndata: " + json.dumps(created).encode() + b"\n\n")
+    assert responses.response_id == "resp_abc123"
+    done = {"type": "response.completed", "response": {"id": "resp_abc123", "output": [
+        {"id": "msg_1", "content": [{"text": "x" * 20000}]}], "usage": {
+        "input_tokens": 4, "output_tokens": 9, "total_tokens": 13}}}  # fmt: skip
+    responses.feed(b"event: response.completed\ndata: " + json.dumps(done).encode() + b"\n\n")
+    assert responses.tokens() == (4, 9)
+    assert UsageTap().tokens() == (0, 0)
+    no_usage = UsageTap()
+    no_usage.feed(b'data: {"choices":[],"usage":null}\n\n')
+    assert no_usage.tokens() == (0, 0)
+
+
+async def test_limits_in_this_process():
+    limiter = LocalLimiter()
+    assert await limiter.retry_after(1, None) is None
+    assert await limiter.retry_after(1, 2) is None
+    assert await limiter.retry_after(1, 2) is None
+    wait = await limiter.retry_after(1, 2)
+    assert wait is not None
+    assert 58 < wait <= 60
+    assert await limiter.retry_after(2, 2) is None  # per key
+
+
+async def test_limits_in_redis_are_shared_by_every_process():
+    first = RedisRateLimiter("redis://127.0.0.1:6379/14")
+    second = RedisRateLimiter("redis://127.0.0.1:6379/14")  # another API process
+    try:
+        await first._redis.delete("capyctl:rpm:41", "capyctl:rpm:42")
+        results = await asyncio.gather(
+            *(limiter.retry_after(41, 5) for limiter in (first, second) * 4)
+        )
+        assert sum(r is None for r in results) == 5  # 8 tries, 5 allowed between the two
+        refused = [r for r in results if r is not None]
+        assert all(58 < r <= 60 for r in refused)
+        assert await second.retry_after(42, 5) is None
+    finally:
+        await first.close()
+        await second.close()
