@@ -1,9 +1,10 @@
 """The /v1 gateway against the engine itself, in one run: req/s, p50/p99 and the ratio.
 
 A simulated engine with no delay is the upstream. The same load goes to it directly and
-through CapyCTL (standalone, uvicorn): small JSON chat at concurrency 1, 32 and 256, then
-128 clients streaming paced answers (50 chunks, 20 ms apart) one after another, with the
-first-chunk latency of the first 128 (all started at once) and of the later ones apart.
+through CapyCTL (standalone, uvicorn): small JSON chat at concurrency 1, 32 and 256; then
+128 clients streaming paced answers (50 chunks, 20 ms apart) one after another, their
+starts spread over one stream's length as in a steady load; then 128 streams started at
+the same instant, each run with its first-chunk latency.
 
 Run: .venv/bin/python bench/proxy.py [--seconds 5]
 """
@@ -25,6 +26,8 @@ import aiohttp
 import httpx
 
 from hostagent.runtime import free_port
+
+STREAM_SECONDS = 1.0  # 50 chunks, 20 ms apart
 
 
 def capyctl(env: dict[str, str], *argv: str) -> str:
@@ -65,37 +68,42 @@ async def small_json(
 class StreamRun:
     seconds: float  # from the first start to the last stream's end
     streams: int
-    burst_firsts: list[float]  # first-chunk latency of the first 128, started at once
-    steady_firsts: list[float]  # of every later stream, each started as another ended
+    firsts: list[float]  # each stream's first-chunk latency
 
 
-async def paced_streams(url: str, key: str, model: str, streams: int, seconds: float) -> StreamRun:
-    """``streams`` clients, each streaming one answer after another for ``seconds``."""
+async def paced_streams(
+    url: str, key: str, model: str, clients: int, seconds: float, *, burst: bool = False
+) -> StreamRun:
+    """``clients`` clients, each streaming one answer after another for ``seconds``, their
+    starts spread over one stream's length (as streams arrive in a steady load); with
+    ``burst``, all start at once and stream once."""
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    run = StreamRun(0.0, 0, [], [])
-    connector = aiohttp.TCPConnector(limit=streams)
+    run = StreamRun(0.0, 0, [])
+    connector = aiohttp.TCPConnector(limit=clients)
     headers = {"Authorization": f"Bearer {key}"}
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
 
-        async def client() -> None:
-            firsts = run.burst_firsts
-            while time.perf_counter() < deadline:
+        async def client(index: int) -> None:
+            if not burst:
+                await asyncio.sleep(index * STREAM_SECONDS / clients)
+            while True:
                 started = time.perf_counter()
                 chunks = 0
                 async with session.post(url, json=body) as response:
                     async for line in response.content:
                         if line.startswith(b"data: {"):
                             if chunks == 0:
-                                firsts.append(time.perf_counter() - started)
+                                run.firsts.append(time.perf_counter() - started)
                             chunks += 1
                 if chunks < 50:
                     raise RuntimeError(f"a stream ended after {chunks} chunks")
                 run.streams += 1
-                firsts = run.steady_firsts
+                if burst or time.perf_counter() >= deadline:
+                    return
 
         started = time.perf_counter()
         deadline = started + seconds
-        await asyncio.gather(*(client() for _ in range(streams)))
+        await asyncio.gather(*(client(i) for i in range(clients)))
         run.seconds = time.perf_counter() - started
     return run
 
@@ -173,19 +181,22 @@ def main() -> None:
                   f"{pct(direct, 0.5):>8.1f}/{pct(direct, 0.99):<9.1f}  "
                   f"{pct(proxied, 0.5):>8.1f}/{pct(proxied, 0.99):<9.1f}")  # fmt: skip
         seconds = max(args.seconds, 3.0)
-        direct = asyncio.run(paced_streams(f"{direct_stream}/v1/chat/completions", stream_key,
-                                           "stream", 128, seconds))  # fmt: skip
-        proxied = asyncio.run(paced_streams(f"{base}/v1/chat/completions", key, "stream", 128,
-                                            seconds))  # fmt: skip
+        d_url, p_url = f"{direct_stream}/v1/chat/completions", f"{base}/v1/chat/completions"
+        runs = {
+            (way, burst): asyncio.run(paced_streams(url, k, "stream", 128, seconds, burst=burst))
+            for burst in (False, True)
+            for way, url, k in (("direct", d_url, stream_key), ("capyctl", p_url, key))
+        }
+        direct, proxied = runs["direct", False], runs["capyctl", False]
         d_rate, p_rate = direct.streams / direct.seconds, proxied.streams / proxied.seconds
-        print(f"\n128 paced streams (50 chunks, 20 ms apart), each client streaming one after another "
-              f"for {seconds:.0f}s")  # fmt: skip
+        print(f"\n128 clients streaming paced answers (50 chunks, 20 ms apart) one after another "
+              f"for {seconds:.0f}s, their starts spread over one stream's length")  # fmt: skip
         print(
             f"  streams/s: direct {d_rate:.1f}, capyctl {p_rate:.1f}, ratio {p_rate / d_rate:.2f}"
         )
         for label, d_firsts, p_firsts in (
-            ("steady", direct.steady_firsts, proxied.steady_firsts),
-            ("burst (128 at once)", direct.burst_firsts, proxied.burst_firsts),
+            ("steady", direct.firsts, proxied.firsts),
+            ("128 started at once", runs["direct", True].firsts, runs["capyctl", True].firsts),
         ):
             d50, p50 = statistics.median(d_firsts) * 1000, statistics.median(p_firsts) * 1000
             print(f"  first chunk p50, {label}: direct {d50:.1f} ms, capyctl {p50:.1f} ms "

@@ -63,3 +63,33 @@ async def test_limits_in_redis_are_shared_by_every_process():
     finally:
         await first.close()
         await second.close()
+
+
+async def test_the_warm_cache_reads_once_and_keeps_names_in_use_fresh(monkeypatch):
+    from capyctl.gateway import cache
+
+    reads: list[list[str]] = []
+    values = {"a": 1, "b": 2}
+
+    def fetch_many(names):
+        reads.append(sorted(names))
+        return {n: values[n] for n in names if n in values}
+
+    warm = cache.WarmCache(fetch_many, soft=0.05, hard=0.3)
+    try:
+        got = await asyncio.gather(*(warm.get("a") for _ in range(50)))
+        assert got == [1] * 50
+        assert reads == [["a"]]  # one read for fifty waiters
+        assert await warm.get("ghost") is None
+        values["a"] = 10
+        await asyncio.sleep(0.2)  # the background read sees the change, in one batch
+        assert await warm.get("a") == 10
+        assert ["a", "ghost"] in reads
+        before = len(reads)
+        assert await warm.get("a", fresh=True) == 10
+        assert len(reads) == before + 1  # fresh: a read of its own
+        monkeypatch.setattr(cache, "KEEP_WARM_SECONDS", 0.0)  # names unused are let go
+        await asyncio.sleep(0.2)
+        assert warm._used_at == {}
+    finally:
+        await warm.close()

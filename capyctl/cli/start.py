@@ -134,6 +134,7 @@ def _serve_uvicorn(host: str, port: int) -> int:
         http="httptools",
         lifespan="on",
         access_log=False,
+        proxy_headers=False,  # one ASGI layer less a request; CapyCTL logs no client address
         log_level=settings.LOG_LEVEL.lower(),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         server_header=False,

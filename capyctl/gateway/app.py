@@ -224,6 +224,8 @@ class Gateway:
         if self._session is not None and not self._session.closed:
             await self._session.close()
         await self.limits.close()
+        await self.keys.close()
+        await self.routes.close()
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -301,11 +303,7 @@ class Gateway:
         sent_headers = False
         try:
             async with self._client().request(method, url, data=body, headers=headers) as upstream:
-                out = [
-                    (k.lower().encode("latin-1"), v.encode("latin-1"))
-                    for k, v in upstream.headers.items()
-                    if k.lower().encode("latin-1") not in _HOP_BY_HOP
-                ]
+                out = [(k, v) for k, v in upstream.raw_headers if k.lower() not in _HOP_BY_HOP]
                 overhead = (time.perf_counter() - started) * 1000 - waited_ms
                 out.append((b"x-capyctl-overhead-ms", f"{overhead:.1f}".encode()))
                 if waited_ms:

@@ -6,21 +6,20 @@ process within a second without a database query per request.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import time
 from dataclasses import dataclass
 
-from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from capyctl.access.models import ApiKey
 from capyctl.access.services import hash_secret, split_key
+from capyctl.gateway.cache import WarmCache
 
-# Past SOFT an entry is refreshed in the background while still used; past HARD (so a
-# revoked key stops working within a second) requests wait for the fresh read.
-SOFT_TTL_SECONDS = 0.5
+# Keys in use are re-read every SOFT seconds in the background; one older than HARD is
+# never trusted (so a revoked key stops working within a second).
+SOFT_TTL_SECONDS = 0.4
 TTL_SECONDS = 1.0
+_DIGESTS_KEPT = 10_000
 
 
 @dataclass(frozen=True)
@@ -31,56 +30,45 @@ class KeyInfo:
     active: bool
     models: frozenset[int]  # empty: every deployment
     requests_per_minute: int | None
-    fetched_at: float
 
     def allows(self, deployment_id: int) -> bool:
         return not self.models or deployment_id in self.models
 
 
-def _fetch(key_id: str) -> KeyInfo | None:
-    key = ApiKey.objects.filter(key_id=key_id).select_related("user").first()
-    if key is None:
-        return None
-    return KeyInfo(
-        pk=key.pk,
-        key_id=key.key_id,
-        secret_hmac=key.secret_hmac,
-        active=key.is_active(timezone.now()) and key.user.is_active,
-        models=frozenset(key.allowed_models.values_list("pk", flat=True)),
-        requests_per_minute=key.requests_per_minute,
-        fetched_at=time.monotonic(),
+def _fetch_many(key_ids: list[str]) -> dict[str, KeyInfo]:
+    now = timezone.now()
+    keys = (
+        ApiKey.objects.filter(key_id__in=key_ids)
+        .select_related("user")
+        .prefetch_related("allowed_models")
     )
+    return {
+        key.key_id: KeyInfo(
+            pk=key.pk,
+            key_id=key.key_id,
+            secret_hmac=key.secret_hmac,
+            active=key.is_active(now) and key.user.is_active,
+            models=frozenset(m.pk for m in key.allowed_models.all()),
+            requests_per_minute=key.requests_per_minute,
+        )
+        for key in keys
+    }
 
 
 class KeyCache:
-    """Key infos by id. A stale entry is refreshed by ONE query while requests keep using
-    it for those few milliseconds; a key not seen before waits for its first read."""
+    """Key infos by id, kept warm (see :class:`WarmCache`): a revoked key stops working
+    within ``TTL_SECONDS`` on every process, with no database query per request."""
 
     def __init__(self) -> None:
-        self._keys: dict[str, KeyInfo | None] = {}
-        self._times: dict[str, float] = {}
-        self._refreshing: dict[str, asyncio.Task[KeyInfo | None]] = {}
+        self._infos: WarmCache[KeyInfo] = WarmCache(
+            _fetch_many, soft=SOFT_TTL_SECONDS, hard=TTL_SECONDS
+        )
+        # The HMAC of each secret presented lately: the check is then a dict lookup and a
+        # constant-time compare. Kept in memory only, like the key infos themselves.
+        self._digests: dict[str, str] = {}
 
-    async def _refresh(self, key_id: str) -> KeyInfo | None:
-        try:
-            info = await sync_to_async(_fetch, thread_sensitive=False)(key_id)
-            self._keys[key_id] = info
-            self._times[key_id] = time.monotonic()
-            return info
-        finally:
-            self._refreshing.pop(key_id, None)
-
-    async def _info(self, key_id: str) -> KeyInfo | None:
-        age = time.monotonic() - self._times.get(key_id, -1e9)
-        if age <= SOFT_TTL_SECONDS:
-            return self._keys[key_id]
-        task = self._refreshing.get(key_id)
-        if task is None:
-            task = asyncio.ensure_future(self._refresh(key_id))
-            self._refreshing[key_id] = task
-        if key_id in self._keys and age <= TTL_SECONDS:
-            return self._keys[key_id]  # a little stale while the refresh is under way
-        return await asyncio.shield(task)
+    async def close(self) -> None:
+        await self._infos.close()
 
     async def check(self, full_key: str) -> KeyInfo | None:
         """The key's info if ``full_key`` is a valid, active key; else None."""
@@ -88,9 +76,15 @@ class KeyCache:
         if parts is None:
             return None
         key_id, secret = parts
-        info = await self._info(key_id)
+        info = await self._infos.get(key_id)
         if info is None or not info.active:
             return None
-        if not hmac.compare_digest(info.secret_hmac, hash_secret(secret)):
+        digest = self._digests.get(secret)
+        if digest is None:
+            digest = hash_secret(secret)
+            if len(self._digests) >= _DIGESTS_KEPT:
+                self._digests.clear()
+            self._digests[secret] = digest
+        if not hmac.compare_digest(info.secret_hmac, digest):
             return None
         return info

@@ -1,21 +1,19 @@
 """Where each model name goes: the deployment, its state and its engine's address.
 
-A short-lived in-memory table: a request for a ready model costs no database query; the
-table is re-read at most every ``TTL_SECONDS`` and right after a wake.
+An in-memory table, re-read in the background every ``SOFT_TTL_SECONDS`` for the names in
+use, never used older than ``TTL_SECONDS``, and read afresh right after a wake.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 
-from asgiref.sync import sync_to_async
 from django.db.models import Q
 
 from capyctl.deployments.models import Deployment, Instance
+from capyctl.gateway.cache import WarmCache
 
-SOFT_TTL_SECONDS = 0.25  # refreshed in the background past this age
+SOFT_TTL_SECONDS = 0.25  # names in use are re-read this often, in the background
 TTL_SECONDS = 1.0  # never used older than this
 
 
@@ -31,66 +29,56 @@ class Route:
     launch_key: str
     max_waiting: int
     wake_timeout_seconds: int
-    fetched_at: float
 
 
-def _fetch(name: str) -> Route | None:
-    deployment = (
-        Deployment.objects.filter(Q(name=name) | Q(aliases__name=name))
+def _fetch_many(names: list[str]) -> dict[str, Route]:
+    deployments = (
+        Deployment.objects.filter(Q(name__in=names) | Q(aliases__name__in=names))
         .select_related("host")
-        .first()
+        .prefetch_related("aliases")
+        .distinct()
     )
-    if deployment is None:
-        return None
-    instance = (
-        Instance.objects.filter(deployment=deployment, state=Instance.State.RUNNING)
-        .only("port", "launch_key")
-        .first()
-    )
-    return Route(
-        deployment_id=deployment.pk,
-        name=deployment.name,
-        desired_state=deployment.desired_state,
-        observed_state=deployment.observed_state,
-        parked_mode=deployment.parked_mode,
-        host=deployment.host.name if deployment.host else None,
-        base_url=f"http://127.0.0.1:{instance.port}" if instance and instance.port else None,
-        launch_key=instance.launch_key if instance else "",
-        max_waiting=deployment.setting("max_waiting"),
-        wake_timeout_seconds=deployment.setting("wake_timeout_seconds"),
-        fetched_at=time.monotonic(),
-    )
+    running = {
+        i.deployment_id: i
+        for i in Instance.objects.filter(
+            deployment__in=deployments, state=Instance.State.RUNNING
+        ).only("deployment_id", "port", "launch_key")
+    }
+    wanted = set(names)
+    routes: dict[str, Route] = {}
+    for deployment in deployments:
+        instance = running.get(deployment.pk)
+        route = Route(
+            deployment_id=deployment.pk,
+            name=deployment.name,
+            desired_state=deployment.desired_state,
+            observed_state=deployment.observed_state,
+            parked_mode=deployment.parked_mode,
+            host=deployment.host.name if deployment.host else None,
+            base_url=f"http://127.0.0.1:{instance.port}" if instance and instance.port else None,
+            launch_key=instance.launch_key if instance else "",
+            max_waiting=deployment.setting("max_waiting"),
+            wake_timeout_seconds=deployment.setting("wake_timeout_seconds"),
+        )
+        for name in {deployment.name, *(a.name for a in deployment.aliases.all())} & wanted:
+            routes[name] = route
+    return routes
 
 
 class RoutingTable:
-    """Routes by model name. A stale route is refreshed by ONE query while requests keep
-    using it; ``fresh=True`` (after a wake) waits for the database's word."""
+    """Routes by model name or alias, kept warm (see :class:`WarmCache`): a request for a
+    ready model costs no database query; ``fresh=True`` (after a wake) waits for a read."""
 
     def __init__(self) -> None:
-        self._routes: dict[str, Route | None] = {}
-        self._times: dict[str, float] = {}
-        self._refreshing: dict[str, asyncio.Task[Route | None]] = {}
+        self._routes: WarmCache[Route] = WarmCache(
+            _fetch_many, soft=SOFT_TTL_SECONDS, hard=TTL_SECONDS
+        )
 
-    async def _refresh(self, name: str) -> Route | None:
-        try:
-            route = await sync_to_async(_fetch, thread_sensitive=False)(name)
-            self._routes[name] = route
-            self._times[name] = time.monotonic()
-            return route
-        finally:
-            self._refreshing.pop(name, None)
+    async def close(self) -> None:
+        await self._routes.close()
 
     async def get(self, name: str, *, fresh: bool = False) -> Route | None:
-        age = time.monotonic() - self._times.get(name, -1e9)
-        if not fresh and age <= SOFT_TTL_SECONDS:
-            return self._routes[name]
-        task = self._refreshing.get(name)
-        if task is None:
-            task = asyncio.ensure_future(self._refresh(name))
-            self._refreshing[name] = task
-        if not fresh and name in self._routes and age <= TTL_SECONDS:
-            return self._routes[name]
-        return await asyncio.shield(task)
+        return await self._routes.get(name, fresh=fresh)
 
 
 def list_models() -> list[dict[str, object]]:
