@@ -93,3 +93,20 @@ async def test_the_warm_cache_reads_once_and_keeps_names_in_use_fresh(monkeypatc
         assert warm._used_at == {}
     finally:
         await warm.close()
+
+
+def test_the_model_of_a_multipart_form_is_its_own_field():
+    from capyctl.gateway.app import _model_of, _rename_model
+
+    boundary = b"------------------------d74496d66958873e"
+    audio = b"RIFF\r\n\r\nnot a model\r\n\r\n" + bytes(range(256))
+    form = (
+        b"--" + boundary + b'\r\nContent-Disposition: form-data; name="model"\r\n\r\nchat\r\n'
+        b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; filename="a.wav"'
+        b"\r\nContent-Type: audio/wav\r\n\r\n" + audio + b"\r\n--" + boundary + b"--\r\n"
+    )
+    kind = b"multipart/form-data; boundary=" + boundary
+    assert _model_of(kind, form) == ("chat", None)
+    renamed = _rename_model(form, None, "served-name")
+    assert _model_of(kind, renamed) == ("served-name", None)
+    assert renamed.endswith(audio + b"\r\n--" + boundary + b"--\r\n")  # the upload untouched

@@ -43,7 +43,8 @@ _HOP_BY_HOP = {
 _GATE_TRIES = 3  # waits for a wake when a drain closed the gate under a request
 _MODELS_PATH = re.compile(r"^/v1/models(?:/([^/]+))?/?$")
 _STORED_RESPONSE_PATH = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_-]+)(?:/[a-z_]+)?/?$")
-_MULTIPART_MODEL = re.compile(rb'name="model"\r\n(?:[^\r\n]*\r\n)*\r\n([^\r\n]*)\r\n')
+# The form's `model` part: its headers (non-empty lines) end at the first blank line.
+_MULTIPART_MODEL = re.compile(rb'name="model"\r\n(?:[^\r\n]+\r\n)*?\r\n([^\r\n]*)\r\n')
 
 
 class Gateway:
