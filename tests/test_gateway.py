@@ -44,6 +44,10 @@ def served(program_env):
                *trickle).code == 0  # fmt: skip
     assert run("deployment", "add", "trickle", "--engine", "trickle", "--source", "/m",
                "--gpu-memory", "1GiB").code == 0  # fmt: skip
+    assert run("engine", "add", "dies", "--kind", "vllm", "--command", f"{SIM} vllm",
+               "--env", "CAPYCTL_SIM_DIE_MID_STREAM=1").code == 0  # fmt: skip
+    assert run("deployment", "add", "dies", "--engine", "dies", "--source", "/m",
+               "--gpu-memory", "1GiB").code == 0  # fmt: skip
     broken = f"{sys.executable} -c 'import sys; print(\"no such model file\"); sys.exit(3)'"
     assert run("engine", "add", "broken", "--kind", "llamacpp", "--command", broken).code == 0
     assert run("deployment", "add", "broken", "--engine", "broken", "--source", "/m",
@@ -318,6 +322,17 @@ def test_a_slow_start_times_out_and_a_broken_engine_fails(served):
     error = broken.json()["error"]
     assert error["code"] == "engine_failed"
     assert "no such model file" in error["message"]
+
+
+def test_an_engine_that_dies_mid_stream_ends_it_with_an_error_event(served):
+    server, key, _, _ = served
+    answer = chat(server, key, "dies", stream=True)
+    assert answer.status_code == 200  # the headers were already on their way
+    lines = [line for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["delta"]["content"]
+    error = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "engine_failed"
+    assert "data: [DONE]" not in lines
 
 
 def test_the_real_llama_server_answers_through_v1_and_makes_room(program_env):
