@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from capyctl.conf import (
     env_optional_str,
     env_path,
     env_size,
+    env_str,
     parse_sim_gpus,
 )
 
@@ -216,4 +218,8 @@ CAPYCTL: dict[str, Any] = {
     "GPU_RESERVE_BYTES": env_size("CAPYCTL_GPU_RESERVE", 512 * 1024**2),
     "RAM_RESERVE_BYTES": env_size("CAPYCTL_RAM_RESERVE", 2 * 1024**3),
     "MAX_BODY_BYTES": env_size("CAPYCTL_MAX_BODY_BYTES", 32 * 1024**2),
+    # Where hosts reach the server to enrol (HOST:PORT of its enrolment listener): it goes
+    # into join tokens. The listener itself is `capyctl start … --enrol-listen`.
+    "ENROL_ADDRESS": env_str("CAPYCTL_ENROL_ADDRESS", f"{socket.getfqdn()}:7443"),
+    "JOIN_TOKEN_SECONDS": env_int("CAPYCTL_JOIN_TOKEN_SECONDS", 3600, minimum=60),
 }

@@ -7,6 +7,7 @@ become ``CAPYCTL_*`` variables first. A user mistake prints one line,
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -43,6 +44,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run_mode", None):
         os.environ["CAPYCTL_MODE"] = args.run_mode
 
+    if getattr(args, "no_django", False):  # the host agent: no database, no Django
+        return int(args.handler(args) or 0)
+    return _run_with_django(args)
+
+
+def _run_with_django(args: argparse.Namespace) -> int:
     from capyctl.conf import ConfigError
 
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import cast
 
 from django.conf import settings
 
@@ -439,4 +440,65 @@ def events(args: argparse.Namespace) -> int:
         for event in query.filter(pk__gt=last_id).order_by("id"):
             _print_event(_event_row(event), args.json)
             last_id = event.pk
+    return 0
+
+
+# --- hosts -------------------------------------------------------------------------------
+
+
+def host_add(args: argparse.Namespace) -> int:
+    from capyctl.hosts.services import add_host
+
+    prepare()
+    host, token = add_host(args.name, args.address)
+    print(f"host {host.name} added ({host.address}); on that machine, within the hour, run:")
+    print(f"  capyctl start host --listen {host.address} --join {token}")
+    return 0
+
+
+def host_token(args: argparse.Namespace) -> int:
+    from capyctl.hosts.services import get_host, new_join_token
+
+    prepare()
+    host = get_host(args.name)
+    if host.is_local:
+        raise UserError(f"{host.name!r} is the in-process host; it does not join", field="name")
+    print(new_join_token(host))
+    return 0
+
+
+def host_list(args: argparse.Namespace) -> int:
+    from capyctl.hosts.models import Host
+
+    prepare()
+    hosts = [
+        {
+            "name": h.name,
+            "address": h.address or "(in-process)",
+            "state": h.state,
+            "gpus": [g["name"] for g in (h.inventory or {}).get("gpus") or []],
+            "joined": h.is_local or h.enrolled_at is not None,
+            "last_seen_at": h.last_seen_at.isoformat() if h.last_seen_at else None,
+            "cert_expires_at": h.cert_expires_at.isoformat() if h.cert_expires_at else None,
+        }
+        for h in Host.objects.order_by("name")
+    ]
+    if args.json:
+        print_json(hosts)
+    else:
+        rows = [
+            [h["name"], h["address"], h["state"], "yes" if h["joined"] else "no",
+             ", ".join(cast("list[str]", h["gpus"])) or "-"]
+            for h in hosts
+        ]  # fmt: skip
+        print_table(["name", "address", "state", "joined", "gpus"], rows, empty="no hosts")
+    return 0
+
+
+def host_remove(args: argparse.Namespace) -> int:
+    from capyctl.hosts.services import remove_host
+
+    prepare()
+    remove_host(args.name)
+    print(f"host {args.name} removed")
     return 0

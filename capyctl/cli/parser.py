@@ -80,6 +80,7 @@ def build_parser() -> Parser:
     _build_deployment(commands)
     _build_key(commands)
     _build_user(commands)
+    _build_host(commands)
 
     status = _sub(commands, "status", "hosts, pools, deployments and the ledger", "status")
     _add_json(status)
@@ -113,6 +114,36 @@ def _build_start(commands: Any) -> None:
         default="uvicorn",
         help="ASGI server (uvicorn; daphne serves about 0.65x its throughput)",
     )
+    standalone.add_argument(
+        "--enrol-listen",
+        metavar="ADDR",
+        help="also let hosts join here (HOST:PORT, TLS), e.g. 0.0.0.0:7443",
+    )
+    host = _sub(modes, "host", "the host agent of a GPU machine (mutual TLS)", "start_host")
+    host.set_defaults(no_django=True)
+    host.add_argument("--join", metavar="TOKEN", help="the token from `capyctl host add` (once)")
+    host.add_argument(
+        "--listen", metavar="ADDR", default="0.0.0.0:7070", help="HOST:PORT (0.0.0.0:7070)"
+    )
+    host.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        default=argparse.SUPPRESS,
+        help="where the agent keeps its key and certificate (default: ./.capyctl-host)",
+    )
+
+
+def _build_host(commands: Any) -> None:
+    host = _sub(commands, "host", "GPU machines that run host agents")
+    sub = host.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
+    add = _sub(sub, "add", "register a host and print its one-time join token", "host_add")
+    add.add_argument("name")
+    add.add_argument("--address", required=True, help="HOST:PORT where its agent listens")
+    token = _sub(sub, "token", "print a new join token (the old one stops working)", "host_token")
+    token.add_argument("name")
+    _add_json(_sub(sub, "list", "list hosts", "host_list"))
+    remove = _sub(sub, "remove", "forget a host (nothing may use it)", "host_remove")
+    remove.add_argument("name")
 
 
 def _build_engine(commands: Any) -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import signal
 import socket
 import sys
+from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 
@@ -106,6 +109,7 @@ def start_standalone(args: argparse.Namespace) -> int:
     recover_local(local)
     loop = SchedulerLoop()
     loop.start()
+    enrolment = _serve_enrolment(args.enrol_listen) if args.enrol_listen else None
     try:
         if args.server == "daphne":
             return _serve_daphne(host, port)
@@ -113,8 +117,55 @@ def start_standalone(args: argparse.Namespace) -> int:
     finally:
         # Engines are this process's children: end them, and say so in states and events.
         loop.stop()
+        if enrolment is not None:
+            enrolment.should_exit = True
         local_driver().stop_all(grace_seconds=GRACEFUL_SHUTDOWN_SECONDS)
         recover_local(local, shutting_down=True)
+
+
+def _serve_enrolment(listen: str) -> Any:
+    """Where hosts spend join tokens: TLS with the server's certificate, on a thread."""
+    import threading
+
+    from capyctl.hosts.enrol import enrol_application
+    from capyctl.hosts.pki import pki
+    from hostagent import tls
+    from hostagent.asgi import tls_server
+
+    host, port = parse_listen(listen)
+    _check_port_free(host, port)
+    where = pki()
+    context = tls.server_context(where.server_cert, where.server_key, where.ca_cert,
+                                 require_client=False)  # fmt: skip
+    server = tls_server(enrol_application, host, port, context)
+    threading.Thread(target=server.run, name="enrolment", daemon=True).start()
+    print(f"  hosts join at https://{host}:{port} (CA {where.fingerprint()[:16]}…)", flush=True)
+    return server
+
+
+def start_host(args: argparse.Namespace) -> int:
+    """The host agent. Needs no database: it answers the server over mutual TLS."""
+    from hostagent.agent import AgentError, AgentFiles, join, serve
+
+    data_dir = Path(getattr(args, "data_dir", None) or os.environ.get("CAPYCTL_DATA_DIR")
+                    or Path.cwd() / ".capyctl-host")  # fmt: skip
+    files = AgentFiles(data_dir)
+    try:
+        host, port = parse_listen(args.listen)
+        if args.join:
+            if files.joined():
+                raise AgentError(
+                    f"{data_dir} already holds the enrolment of host {files.host_name()}: "
+                    "start without --join, or use another --data-dir"
+                )
+            name = join(args.join, files)
+            print(f"joined as host {name}; certificate in {files.cert}", flush=True)
+        _check_port_free(host, port)
+        serve(files, host, port)
+    except (AgentError, UserError) as exc:
+        print(f"capyctl: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _version() -> str:

@@ -42,6 +42,15 @@ class Host(models.Model):
     heartbeat_at = models.DateTimeField(
         null=True, blank=True, help_text="last beat of the scheduler loop driving this host"
     )
+    join_secret_hmac = models.CharField(
+        max_length=64, blank=True, editable=False, help_text="of the unused join token"
+    )
+    join_expires_at = models.DateTimeField(null=True, blank=True, editable=False)
+    enrolled_at = models.DateTimeField(null=True, blank=True, editable=False)
+    cert_fingerprint = models.CharField(
+        max_length=64, blank=True, editable=False, help_text="SHA-256 of its certificate"
+    )
+    cert_expires_at = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

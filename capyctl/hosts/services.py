@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import secrets
+from datetime import timedelta
+
+from cryptography import x509
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from capyctl.errors import NotFoundError
+from capyctl.errors import NotFoundError, UserError
 from capyctl.events.services import record_event
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
+from capyctl.validation import validate_name
+from hostagent import tls
 from hostagent.probe import Inventory
+from hostagent.tls import JoinToken
 from hostagent.units import format_size
 
 
@@ -40,3 +48,120 @@ def ensure_local_host(inventory: Inventory) -> Host:
             actor="system",
         )
     return host
+
+
+# --- remote hosts: registration, join tokens, enrolment ------------------------------------
+
+
+class EnrolError(Exception):
+    """A refused enrolment; the message says why, in one line, for the agent to print."""
+
+
+def parse_address(value: str, *, field: str = "address") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) → (host, port), or a UserError naming it."""
+    host, sep, port = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"invalid address {value!r}: use HOST:PORT", field=field)
+    return host, int(port)
+
+
+def add_host(name: str, address: str) -> tuple[Host, str]:
+    """Register a remote host; returns it and its one-time join token."""
+    validate_name(name, what="host name", field="name")
+    if name == LOCAL_HOST_NAME:
+        raise UserError(f"{LOCAL_HOST_NAME!r} is the in-process host's name", field="name")
+    parse_address(address)
+    with transaction.atomic():
+        if Host.objects.filter(name=name).exists():
+            raise UserError(f"a host named {name!r} already exists", field="name")
+        host = Host.objects.create(name=name, address=address, state=Host.State.UNKNOWN)
+        token = new_join_token(host)
+        record_event(
+            "host.added",
+            f"host {name} registered at {address}; waiting for it to join",
+            subject=name,
+            host_id=host.pk,
+        )
+    return host, token
+
+
+def new_join_token(host: Host) -> str:
+    """A fresh one-time token for ``host`` (any earlier one stops working)."""
+    from capyctl.access.services import hash_secret
+    from capyctl.hosts.pki import pki
+
+    secret = secrets.token_urlsafe(24)
+    seconds = int(settings.CAPYCTL["JOIN_TOKEN_SECONDS"])
+    Host.objects.filter(pk=host.pk).update(
+        join_secret_hmac=hash_secret(secret),
+        join_expires_at=timezone.now() + timedelta(seconds=seconds),
+    )
+    url = f"https://{settings.CAPYCTL['ENROL_ADDRESS']}"
+    return JoinToken(url, pki().fingerprint(), host.name, secret).encode()
+
+
+def enrol(host_name: str, secret: str, csr_pem: bytes) -> tuple[bytes, bytes]:
+    """Spend a join token: sign the host's certificate request. Returns (certificate, CA
+    certificate). A token works once, before it expires; a refused try changes nothing."""
+    from capyctl.access.services import hash_secret
+    from capyctl.hosts.pki import pki, sign_request
+
+    where = pki()
+    now = timezone.now()
+    with transaction.atomic():
+        spent = Host.objects.filter(
+            name=host_name, join_secret_hmac=hash_secret(secret), join_expires_at__gt=now
+        ).update(join_secret_hmac="", join_expires_at=None)
+        if spent != 1:
+            host = Host.objects.filter(name=host_name).first()
+            if host is None:
+                raise EnrolError(f"no host named {host_name!r} is registered on the server")
+            if not host.join_secret_hmac:
+                raise EnrolError(
+                    "this join token was already used; "
+                    f"make a new one on the server: capyctl host token {host_name}"
+                )
+            if host.join_expires_at is not None and host.join_expires_at <= now:
+                raise EnrolError(
+                    "this join token has expired; "
+                    f"make a new one on the server: capyctl host token {host_name}"
+                )
+            raise EnrolError("this join token is not the host's current one")
+        try:
+            cert = sign_request(where, csr_pem, host_name)
+        except ValueError as exc:
+            transaction.set_rollback(True)  # the token stays usable
+            raise EnrolError(str(exc)) from None
+        parsed = x509.load_pem_x509_certificate(cert)
+        Host.objects.filter(name=host_name).update(
+            enrolled_at=now,
+            cert_fingerprint=tls.fingerprint(cert),
+            cert_expires_at=parsed.not_valid_after_utc,
+        )
+        host = Host.objects.get(name=host_name)
+        record_event(
+            "host.enrolled",
+            f"host {host_name} joined; its certificate is valid until "
+            f"{parsed.not_valid_after_utc:%Y-%m-%d}",
+            subject=host_name,
+            host_id=host.pk,
+        )
+    return cert, where.ca_cert.read_bytes()
+
+
+def remove_host(name: str) -> None:
+    """Forget a host: refused while engines or deployments are placed on it."""
+    host = get_host(name)
+    if host.is_local:
+        raise UserError(f"{name!r} is the in-process host; it cannot be removed", field="name")
+    engines = list(host.engines.values_list("name", flat=True))
+    deployments = list(host.deployments.values_list("name", flat=True))
+    if engines or deployments:
+        using = ", ".join(
+            [*(f"engine {e}" for e in engines), *(f"deployment {d}" for d in deployments)]
+        )
+        raise UserError(f"host {name} is still used by {using}", field="name")
+    with transaction.atomic():
+        host.delete()
+        record_event("host.removed", f"host {name} removed", subject=name)

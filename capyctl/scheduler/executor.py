@@ -16,6 +16,7 @@ from datetime import timedelta
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
+from capyctl.hosts.agents import poll_hosts
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 from capyctl.scheduler import operations
 from capyctl.scheduler.models import Operation
@@ -110,6 +111,7 @@ class SchedulerLoop(threading.Thread):
             host = Host.objects.filter(name=LOCAL_HOST_NAME).first()
             if host is not None:
                 reconcile(host.pk)
+            poll_hosts()
         except Exception:
             logger.exception("reconcile failed")
         finally:

@@ -1,0 +1,164 @@
+"""The host agent: joins a server once with a token, then serves its API over mutual TLS.
+
+``capyctl start host --join TOKEN --listen ADDR`` runs :func:`join` (first time only) and
+:func:`serve`. The agent's data dir keeps ``agent.key`` (0600), ``agent.crt``, ``ca.crt``
+and ``agent.json`` (its host name and server); a restart needs no token. The API answers
+only a caller whose client certificate chains to the server's CA and is made for client
+authentication, which the CA grants the server's certificate and no host's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hostagent import tls
+from hostagent.asgi import lifespan, send_json, tls_server
+from hostagent.probe import Probe, make_probe
+from hostagent.simgpu import parse_sim_gpus
+
+logger = logging.getLogger("hostagent.agent")
+
+
+class AgentError(Exception):
+    """A mistake or refusal, said in one line (the token, the server, the files)."""
+
+
+@dataclass(frozen=True)
+class AgentFiles:
+    directory: Path
+
+    @property
+    def key(self) -> Path:
+        return self.directory / "agent.key"
+
+    @property
+    def cert(self) -> Path:
+        return self.directory / "agent.crt"
+
+    @property
+    def ca(self) -> Path:
+        return self.directory / "ca.crt"
+
+    @property
+    def identity(self) -> Path:
+        return self.directory / "agent.json"
+
+    def joined(self) -> bool:
+        return self.identity.exists() and self.cert.exists() and self.key.exists()
+
+    def host_name(self) -> str:
+        return str(json.loads(self.identity.read_text())["host"])
+
+
+def join(token_text: str, files: AgentFiles) -> str:
+    """Enrol with the server named in the token; returns this host's name."""
+    try:
+        token = tls.JoinToken.decode(token_text)
+    except ValueError as exc:
+        raise AgentError(str(exc)) from None
+    # The CA is fetched without trust, then trusted only if it is the one the token pins.
+    unverified = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    unverified.check_hostname = False
+    unverified.verify_mode = ssl.CERT_NONE
+    try:
+        ca_pem = httpx.get(f"{token.url}/ca", verify=unverified, timeout=15).content
+    except httpx.HTTPError as exc:
+        raise AgentError(f"cannot reach the server at {token.url}: {exc}") from None
+    try:
+        seen = tls.fingerprint(ca_pem)
+    except ValueError:
+        raise AgentError(f"{token.url}/ca did not answer with a certificate") from None
+    if seen != token.fingerprint:
+        raise AgentError(
+            f"the server at {token.url} shows a CA with fingerprint {seen[:16]}…, not the "
+            f"{token.fingerprint[:16]}… the token pins: refusing to trust it"
+        )
+    files.directory.mkdir(parents=True, exist_ok=True)
+    files.ca.write_bytes(ca_pem)
+    key = tls.make_key()
+    body = {
+        "host": token.host,
+        "secret": token.secret,
+        "csr": tls.make_csr(key, token.host).decode(),
+    }
+    try:
+        with httpx.Client(verify=tls.client_context(files.ca), timeout=30) as client:
+            answer = client.post(
+                f"{token.url}/enrol", json=body, extensions={"sni_hostname": tls.SERVER_NAME}
+            )
+    except httpx.HTTPError as exc:
+        raise AgentError(f"enrolment at {token.url} failed: {exc}") from None
+    if answer.status_code != 200:
+        try:
+            reason = str(answer.json()["error"])
+        except (ValueError, KeyError, TypeError):
+            reason = f"HTTP {answer.status_code}"
+        raise AgentError(f"the server refused to enrol {token.host}: {reason}")
+    tls.write_private(files.key, tls.key_pem(key))
+    files.cert.write_text(answer.json()["certificate"])
+    files.identity.write_text(json.dumps({"host": token.host, "server": token.url}) + "\n")
+    return token.host
+
+
+class AgentApp:
+    """The agent's API (JSON over mTLS)."""
+
+    def __init__(self, host_name: str, probe: Probe) -> None:
+        self.host_name = host_name
+        self.probe = probe
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        route = (scope["method"], scope["path"])
+        if route == ("GET", "/health"):
+            await send_json(send, 200, {"host": self.host_name})
+        elif route == ("GET", "/inventory"):
+            inventory = await asyncio.to_thread(self.probe.inventory)
+            await send_json(send, 200, inventory.as_dict())
+        elif route == ("GET", "/devices"):
+            readings = await asyncio.to_thread(self.probe.devices)
+            await send_json(send, 200, {"devices": [r.__dict__ for r in readings]})
+        else:
+            await send_json(send, 404, {"error": f"no such route: {route[0]} {route[1]}"})
+
+
+def probe_from_env() -> Probe:
+    """Simulated GPUs with ``CAPYCTL_SIM_GPUS`` (tests, demos), else NVML, else none."""
+    sim = os.environ.get("CAPYCTL_SIM_GPUS")
+    state_dir = os.environ.get("CAPYCTL_SIM_STATE_DIR")
+    try:
+        spec = parse_sim_gpus(sim) if sim else None
+    except ValueError as exc:
+        raise AgentError(f"CAPYCTL_SIM_GPUS: {exc}") from None
+    return make_probe(spec, Path(state_dir) if state_dir else None)
+
+
+def serve(files: AgentFiles, host: str, port: int) -> None:
+    """Serve the agent API on ``host:port`` with mutual TLS until SIGTERM or Ctrl-C."""
+    if not files.joined():
+        raise AgentError(f"{files.directory} holds no enrolment: start with --join TOKEN")
+    name = files.host_name()
+    context = tls.server_context(files.cert, files.key, files.ca, require_client=True)
+    server = tls_server(AgentApp(name, probe_from_env()), host, port, context)
+    logger.warning("host agent %s serving on %s:%d (mutual TLS)", name, host, port)
+    # uvicorn re-raises the stopping signal after its shutdown; a no-op handler for
+    # SIGTERM lets run() return, so a stopped agent exits 0.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

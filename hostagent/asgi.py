@@ -1,0 +1,44 @@
+"""Small pieces shared by the agent's and the enrolment listener's raw ASGI apps."""
+
+from __future__ import annotations
+
+import json
+import ssl
+from typing import Any
+
+
+async def lifespan(receive: Any, send: Any) -> None:
+    """Answer an ASGI lifespan scope: nothing to start or stop."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def send_bytes(send: Any, status: int, body: bytes, kind: bytes) -> None:
+    headers = [(b"content-type", kind), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Any, status: int, data: Any) -> None:
+    await send_bytes(send, status, json.dumps(data).encode(), b"application/json")
+
+
+def tls_server(app: Any, host: str, port: int, context: ssl.SSLContext) -> Any:
+    """A uvicorn server for ``app`` on ``host:port`` with OUR TLS context (uvicorn's own
+    options cannot ask for TLS 1.2 as the minimum)."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+    )
+    config.load()
+    config.ssl = context
+    return uvicorn.Server(config)

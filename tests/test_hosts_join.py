@@ -1,0 +1,213 @@
+"""Hosts join by token and then speak mutual TLS only: the real agent program, the real
+enrolment listener, and every refusal the issue lists."""
+
+import json
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from hostagent import tls
+from hostagent.runtime import free_port
+from tests.conftest import CAPYCTL, run_program, start_server, stop_server
+
+pytestmark = pytest.mark.e2e
+
+
+def start_agent(env, data_dir, port, *join):
+    log = (Path(data_dir).parent / f"agent-{port}.log").open("w")
+    agent_env = {**env, "CAPYCTL_SIM_GPUS": "2x80GiB"}
+    agent_env.pop("CAPYCTL_DATA_DIR")
+    process = subprocess.Popen(
+        [CAPYCTL, "start", "host", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
+         *join],
+        env=agent_env, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(Path(log.name).read_text())
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return process
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise AssertionError("the agent did not start listening")
+
+
+def call_agent(port, name, ca, cert=None, key=None):
+    context = tls.client_context(ca, cert, key)
+    with httpx.Client(verify=context, timeout=5) as client:
+        return client.get(
+            f"https://127.0.0.1:{port}/inventory", extensions={"sni_hostname": name}
+        ).json()
+
+
+def host_rows(env):
+    return {h["name"]: h for h in json.loads(run_program(env, "host", "list", "--json").out)}
+
+
+@pytest.fixture
+def joined(program_env, tmp_path):
+    enrol_port, agent_port = free_port(), free_port()
+    program_env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{enrol_port}"
+    added = run_program(program_env, "host", "add", "gpu1", "--address", f"127.0.0.1:{agent_port}")
+    assert added.code == 0, added.err
+    token = added.out.split("--join ")[1].split()[0]
+    server = start_server(program_env, "--enrol-listen", f"127.0.0.1:{enrol_port}")
+    agent_dir = tmp_path / "agent1"
+    agent = start_agent(program_env, agent_dir, agent_port, "--join", token)
+    try:
+        yield program_env, token, agent_port, agent_dir, agent
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=15)
+        stop_server(server, signal.SIGTERM)
+
+
+def test_a_host_joins_once_and_is_polled_over_mutual_tls(joined, tmp_path):
+    env, token, agent_port, agent_dir, agent = joined
+    assert (agent_dir / "agent.key").stat().st_mode & 0o777 == 0o600
+    pki = Path(env["CAPYCTL_DATA_DIR"]) / "pki"
+    assert (pki / "ca.key").stat().st_mode & 0o777 == 0o600
+    deadline = time.monotonic() + 20
+    while host_rows(env)["gpu1"]["state"] != "online":
+        assert time.monotonic() < deadline, host_rows(env)
+        time.sleep(0.3)
+    assert host_rows(env)["gpu1"]["gpus"] == ["Simulated GPU 0", "Simulated GPU 1"]
+    assert host_rows(env)["gpu1"]["joined"]
+
+    # The same token a second time: refused, and the second agent writes no enrolment.
+    again = start_agent_expect_failure(env, tmp_path / "agent2", token)
+    assert "already used" in again
+    assert not (tmp_path / "agent2" / "agent.crt").exists()
+
+    # A token that pins another CA: the agent refuses to trust the server.
+    parts = tls.JoinToken.decode(token)
+    forged = tls.JoinToken(parts.url, "0" * 64, parts.host, parts.secret).encode()
+    refused = start_agent_expect_failure(env, tmp_path / "agent3", forged)
+    assert "refusing to trust it" in refused
+
+    # A restart needs no token: the agent serves again from its data dir.
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=15) == 0
+    restarted = start_agent(env, agent_dir, agent_port)
+    try:
+        inventory = call_agent(
+            agent_port, "gpu1", pki / "ca.crt", pki / "server.crt", pki / "server.key"
+        )
+        assert [g["total_bytes"] for g in inventory["gpus"]] == [80 * 1024**3] * 2
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        restarted.wait(timeout=15)
+
+
+def start_agent_expect_failure(env, data_dir, token):
+    agent_env = {**env}
+    agent_env.pop("CAPYCTL_DATA_DIR")
+    done = subprocess.run(
+        [CAPYCTL, "start", "host", "--listen", f"127.0.0.1:{free_port()}", "--data-dir",
+         str(data_dir), "--join", token],
+        env=agent_env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    return done.stderr
+
+
+def test_the_agent_refuses_every_caller_but_the_server(joined, tmp_path):
+    env, _, agent_port, agent_dir, _ = joined
+    pki = Path(env["CAPYCTL_DATA_DIR"]) / "pki"
+    ca, server_cert, server_key = pki / "ca.crt", pki / "server.crt", pki / "server.key"
+    assert call_agent(agent_port, "gpu1", ca, server_cert, server_key)["gpus"]
+
+    refused = (ssl.SSLError, httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)
+    with pytest.raises(refused):  # no client certificate
+        call_agent(agent_port, "gpu1", ca)
+    with pytest.raises(refused):  # a host's own certificate is not a client certificate
+        call_agent(agent_port, "gpu1", ca, agent_dir / "agent.crt", agent_dir / "agent.key")
+
+    from capyctl.hosts import pki as server_pki
+
+    other = server_pki.pki(tmp_path / "other-ca")  # a whole other CA, with its own "server"
+    with pytest.raises(refused):
+        call_agent(agent_port, "gpu1", ca, other.server_cert, other.server_key)
+
+    ours = server_pki.Pki(pki)
+    key = tls.make_key()
+    expired = server_pki.sign(ours, key.public_key(), tls.SERVER_NAME, client=True, days=-1)
+    (tmp_path / "expired.crt").write_bytes(expired)
+    tls.write_private(tmp_path / "expired.key", tls.key_pem(key))
+    with pytest.raises(refused):
+        call_agent(agent_port, "gpu1", ca, tmp_path / "expired.crt", tmp_path / "expired.key")
+
+    # The server's side: an agent whose certificate names another host is not trusted.
+    with pytest.raises(refused):
+        call_agent(agent_port, "gpu2", ca, server_cert, server_key)
+
+
+@pytest.mark.django_db
+def test_join_tokens_are_single_use_expire_and_survive_a_bad_request(settings, tmp_path):
+    from capyctl.hosts.models import Host
+    from capyctl.hosts.services import EnrolError, add_host, enrol, new_join_token
+
+    settings.DATA_DIR = tmp_path
+    host, token = add_host("gpu9", "10.0.0.9:7443")
+    secret = tls.JoinToken.decode(token).secret
+    csr = tls.make_csr(tls.make_key(), "something-else")
+    with pytest.raises(EnrolError, match="not valid PEM"):
+        enrol("gpu9", secret, b"not a request")
+    cert, ca = enrol("gpu9", secret, csr)  # the bad request did not spend the token
+    assert tls.fingerprint(ca) == tls.JoinToken.decode(token).fingerprint
+    from cryptography import x509
+
+    signed = x509.load_pem_x509_certificate(cert)
+    names = signed.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["gpu9"]  # the registered name wins
+    with pytest.raises(EnrolError, match="already used"):
+        enrol("gpu9", secret, csr)
+
+    fresh = tls.JoinToken.decode(new_join_token(host)).secret
+    Host.objects.filter(pk=host.pk).update(join_expires_at=timezone.now() - timedelta(seconds=1))
+    with pytest.raises(EnrolError, match="expired"):
+        enrol("gpu9", fresh, csr)
+    newer = tls.JoinToken.decode(new_join_token(host)).secret
+    with pytest.raises(EnrolError, match="not the host's current one"):
+        enrol("gpu9", fresh, csr)
+    with pytest.raises(EnrolError, match="no host named"):
+        enrol("gpu8", newer, csr)
+    assert enrol("gpu9", newer, csr)
+
+
+def test_host_commands_refuse_mistakes_in_one_line(program_env):
+    assert "local  (in-process)  online" in run_program(program_env, "host", "list").out
+    for argv, message in (
+        (("host", "add", "Bad_Name", "--address", "10.0.0.1:7070"), "invalid host name"),
+        (("host", "add", "gpu1", "--address", "10.0.0.1"), "invalid address"),
+        (("host", "add", "local", "--address", "10.0.0.1:1"), "in-process host"),
+        (("host", "remove", "ghost"), "no host named"),
+        (("host", "token", "ghost"), "no host named"),
+    ):
+        result = run_program(program_env, *argv)
+        assert result.code == 2, (argv, result.err)
+        assert message in result.err
+        assert len(result.err.strip().splitlines()) == 1
+    assert run_program(program_env, "host", "add", "gpu1", "--address", "10.0.0.1:7070").code == 0
+    duplicate = run_program(program_env, "host", "add", "gpu1", "--address", "10.0.0.2:7070")
+    assert duplicate.code == 2
+    assert "already exists" in duplicate.err
+    assert run_program(program_env, "host", "remove", "gpu1").code == 0
+    assert "gpu1" not in host_rows(program_env)
+    bad_token = run_program(program_env, "start", "host", "--join", "capyjoin_%%%", "--data-dir",
+                            str(Path(program_env["CAPYCTL_DATA_DIR"]) / "agent"))  # fmt: skip
+    assert bad_token.code == 2
+    assert "damaged" in bad_token.err
