@@ -15,14 +15,16 @@ import logging
 import os
 import signal
 import ssl
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from hostagent import tls
+from hostagent import tls, wire
 from hostagent.asgi import lifespan, send_json, tls_server
+from hostagent.errors import EngineError
+from hostagent.host import HostRuntime
 from hostagent.probe import Probe, make_probe
 from hostagent.simgpu import parse_sim_gpus
 
@@ -111,11 +113,11 @@ def join(token_text: str, files: AgentFiles) -> str:
 
 
 class AgentApp:
-    """The agent's API (JSON over mTLS)."""
+    """The agent's API (JSON over mTLS): the host runtime's calls, by instance id."""
 
-    def __init__(self, host_name: str, probe: Probe) -> None:
+    def __init__(self, host_name: str, host: HostRuntime) -> None:
         self.host_name = host_name
-        self.probe = probe
+        self.host = host
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -123,17 +125,66 @@ class AgentApp:
             return
         if scope["type"] != "http":
             return
-        route = (scope["method"], scope["path"])
-        if route == ("GET", "/health"):
-            await send_json(send, 200, {"host": self.host_name})
-        elif route == ("GET", "/inventory"):
-            inventory = await asyncio.to_thread(self.probe.inventory)
-            await send_json(send, 200, inventory.as_dict())
-        elif route == ("GET", "/devices"):
-            readings = await asyncio.to_thread(self.probe.devices)
-            await send_json(send, 200, {"devices": [r.__dict__ for r in readings]})
-        else:
-            await send_json(send, 404, {"error": f"no such route: {route[0]} {route[1]}"})
+        method, path = scope["method"], str(scope["path"])
+        try:
+            body = await _read_json(receive) if method == "POST" else {}
+            status, answer = await self._route(method, path, body, scope)
+        except EngineError as exc:
+            status, answer = 409, {"error": wire.error_to_json(exc)}
+        except (ValueError, KeyError, TypeError) as exc:
+            status, answer = 400, {"error": {"type": "BadRequest", "message": str(exc)}}
+        await send_json(send, status, answer)
+
+    async def _route(  # noqa: PLR0911 - one answer a route
+        self, method: str, path: str, body: dict[str, Any], scope: dict[str, Any]
+    ) -> tuple[int, Any]:
+        host = self.host
+        run = asyncio.to_thread
+        if (method, path) == ("GET", "/health"):
+            return 200, {"host": self.host_name}
+        if (method, path) == ("GET", "/inventory"):
+            return 200, (await run(host.inventory)).as_dict()
+        if (method, path) == ("GET", "/devices"):
+            return 200, {"devices": [asdict(r) for r in await run(host.devices)]}
+        if (method, path) == ("GET", "/foreign"):
+            unified = scope.get("query_string", b"") == b"unified=1"
+            return 200, await run(host.foreign, unified)
+        if (method, path) == ("POST", "/instances"):
+            return 200, (await run(host.launch, wire.request_from_json(body))).as_dict()
+        parts = path.strip("/").split("/")
+        if len(parts) < 2 or parts[0] != "instances":
+            return 404, {"error": {"type": "NotFound", "message": f"no route {method} {path}"}}
+        ident, action = parts[1], "/".join(parts[2:])
+        if (method, action) == ("GET", ""):
+            code, tail = await run(host.exit_report, ident)
+            return 200, {"known": host.known(ident), "alive": host.alive(ident),
+                         "exit_code": code, "log_tail": tail}  # fmt: skip
+        if (method, action) == ("GET", "usage"):
+            return 200, wire.usage_to_json(await run(host.usage, ident))
+        if (method, action) == ("POST", "wait_ready"):
+            return 200, {"seconds": await run(host.wait_ready, ident, float(body["timeout"]))}
+        if (method, action) == ("POST", "park"):
+            left = await run(host.park, ident, str(body["mode"]), float(body["timeout"]))
+            return 200, wire.usage_to_json(left)
+        if (method, action) == ("POST", "wake"):
+            seconds = await run(host.wake, ident, str(body["mode"]), float(body["timeout"]))
+            return 200, {"seconds": seconds}
+        if (method, action) == ("POST", "stop"):
+            return 200, {"exit_code": await run(host.stop, ident, float(body["grace_seconds"]))}
+        return 404, {"error": {"type": "NotFound", "message": f"no route {method} {path}"}}
+
+
+async def _read_json(receive: Any) -> dict[str, Any]:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    data = json.loads(body or b"{}")
+    if not isinstance(data, dict):
+        raise ValueError("the body must be a JSON object")
+    return data
 
 
 def probe_from_env() -> Probe:
@@ -153,7 +204,8 @@ def serve(files: AgentFiles, host: str, port: int) -> None:
         raise AgentError(f"{files.directory} holds no enrolment: start with --join TOKEN")
     name = files.host_name()
     context = tls.server_context(files.cert, files.key, files.ca, require_client=True)
-    server = tls_server(AgentApp(name, probe_from_env()), host, port, context)
+    runtime = HostRuntime(probe_from_env(), files.directory / "logs")
+    server = tls_server(AgentApp(name, runtime), host, port, context)
     logger.warning("host agent %s serving on %s:%d (mutual TLS)", name, host, port)
     # uvicorn re-raises the stopping signal after its shutdown; a no-op handler for
     # SIGTERM lets run() return, so a stopped agent exits 0.
@@ -162,3 +214,4 @@ def serve(files: AgentFiles, host: str, port: int) -> None:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        runtime.stop_all()

@@ -51,6 +51,16 @@ class Inventory:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Inventory:
+        return cls(
+            probe=str(data["probe"]),
+            ram_total_bytes=int(data["ram_total_bytes"]),
+            unified=bool(data.get("unified")),
+            gpus=[GpuInfo(int(g["index"]), str(g["name"]), int(g["total_bytes"]))
+                  for g in data.get("gpus") or []],
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class DeviceReading:

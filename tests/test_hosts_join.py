@@ -6,6 +6,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.e2e
 
 def start_agent(env, data_dir, port, *join):
     log = (Path(data_dir).parent / f"agent-{port}.log").open("w")
-    agent_env = {**env, "CAPYCTL_SIM_GPUS": "2x80GiB"}
+    agent_env = {**env, "CAPYCTL_SIM_GPUS": "2x80GiB",
+                 "CAPYCTL_SIM_STATE_DIR": str(Path(data_dir).parent / f"sim-{port}")}  # fmt: skip
     agent_env.pop("CAPYCTL_DATA_DIR")
     process = subprocess.Popen(
         [CAPYCTL, "start", "host", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
@@ -78,10 +80,7 @@ def test_a_host_joins_once_and_is_polled_over_mutual_tls(joined, tmp_path):
     assert (agent_dir / "agent.key").stat().st_mode & 0o777 == 0o600
     pki = Path(env["CAPYCTL_DATA_DIR"]) / "pki"
     assert (pki / "ca.key").stat().st_mode & 0o777 == 0o600
-    deadline = time.monotonic() + 20
-    while host_rows(env)["gpu1"]["state"] != "online":
-        assert time.monotonic() < deadline, host_rows(env)
-        time.sleep(0.3)
+    wait_online(env, "gpu1")
     assert host_rows(env)["gpu1"]["gpus"] == ["Simulated GPU 0", "Simulated GPU 1"]
     assert host_rows(env)["gpu1"]["joined"]
 
@@ -108,6 +107,54 @@ def test_a_host_joins_once_and_is_polled_over_mutual_tls(joined, tmp_path):
     finally:
         restarted.send_signal(signal.SIGTERM)
         restarted.wait(timeout=15)
+
+
+def wait_online(env, name):
+    deadline = time.monotonic() + 20
+    while host_rows(env)[name]["state"] != "online":
+        assert time.monotonic() < deadline, host_rows(env)
+        time.sleep(0.3)
+
+
+def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
+    env, _, _, agent_dir, _ = joined
+    wait_online(env, "gpu1")
+    run = lambda *argv: run_program(env, *argv)  # noqa: E731
+    sim = f"{sys.executable} -m hostagent.sim vllm"
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", sim,
+               "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
+    for name in ("r1", "r2"):
+        added = run("deployment", "add", name, "--engine", "sim", "--host", "gpu1",
+                    "--source", f"/m/{name}", "--gpu-memory", "60GiB", "--gpus", "1",
+                    "--weights-size", "2GiB")  # fmt: skip
+        assert added.code == 0, added.err
+
+    def states():
+        rows = json.loads(run("deployment", "list", "--json").out)
+        return {d["name"]: (d["observed_state"], d["parked_mode"] or "") for d in rows}
+
+    started = run("deployment", "start", "r1")
+    assert started.code == 0, started.err
+    assert states()["r1"] == ("ready", "")
+    # The engine runs on the host, under the agent: its log is in the agent's data dir.
+    assert list((agent_dir / "logs").glob("*.log"))
+    parked = run("deployment", "park", "r1", "--mode", "ram")
+    assert parked.code == 0, parked.err
+    assert states()["r1"] == ("parked", "ram")
+    woke = run("deployment", "wake", "r1")
+    assert woke.code == 0, woke.err
+    assert states()["r1"] == ("ready", "")
+    # r2 fits beside r1 (two 80 GiB GPUs): placed on the other GPU, both ready.
+    assert run("deployment", "start", "r2").code == 0
+    assert states()["r2"] == ("ready", "")
+    ledger = json.loads(run("status", "--json").out)["ledger"]
+    pools = {e["pool"] for e in ledger if e["host"] == "gpu1" and e["deployment"] in ("r1", "r2")}
+    assert {"gpu0", "gpu1"} <= pools
+    for name in ("r1", "r2"):
+        stopped = run("deployment", "stop", name)
+        assert stopped.code == 0, stopped.err
+    assert states()["r1"] == ("stopped", "")
+    assert not [e for e in json.loads(run("status", "--json").out)["ledger"] if e["host"] == "gpu1"]
 
 
 def start_agent_expect_failure(env, data_dir, token):

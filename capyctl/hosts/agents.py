@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import asdict
 from typing import Any
 
 import httpx
@@ -18,15 +19,20 @@ from django.utils import timezone
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.hosts.pki import pki
-from hostagent import tls
+from hostagent import tls, wire
+from hostagent.errors import EngineCallError
+from hostagent.host import Launched
+from hostagent.probe import DeviceReading, Inventory, ProcessUsage
+from hostagent.runtime import InstanceRequest
 
 logger = logging.getLogger("capyctl.hosts")
 _clients: dict[str, httpx.Client] = {}
 _clients_lock = threading.Lock()
 
 
-class AgentUnreachableError(Exception):
-    """The agent did not answer, or could not be trusted; the message says which."""
+class AgentUnreachableError(EngineCallError):
+    """The agent did not answer, or could not be trusted; the message says which. To the
+    scheduler it is a failed engine call: what it cannot confirm stays counted."""
 
 
 def _client() -> httpx.Client:
@@ -79,3 +85,83 @@ def poll_hosts() -> None:
             gpus = ", ".join(g["name"] for g in inventory.get("gpus") or []) or "no GPUs"
             record_event("host.online", f"host {host.name} answers: {gpus}", subject=host.name,
                          host_id=host.pk)  # fmt: skip
+
+
+class RemoteHostDriver:
+    """A remote host's engines, through its agent: the same calls as the local driver,
+    as JSON over mutual TLS. Engine errors come back as the same error classes."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    def _call(self, method: str, path: str, *, timeout: float = 10.0, **kwargs: Any) -> Any:
+        try:
+            answer = _client().request(
+                method,
+                f"https://{self.host.address}{path}",
+                extensions={"sni_hostname": self.host.name},
+                timeout=httpx.Timeout(timeout, connect=3.0),
+                **kwargs,
+            )
+        except httpx.HTTPError as exc:
+            raise AgentUnreachableError(
+                f"host {self.host.name} ({self.host.address}) did not answer: {exc}"
+            ) from None
+        if answer.status_code == 409:
+            raise wire.error_from_json(answer.json()["error"])
+        if answer.status_code >= 400:
+            raise AgentUnreachableError(
+                f"host {self.host.name} refused {method} {path}: {answer.text[:200]}"
+            )
+        return answer.json()
+
+    def inventory(self) -> Inventory:
+        return Inventory.from_dict(self._call("GET", "/inventory"))
+
+    def devices(self) -> list[DeviceReading]:
+        return [DeviceReading(**d) for d in self._call("GET", "/devices")["devices"]]
+
+    def launch(self, request: InstanceRequest) -> Launched:
+        return Launched(**self._call("POST", "/instances", json=asdict(request), timeout=60))
+
+    def wait_ready(self, instance_id: str, timeout: float) -> float:
+        body = {"timeout": timeout}
+        path = f"/instances/{instance_id}/wait_ready"
+        return float(self._call("POST", path, json=body, timeout=timeout + 30)["seconds"])
+
+    def park(self, instance_id: str, mode: str, timeout: float) -> ProcessUsage:
+        body = {"mode": mode, "timeout": timeout}
+        path = f"/instances/{instance_id}/park"
+        return wire.usage_from_json(self._call("POST", path, json=body, timeout=timeout + 60))
+
+    def wake(self, instance_id: str, mode: str, timeout: float) -> float:
+        body = {"mode": mode, "timeout": timeout}
+        path = f"/instances/{instance_id}/wake"
+        return float(self._call("POST", path, json=body, timeout=timeout + 30)["seconds"])
+
+    def stop(self, instance_id: str, grace_seconds: float) -> int:
+        body = {"grace_seconds": grace_seconds}
+        path = f"/instances/{instance_id}/stop"
+        return int(
+            self._call("POST", path, json=body, timeout=grace_seconds + 30)["exit_code"] or 0
+        )
+
+    def usage(self, instance_id: str) -> ProcessUsage:
+        return wire.usage_from_json(self._call("GET", f"/instances/{instance_id}/usage"))
+
+    def _report(self, instance_id: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/instances/{instance_id}"))
+
+    def alive(self, instance_id: str) -> bool:
+        return bool(self._report(instance_id)["alive"])
+
+    def known(self, instance_id: str) -> bool:
+        return bool(self._report(instance_id)["known"])
+
+    def exit_report(self, instance_id: str) -> tuple[int | None, str]:
+        report = self._report(instance_id)
+        return report["exit_code"], str(report["log_tail"])
+
+    def foreign(self, unified: bool) -> dict[str, int]:
+        figures = self._call("GET", f"/foreign?unified={int(unified)}")
+        return {str(k): int(v) for k, v in figures.items()}

@@ -373,7 +373,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
             port=launched.port,
             launch_key=launched.api_key,
             state=Instance.State.RUNNING,
-            log_path=str(launched.process.log_path),
+            log_path=launched.log_path,
         )
         if not attached:  # stopped while it launched: end what was launched
             driver.stop(instance_id, STOP_GRACE_SECONDS)

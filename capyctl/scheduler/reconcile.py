@@ -26,8 +26,7 @@ from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import host_lock, release, set_foreign, set_measured
 from capyctl.scheduler import operations
-from capyctl.scheduler.drivers import HostDriver, LocalHostDriver, driver_for
-from hostagent.probe import host_ram
+from capyctl.scheduler.drivers import HostDriver, driver_for
 from hostagent.runtime import RELEASED_SHARE
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -132,8 +131,8 @@ def reconcile(host_id: int) -> None:
         if instance is None:
             continue
         key = operations.instance_key(instance)
-        if isinstance(driver, LocalHostDriver) and driver.instance(key) is None:
-            continue  # not started by this process (another worker owns it)
+        if not driver.known(key):
+            continue  # not started by this driver (another worker owns it)
         if not driver.alive(key):
             _engine_died(deployment, driver, instance)
             continue
@@ -173,23 +172,7 @@ def _repair_stuck(deployment: Deployment, driver: HostDriver, stuck: float) -> N
 
 def _update_foreign(host: Host, driver: HostDriver) -> None:
     """Count memory used by processes CapyCTL did not start, per pool, from the probe."""
-    if not isinstance(driver, LocalHostDriver):
-        return  # remote hosts report their own figures
-    ours: dict[int, int] = {}
-    ram_ours = 0
-    for instance in driver.instances():
-        usage = driver.runtime.usage(instance)
-        for index, used in usage.gpu.items():
-            ours[index] = ours.get(index, 0) + (used or 0)
-        ram_ours += usage.host_bytes
-    unified = bool((host.inventory or {}).get("unified"))
-    figures: dict[str, int] = {}
-    for reading in driver.devices():
-        pool = "unified" if unified else f"gpu{reading.index}"
-        figures[pool] = max(reading.used_bytes - ours.get(reading.index, 0), 0)
-    if not unified:
-        total, available = host_ram()
-        figures["ram"] = max(total - available - ram_ours - _own_rss(), 0)
+    figures = driver.foreign(bool((host.inventory or {}).get("unified")))
     with host_lock(host.pk) as locked:
         usage_now = {u.pool: u for u in pool_usage(locked)}
         allowed = {}
@@ -202,18 +185,8 @@ def _update_foreign(host: Host, driver: HostDriver) -> None:
         set_foreign(locked, allowed)
 
 
-def _own_rss() -> int:
-    """This process counts as CapyCTL, not as foreign."""
-    try:
-        return int(psutil.Process().memory_info().rss)
-    except psutil.Error:
-        return 0
-
-
 def _engine_died(deployment: Deployment, driver: HostDriver, instance: Instance) -> None:
-    found = driver.instance(operations.instance_key(instance))
-    code = found.process.exit_code() if found else None
-    tail = found.process.log_tail(5) if found else ""
+    code, tail = driver.exit_report(operations.instance_key(instance))
     reason = f"its engine exited with status {code}" + (f"; last lines:\n{tail}" if tail else "")
     operations.fail(deployment, driver, instance, reason, "system")
 

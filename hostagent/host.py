@@ -1,0 +1,138 @@
+"""A host's engines, by instance id: what the control plane drives, in one process
+(standalone's ``local`` host) or over mutual TLS through the host agent.
+
+Everything it answers is plain data (:class:`Launched`, :class:`ProcessUsage`, numbers),
+so the same calls work in-process and as JSON.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from hostagent.errors import EngineExitedError
+from hostagent.probe import DeviceReading, Inventory, Probe, ProcessUsage, host_ram
+from hostagent.runtime import EngineRuntime, Instance, InstanceRequest
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A started engine, as the control plane records it."""
+
+    pid: int
+    port: int
+    api_key: str
+    log_path: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class HostRuntime:
+    """Engines as children of this process, through :class:`EngineRuntime`."""
+
+    def __init__(self, probe: Probe, log_dir: Path) -> None:
+        self.probe = probe
+        self.runtime = EngineRuntime(probe, log_dir)
+        self._instances: dict[str, Instance] = {}
+        self._lock = threading.Lock()
+
+    def inventory(self) -> Inventory:
+        return self.probe.inventory()
+
+    def devices(self) -> list[DeviceReading]:
+        return self.probe.devices()
+
+    def _get(self, instance_id: str) -> Instance:
+        with self._lock:
+            found = self._instances.get(instance_id)
+        if found is None:
+            raise EngineExitedError(
+                f"engine instance {instance_id} is not running on this host", None, ""
+            )
+        return found
+
+    def instance(self, instance_id: str) -> Instance | None:
+        with self._lock:
+            return self._instances.get(instance_id)
+
+    def launch(self, request: InstanceRequest) -> Launched:
+        instance = self.runtime.launch(request)
+        with self._lock:
+            self._instances[request.instance_id] = instance
+        return Launched(
+            instance.pid, instance.port, instance.api_key, str(instance.process.log_path)
+        )
+
+    def wait_ready(self, instance_id: str, timeout: float) -> float:
+        return self.runtime.wait_ready(self._get(instance_id), timeout)
+
+    def park(self, instance_id: str, mode: str, timeout: float) -> ProcessUsage:
+        return self.runtime.park(self._get(instance_id), mode, timeout)
+
+    def wake(self, instance_id: str, mode: str, timeout: float) -> float:
+        return self.runtime.wake(self._get(instance_id), mode, timeout)
+
+    def stop(self, instance_id: str, grace_seconds: float) -> int:
+        with self._lock:
+            instance = self._instances.pop(instance_id, None)
+        if instance is None:
+            return 0
+        return self.runtime.stop(instance, grace_seconds)
+
+    def usage(self, instance_id: str) -> ProcessUsage:
+        return self.runtime.usage(self._get(instance_id))
+
+    def alive(self, instance_id: str) -> bool:
+        instance = self.instance(instance_id)
+        return instance is not None and instance.process.alive()
+
+    def known(self, instance_id: str) -> bool:
+        """Whether this host started the instance (and has not stopped it)."""
+        return self.instance(instance_id) is not None
+
+    def exit_report(self, instance_id: str) -> tuple[int | None, str]:
+        """An ended instance's exit status and last log lines (``None``: unknown)."""
+        instance = self.instance(instance_id)
+        if instance is None:
+            return None, ""
+        return instance.process.exit_code(), instance.process.log_tail(5)
+
+    def instances(self) -> list[Instance]:
+        """Every engine this process started and has not stopped."""
+        with self._lock:
+            return list(self._instances.values())
+
+    def foreign(self, unified: bool) -> dict[str, int]:
+        """Memory used by processes this host did not start, per pool, from the probe."""
+        ours: dict[int, int] = {}
+        ram_ours = 0
+        for instance in self.instances():
+            usage = self.runtime.usage(instance)
+            for index, used in usage.gpu.items():
+                ours[index] = ours.get(index, 0) + (used or 0)
+            ram_ours += usage.host_bytes
+        figures: dict[str, int] = {}
+        for reading in self.devices():
+            pool = "unified" if unified else f"gpu{reading.index}"
+            figures[pool] = max(reading.used_bytes - ours.get(reading.index, 0), 0)
+        if not unified:
+            total, available = host_ram()
+            figures["ram"] = max(total - available - ram_ours - _own_rss(), 0)
+        return figures
+
+    def stop_all(self, grace_seconds: float = 10.0) -> None:
+        """End every engine this process started (at shutdown)."""
+        for instance_id in list(self._instances):
+            self.stop(instance_id, grace_seconds)
+
+
+def _own_rss() -> int:
+    """This process (CapyCTL or its agent) counts as ours, not as foreign."""
+    try:
+        return int(psutil.Process().memory_info().rss)
+    except psutil.Error:
+        return 0
