@@ -17,12 +17,13 @@ import signal
 import ssl
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import aiohttp
 import httpx
 
 from hostagent import tls, wire
-from hostagent.asgi import lifespan, send_json, tls_server
+from hostagent.asgi import HOP_BY_HOP, cancel_on_disconnect, lifespan, send_json, tls_server
 from hostagent.errors import EngineError
 from hostagent.host import HostRuntime
 from hostagent.probe import Probe, make_probe
@@ -118,6 +119,7 @@ class AgentApp:
     def __init__(self, host_name: str, host: HostRuntime) -> None:
         self.host_name = host_name
         self.host = host
+        self.relay = Relay(host)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -126,6 +128,9 @@ class AgentApp:
         if scope["type"] != "http":
             return
         method, path = scope["method"], str(scope["path"])
+        if path.startswith("/relay/"):
+            await self.relay.forward(scope, receive, send)
+            return
         try:
             body = await _read_json(receive) if method == "POST" else {}
             status, answer = await self._route(method, path, body, scope)
@@ -172,6 +177,83 @@ class AgentApp:
         if (method, action) == ("POST", "stop"):
             return 200, {"exit_code": await run(host.stop, ident, float(body["grace_seconds"]))}
         return 404, {"error": {"type": "NotFound", "message": f"no route {method} {path}"}}
+
+
+class Relay:
+    """``/relay/{instance}/v1/...``: the server's ``/v1`` requests, streamed to the
+    instance's loopback port and back unbuffered (the gateway's data-path rules: aiohttp,
+    no decompression, no retries; a server that hangs up cancels the engine's request)."""
+
+    MAX_BODY = 64 * 1024 * 1024
+
+    def __init__(self, host: HostRuntime) -> None:
+        self.host = host
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            )
+        return self._session
+
+    async def forward(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        parts = str(scope["path"]).split("/", 3)  # "", "relay", instance, "v1/..."
+        ident = parts[2] if len(parts) > 2 else ""
+        rest = parts[3] if len(parts) > 3 else ""
+        instance = self.host.instance(ident)
+        if instance is None or not rest.startswith("v1/"):
+            await send_json(send, 404, {"error": {"message": f"no instance {ident} here"}})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if len(body) > self.MAX_BODY:
+                await send_json(send, 413, {"error": {"message": "the request is too large"}})
+                return
+            if not message.get("more_body"):
+                break
+        url = f"http://127.0.0.1:{instance.port}/{rest}"
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        headers = [(k.decode("latin-1"), v.decode("latin-1"))
+                   for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]  # fmt: skip
+        this = cast("asyncio.Task[None]", asyncio.current_task())
+        gone = asyncio.Event()
+        watcher = asyncio.ensure_future(cancel_on_disconnect(receive, this, gone))
+        try:
+            await self._stream(scope["method"], url, headers, body, send)
+        except asyncio.CancelledError:
+            if not gone.is_set():
+                raise
+            this.uncancel()
+        finally:
+            watcher.cancel()
+
+    async def _stream(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, send: Any
+    ) -> None:
+        try:
+            request = self._client().request(method, url, data=body, headers=headers)
+            upstream = await request.__aenter__()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            await send_json(send, 502, {"error": {"message": f"the engine did not answer: {exc}"}})
+            return
+        try:
+            out = [(k, v) for k, v in upstream.raw_headers if k.lower() not in HOP_BY_HOP]
+            await send({"type": "http.response.start", "status": upstream.status, "headers": out})
+            async for chunk in upstream.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            upstream.release()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
 
 
 async def _read_json(receive: Any) -> dict[str, Any]:

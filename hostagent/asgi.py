@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
 from typing import Any
+
+# Headers that belong to one connection, not to the request or answer passed on.
+HOP_BY_HOP = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"upgrade",
+        b"proxy-authorization",
+    }
+)
 
 
 async def lifespan(receive: Any, send: Any) -> None:
@@ -42,3 +57,14 @@ def tls_server(app: Any, host: str, port: int, context: ssl.SSLContext) -> Any:
     config.load()
     config.ssl = context
     return uvicorn.Server(config)
+
+
+async def cancel_on_disconnect(receive: Any, task: asyncio.Task[Any], gone: asyncio.Event) -> None:
+    """Cancel ``task`` when the client goes away (and say so in ``gone``)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+    if not task.done():
+        gone.set()
+        task.cancel()

@@ -67,6 +67,7 @@ def joined(program_env, tmp_path):
     server = start_server(program_env, "--enrol-listen", f"127.0.0.1:{enrol_port}")
     agent_dir = tmp_path / "agent1"
     agent = start_agent(program_env, agent_dir, agent_port, "--join", token)
+    program_env["_BASE_URL"] = server.base_url
     try:
         yield program_env, token, agent_port, agent_dir, agent
     finally:
@@ -136,6 +137,16 @@ def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
     started = run("deployment", "start", "r1")
     assert started.code == 0, started.err
     assert states()["r1"] == ("ready", "")
+    # /v1 reaches it through the agent's relay, over mutual TLS, streams included.
+    key = run("key", "create", "--user", "admin").out.strip()
+    v1 = f"{env['_BASE_URL']}/v1/chat/completions"
+    ask = {"model": "r1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    answer = httpx.post(v1, headers={"Authorization": f"Bearer {key}"}, json=ask, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == "tok0 tok1 tok2"
+    streamed = httpx.post(v1, headers={"Authorization": f"Bearer {key}"},
+                          json={**ask, "stream": True}, timeout=30)  # fmt: skip
+    assert streamed.text.rstrip().endswith("data: [DONE]")
     # The engine runs on the host, under the agent: its log is in the agent's data dir.
     assert list((agent_dir / "logs").glob("*.log"))
     parked = run("deployment", "park", "r1", "--mode", "ram")
@@ -155,6 +166,20 @@ def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
         assert stopped.code == 0, stopped.err
     assert states()["r1"] == ("stopped", "")
     assert not [e for e in json.loads(run("status", "--json").out)["ledger"] if e["host"] == "gpu1"]
+
+    # The host goes away: requests for its models are answered at once, not left waiting.
+    assert run("deployment", "start", "r1").code == 0
+    agent = joined[4]
+    agent.send_signal(signal.SIGTERM)
+    agent.wait(timeout=15)
+    deadline = time.monotonic() + 20
+    while host_rows(env)["gpu1"]["state"] != "unreachable":
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    time.sleep(1.1)  # routes are re-read within a second
+    refused = httpx.post(v1, headers={"Authorization": f"Bearer {key}"}, json=ask, timeout=30)
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "host_unreachable"
 
 
 def start_agent_expect_failure(env, data_dir, token):

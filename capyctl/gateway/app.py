@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import re
+import ssl
 import time
 from collections import OrderedDict
 from typing import Any, cast
@@ -24,22 +25,13 @@ from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.routing import Route, RoutingTable, list_models
 from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
 from capyctl.scheduler import inflight, operations
+from hostagent.asgi import HOP_BY_HOP, cancel_on_disconnect
 
 logger = logging.getLogger("capyctl.gateway")
 
 Scope = dict[str, Any]
-_HOP_BY_HOP = {
-    b"host",
-    b"authorization",
-    b"x-api-key",
-    b"content-length",
-    b"connection",
-    b"keep-alive",
-    b"transfer-encoding",
-    b"te",
-    b"upgrade",
-    b"proxy-authorization",
-}
+# The client's key never reaches an engine: the instance's launch key replaces it.
+_HOP_BY_HOP = HOP_BY_HOP | {b"authorization", b"x-api-key"}
 _GATE_TRIES = 3  # waits for a wake when a drain closed the gate under a request
 _MODELS_PATH = re.compile(r"^/v1/models(?:/([^/]+))?/?$")
 _STORED_RESPONSE_PATH = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_-]+)(?:/[a-z_]+)?/?$")
@@ -59,6 +51,7 @@ class Gateway:
         self.usage = UsageBook()
         self._usage_flush: asyncio.Task[None] | None = None
         self.stored_responses = StoredResponses()
+        self._tls: ssl.SSLContext | None = None
 
     # -- the ASGI entry point ----------------------------------------------------------------
 
@@ -96,6 +89,13 @@ class Gateway:
         if route.desired_state == "stopped":
             raise GatewayError(
                 503, "model_stopped", f"The model `{name}` is stopped.", "server_error", False
+            )
+        if route.host_state == "unreachable":
+            raise GatewayError(
+                503,
+                "host_unreachable",
+                f"The host of `{name}` ({route.host}) does not answer; retry when it is back.",
+                "server_error",
             )
         if name != route.name:  # an alias: the engine serves the deployment's own name
             body = _rename_model(body, parsed, route.name)
@@ -220,6 +220,15 @@ class Gateway:
 
     # -- forwarding ------------------------------------------------------------------------------
 
+    def _agent_tls(self) -> ssl.SSLContext:
+        if self._tls is None:
+            from capyctl.hosts.pki import pki
+            from hostagent import tls
+
+            where = pki()
+            self._tls = tls.client_context(where.ca_cert, where.server_cert, where.server_key)
+        return self._tls
+
     async def close(self) -> None:
         """Close the connections to engines (at shutdown)."""
         if self._session is not None and not self._session.closed:
@@ -265,11 +274,12 @@ class Gateway:
         # the engine stops generating for no one (one extra task a request, no more).
         this = cast("asyncio.Task[None]", asyncio.current_task())
         gone = asyncio.Event()
-        watcher = asyncio.ensure_future(_cancel_on_disconnect(receive, this, gone))
+        watcher = asyncio.ensure_future(cancel_on_disconnect(receive, this, gone))
         try:
             await self._stream(
                 scope["method"],
                 url,
+                tls_name=route.tls_name,
                 tap=tap,
                 headers=upstream_headers,
                 body=body,
@@ -294,6 +304,7 @@ class Gateway:
         method: str,
         url: str,
         *,
+        tls_name: str | None,
         tap: UsageTap,
         headers: dict[str, str],
         body: bytes,
@@ -303,7 +314,11 @@ class Gateway:
     ) -> None:
         sent_headers = False
         try:
-            async with self._client().request(method, url, data=body, headers=headers) as upstream:
+            extra: dict[str, Any] = {}
+            if tls_name is not None:  # a remote host's relay: mutual TLS, checked by its name
+                extra = {"ssl": self._agent_tls(), "server_hostname": tls_name}
+            request = self._client().request(method, url, data=body, headers=headers, **extra)
+            async with request as upstream:
                 out = [(k, v) for k, v in upstream.raw_headers if k.lower() not in _HOP_BY_HOP]
                 overhead = (time.perf_counter() - started) * 1000 - waited_ms
                 out.append((b"x-capyctl-overhead-ms", f"{overhead:.1f}".encode()))
@@ -443,16 +458,6 @@ def _rename_model(body: bytes, parsed: dict[str, Any] | None, served_name: str) 
     if match is None:
         return body
     return body[: match.start(1)] + served_name.encode() + body[match.end(1) :]
-
-
-async def _cancel_on_disconnect(receive: Any, task: asyncio.Task[Any], gone: asyncio.Event) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-    if not task.done():
-        gone.set()
-        task.cancel()
 
 
 async def _respond(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:

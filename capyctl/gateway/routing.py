@@ -12,6 +12,7 @@ from django.db.models import Q
 
 from capyctl.deployments.models import Deployment, Instance
 from capyctl.gateway.cache import WarmCache
+from capyctl.scheduler.operations import instance_key
 
 SOFT_TTL_SECONDS = 0.25  # names in use are re-read this often, in the background
 TTL_SECONDS = 1.0  # never used older than this
@@ -25,7 +26,9 @@ class Route:
     observed_state: str
     parked_mode: str
     host: str | None
-    base_url: str | None  # the engine's loopback address while it runs
+    base_url: str | None  # the engine's loopback address while it runs, or its agent's relay
+    tls_name: str | None  # a remote host's name: its relay is reached over mutual TLS
+    host_state: str
     launch_key: str
     max_waiting: int
     wake_timeout_seconds: int
@@ -42,12 +45,21 @@ def _fetch_many(names: list[str]) -> dict[str, Route]:
         i.deployment_id: i
         for i in Instance.objects.filter(
             deployment__in=deployments, state=Instance.State.RUNNING
-        ).only("deployment_id", "port", "launch_key")
+        ).only("deployment_id", "port", "launch_key", "log_path")
     }
     wanted = set(names)
     routes: dict[str, Route] = {}
     for deployment in deployments:
         instance = running.get(deployment.pk)
+        host = deployment.host
+        remote = host is not None and not host.is_local
+        base_url = None
+        if instance is not None and instance.port:
+            base_url = (
+                f"https://{host.address}/relay/{instance_key(instance)}"
+                if remote and host is not None
+                else f"http://127.0.0.1:{instance.port}"
+            )
         route = Route(
             deployment_id=deployment.pk,
             name=deployment.name,
@@ -55,7 +67,9 @@ def _fetch_many(names: list[str]) -> dict[str, Route]:
             observed_state=deployment.observed_state,
             parked_mode=deployment.parked_mode,
             host=deployment.host.name if deployment.host else None,
-            base_url=f"http://127.0.0.1:{instance.port}" if instance and instance.port else None,
+            base_url=base_url,
+            tls_name=host.name if remote and host is not None else None,
+            host_state=host.state if host is not None else "online",
             launch_key=instance.launch_key if instance else "",
             max_waiting=deployment.setting("max_waiting"),
             wake_timeout_seconds=deployment.setting("wake_timeout_seconds"),
