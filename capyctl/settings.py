@@ -31,7 +31,6 @@ from capyctl.conf import (
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 DATA_DIR = env_path("CAPYCTL_DATA_DIR", Path.cwd() / ".capyctl")
-MODE = env_choice("CAPYCTL_MODE", "standalone", ("standalone", "server", "host"))
 
 
 def _secret_key() -> str:
@@ -147,6 +146,18 @@ REDIS_URL = env_optional_str("CAPYCTL_REDIS_URL")
 if REDIS_URL is not None and not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
     raise ConfigError("CAPYCTL_REDIS_URL must start with redis://, rediss:// or unix://")
 
+# Server mode (PostgreSQL, Redis, Celery workers) when asked, or when Redis is configured;
+# `capyctl start standalone` always runs standalone.
+MODE = env_choice(
+    "CAPYCTL_MODE", "server" if REDIS_URL else "standalone", ("standalone", "server", "host")
+)
+if MODE == "server" and REDIS_URL is None:
+    raise ConfigError("server mode needs CAPYCTL_REDIS_URL (redis://HOST:PORT/DB)")
+if MODE == "server" and DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    raise ConfigError(
+        "server mode needs PostgreSQL: set CAPYCTL_DATABASE_URL=postgres://USER@HOST:PORT/NAME"
+    )
+
 if REDIS_URL:
     CHANNEL_LAYERS: dict[str, Any] = {
         "default": {
@@ -159,14 +170,11 @@ else:
 
 # Celery: Redis as broker in server mode; in standalone the same tasks run in-process.
 CELERY_BROKER_URL = REDIS_URL or "memory://"
-CELERY_TASK_ALWAYS_EAGER = REDIS_URL is None
+CELERY_TASK_ALWAYS_EAGER = MODE != "server"
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_BEAT_SCHEDULE = {
-    "reconcile-hosts": {"task": "capyctl.scheduler.tasks.reconcile_hosts", "schedule": 5.0},
-}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

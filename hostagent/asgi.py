@@ -53,6 +53,7 @@ def tls_server(app: Any, host: str, port: int, context: ssl.SSLContext) -> Any:
         lifespan="on",
         access_log=False,
         log_level="warning",
+        log_config=None,  # leave the process's logging as it is
     )
     config.load()
     config.ssl = context

@@ -22,11 +22,12 @@ from tests.conftest import CAPYCTL, run_program, start_server, stop_server
 pytestmark = pytest.mark.e2e
 
 
-def start_agent(env, data_dir, port, *join):
+def start_agent(env, data_dir, port, *join, gpus="2x80GiB"):
     log = (Path(data_dir).parent / f"agent-{port}.log").open("w")
-    agent_env = {**env, "CAPYCTL_SIM_GPUS": "2x80GiB",
+    agent_env = {**env, "CAPYCTL_SIM_GPUS": gpus,
                  "CAPYCTL_SIM_STATE_DIR": str(Path(data_dir).parent / f"sim-{port}")}  # fmt: skip
-    agent_env.pop("CAPYCTL_DATA_DIR")
+    for name in ("CAPYCTL_DATA_DIR", "CAPYCTL_DATABASE_URL", "CAPYCTL_REDIS_URL"):
+        agent_env.pop(name, None)  # the agent has no database
     process = subprocess.Popen(
         [CAPYCTL, "start", "host", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
          *join],
@@ -67,9 +68,8 @@ def joined(program_env, tmp_path):
     server = start_server(program_env, "--enrol-listen", f"127.0.0.1:{enrol_port}")
     agent_dir = tmp_path / "agent1"
     agent = start_agent(program_env, agent_dir, agent_port, "--join", token)
-    program_env["_BASE_URL"] = server.base_url
     try:
-        yield program_env, token, agent_port, agent_dir, agent
+        yield program_env, token, agent_port, agent_dir, agent, server.base_url
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=15)
@@ -77,7 +77,7 @@ def joined(program_env, tmp_path):
 
 
 def test_a_host_joins_once_and_is_polled_over_mutual_tls(joined, tmp_path):
-    env, token, agent_port, agent_dir, agent = joined
+    env, token, agent_port, agent_dir, agent, _ = joined
     assert (agent_dir / "agent.key").stat().st_mode & 0o777 == 0o600
     pki = Path(env["CAPYCTL_DATA_DIR"]) / "pki"
     assert (pki / "ca.key").stat().st_mode & 0o777 == 0o600
@@ -118,7 +118,7 @@ def wait_online(env, name):
 
 
 def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
-    env, _, _, agent_dir, _ = joined
+    env, _, _, agent_dir, agent, base_url = joined
     wait_online(env, "gpu1")
     run = lambda *argv: run_program(env, *argv)  # noqa: E731
     sim = f"{sys.executable} -m hostagent.sim vllm"
@@ -139,7 +139,7 @@ def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
     assert states()["r1"] == ("ready", "")
     # /v1 reaches it through the agent's relay, over mutual TLS, streams included.
     key = run("key", "create", "--user", "admin").out.strip()
-    v1 = f"{env['_BASE_URL']}/v1/chat/completions"
+    v1 = f"{base_url}/v1/chat/completions"
     ask = {"model": "r1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     answer = httpx.post(v1, headers={"Authorization": f"Bearer {key}"}, json=ask, timeout=30)
     assert answer.status_code == 200, answer.text
@@ -169,7 +169,6 @@ def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
 
     # The host goes away: requests for its models are answered at once, not left waiting.
     assert run("deployment", "start", "r1").code == 0
-    agent = joined[4]
     agent.send_signal(signal.SIGTERM)
     agent.wait(timeout=15)
     deadline = time.monotonic() + 20
@@ -197,7 +196,7 @@ def start_agent_expect_failure(env, data_dir, token):
 
 
 def test_the_agent_refuses_every_caller_but_the_server(joined, tmp_path):
-    env, _, agent_port, agent_dir, _ = joined
+    env, _, agent_port, agent_dir, _, _ = joined
     pki = Path(env["CAPYCTL_DATA_DIR"]) / "pki"
     ca, server_cert, server_key = pki / "ca.crt", pki / "server.crt", pki / "server.key"
     assert call_agent(agent_port, "gpu1", ca, server_cert, server_key)["gpus"]

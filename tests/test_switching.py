@@ -181,5 +181,5 @@ def test_the_celery_tasks_run_the_same_operations_in_process(gpu24):
     a = deployment("a")
     tasks.ensure_ready.delay(a.pk)  # standalone: eager, in this process
     assert state("a") == ("ready", "")
-    tasks.reconcile_hosts.delay()
+    tasks.poll_hosts.delay()  # polls remote hosts (none), reconciles the online ones
     assert state("a") == ("ready", "")

@@ -344,7 +344,7 @@ def deployment_action(args: argparse.Namespace) -> int:
     import time
 
     from capyctl.deployments.services import get_deployment
-    from capyctl.scheduler.executor import server_alive
+    from capyctl.scheduler.executor import server_alive, submit
     from capyctl.scheduler.models import Operation
 
     prepare()
@@ -361,7 +361,7 @@ def deployment_action(args: argparse.Namespace) -> int:
             return 0
         raise UserError(
             f"cannot {args.action} {deployment.name}: no CapyCTL server is running on this "
-            "data dir (start one with 'capyctl start standalone')"
+            "data dir (start one with 'capyctl start standalone' or 'capyctl start server')"
         )
     op = Operation.objects.create(
         deployment=deployment,
@@ -369,6 +369,7 @@ def deployment_action(args: argparse.Namespace) -> int:
         mode=getattr(args, "mode", None) or "",
         actor="cli",
     )
+    submit(op)
     timeout = args.timeout or (
         deployment.setting("start_timeout_seconds") + deployment.setting("drain_timeout_seconds")
     )

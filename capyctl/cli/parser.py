@@ -119,6 +119,23 @@ def _build_start(commands: Any) -> None:
         metavar="ADDR",
         help="also let hosts join here (HOST:PORT, TLS), e.g. 0.0.0.0:7443",
     )
+    server = _sub(modes, "server", "server mode: api and workers (PostgreSQL, Redis)",
+                  "start_server")  # fmt: skip
+    api = _sub(modes, "api", "server mode's web process only", "start_api")
+    for parser in (server, api):
+        parser.set_defaults(run_mode="server")
+        parser.add_argument(
+            "--listen", metavar="ADDR", default="127.0.0.1:8000", help="HOST:PORT (127.0.0.1:8000)"
+        )
+        parser.add_argument(
+            "--enrol-listen", metavar="ADDR", help="where hosts join (HOST:PORT, TLS), e.g. :7443"
+        )
+    server.add_argument("--workers", type=count_arg(1), default=1, metavar="N",
+                        help="worker processes to run (1)")  # fmt: skip
+    worker = _sub(modes, "worker", "server mode's worker process only", "start_worker")
+    worker.set_defaults(run_mode="server")
+    worker.add_argument("--concurrency", type=count_arg(1), default=8, metavar="N",
+                        help="operations at once (8)")  # fmt: skip
     host = _sub(modes, "host", "the host agent of a GPU machine (mutual TLS)", "start_host")
     host.set_defaults(no_django=True)
     host.add_argument("--join", metavar="TOKEN", help="the token from `capyctl host add` (once)")

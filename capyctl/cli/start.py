@@ -168,6 +168,135 @@ def start_host(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- server mode ---------------------------------------------------------------------------
+
+BEAT_SECONDS = 2.0
+
+
+def _check_server_mode() -> None:
+    """PostgreSQL and Redis must answer; say which does not, in one line."""
+    import redis
+    from django.db import OperationalError, connection
+
+    try:
+        connection.ensure_connection()
+    except OperationalError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"PostgreSQL does not answer ({_describe_database()}): {first}") from None
+    try:
+        redis.Redis.from_url(settings.REDIS_URL or "", socket_timeout=3).ping()
+    except redis.RedisError as exc:
+        raise UserError(f"Redis does not answer at {settings.REDIS_URL}: {exc}") from None
+
+
+def start_api(args: argparse.Namespace) -> int:
+    """Server mode's web process: /v1, the admin and the enrolment listener. Scheduling
+    runs on the workers."""
+    from capyctl.bootstrap import migrate_database
+
+    host, port = parse_listen(args.listen)
+    _check_server_mode()
+    _check_port_free(host, port)
+    migrate_database()
+    enrolment = _serve_enrolment(args.enrol_listen) if args.enrol_listen else None
+    print(f"CapyCTL {_version()} api, serving on {_url(host, port)}", flush=True)
+    try:
+        return _serve_uvicorn(host, port)
+    finally:
+        if enrolment is not None:
+            enrolment.should_exit = True
+
+
+def start_worker(args: argparse.Namespace) -> int:
+    """A Celery worker: carries out starts, parks, wakes, stops and reconciles."""
+    from capyctl.celery import app
+
+    _check_server_mode()
+    name = f"capyctl-{os.getpid()}@%h"
+    app.worker_main(  # runs until SIGTERM, then exits the process
+        ["worker", "--pool=threads", f"--concurrency={args.concurrency}", f"--hostname={name}",
+         "--loglevel=WARNING", "--without-gossip", "--without-mingle"]
+    )  # fmt: skip
+
+
+def start_server(args: argparse.Namespace) -> int:
+    """Server mode in one command: the api and worker processes, supervised (one that
+    dies is started again), and the periodic pass over the hosts."""
+    import subprocess
+    import threading
+
+    import redis
+
+    from capyctl.bootstrap import ensure_first_admin, migrate_database
+
+    host, port = parse_listen(args.listen)
+    _check_server_mode()
+    _check_port_free(host, port)
+    migrate_database()
+    admin = ensure_first_admin()
+    base = _url(host, port)
+    print(f"CapyCTL {_version()} server, serving on {base}", flush=True)
+    print(f"  database:  {_describe_database()}", flush=True)
+    print(f"  redis:     {settings.REDIS_URL}", flush=True)
+    print(f"  workers:   {args.workers} process(es)", flush=True)
+    if admin.created and admin.password_file is not None:
+        print(f"  log in as: {admin.username} / {admin.password}", flush=True)
+    print("Stop with Ctrl-C.", flush=True)
+    entry = [sys.executable, "-c", "from capyctl.cli import main; main()", "start"]
+    api = [*entry, "api", "--listen", args.listen]
+    if args.enrol_listen:
+        api += ["--enrol-listen", args.enrol_listen]
+    commands = {"api": api} | {f"worker-{i}": [*entry, "worker"] for i in range(args.workers)}
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stopping.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}  # fmt: skip
+    children = {name: subprocess.Popen(argv) for name, argv in commands.items()}
+    beat = redis.Redis.from_url(settings.REDIS_URL or "", socket_timeout=3)
+    try:
+        while not stopping.wait(BEAT_SECONDS):
+            for name, child in list(children.items()):
+                if child.poll() is not None:
+                    logger.warning("%s exited with status %s; starting it again", name,
+                                   child.returncode)  # fmt: skip
+                    children[name] = subprocess.Popen(commands[name])
+            _beat(beat)
+    finally:
+        for child in children.values():
+            child.terminate()
+        for child in children.values():
+            try:
+                child.wait(timeout=GRACEFUL_SHUTDOWN_SECONDS + 5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _beat(beat: Any) -> None:
+    """The supervisor's periodic pass: say the server is alive, poll and reconcile the
+    hosts (on a worker), and send again any operation whose message was lost."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from capyctl.scheduler import tasks
+    from capyctl.scheduler.executor import SERVER_ALIVE_KEY
+    from capyctl.scheduler.models import Operation
+
+    try:
+        beat.set(SERVER_ALIVE_KEY, "1", ex=15)
+        tasks.poll_hosts.delay()
+        stale = timezone.now() - timedelta(seconds=BEAT_SECONDS)
+        for op_id in Operation.objects.filter(
+            status=Operation.Status.PENDING, created_at__lt=stale
+        ).values_list("pk", flat=True)[:32]:
+            tasks.run_operation.delay(op_id)
+    except Exception:  # the supervisor outlives a Redis or database hiccup
+        logger.exception("server beat failed")
+
+
 def _version() -> str:
     from capyctl import __version__
 

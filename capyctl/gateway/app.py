@@ -198,7 +198,11 @@ class Gateway:
         try:
             wake = self._wakes.get(deployment_id)
             if wake is None or wake.done():
-                wake = asyncio.ensure_future(asyncio.to_thread(_ensure_ready, deployment_id))
+                if settings.CELERY_TASK_ALWAYS_EAGER:  # standalone: the wake runs right here
+                    waking = asyncio.to_thread(_ensure_ready, deployment_id)
+                else:  # server mode: on a Celery worker, which tells us how it went
+                    waking = self._wake_on_worker(route)
+                wake = asyncio.ensure_future(waking)
                 self._wakes[deployment_id] = wake
             try:
                 await asyncio.wait_for(asyncio.shield(wake), timeout=route.wake_timeout_seconds)
@@ -217,6 +221,33 @@ class Gateway:
                 503, "engine_failed", f"`{route.name}` is not running.", "server_error"
             )
         return fresh
+
+    async def _wake_on_worker(self, route: Route) -> None:
+        """Send the wake to the workers and wait for its outcome on the channel layer; the
+        database is re-read every half second too, so a lost message costs little."""
+        from channels.layers import get_channel_layer
+
+        from capyctl.scheduler import notify, tasks
+
+        layer = get_channel_layer()
+        channel = await layer.new_channel()
+        group = notify.group(route.deployment_id)
+        await layer.group_add(group, channel)
+        try:
+            await asyncio.to_thread(tasks.ensure_ready.delay, route.deployment_id)
+            while True:
+                try:
+                    outcome = await asyncio.wait_for(layer.receive(channel), timeout=0.5)
+                except TimeoutError:
+                    fresh = await self.routes.get(route.name, fresh=True)
+                    if fresh is not None and fresh.observed_state == "ready" and fresh.base_url:
+                        return
+                    continue
+                if outcome.get("ok"):
+                    return
+                raise _scheduler_error(str(outcome.get("code")), str(outcome.get("message")))
+        finally:
+            await layer.group_discard(group, channel)
 
     # -- forwarding ------------------------------------------------------------------------------
 
@@ -366,16 +397,21 @@ def _ensure_ready(deployment_id: int) -> None:
     """Runs on a worker thread: ONE wake per model, however many requests wait for it."""
     try:
         operations.ensure_ready(deployment_id)
-    except operations.NoCapacityError as exc:
-        raise GatewayError(503, "no_capacity", str(exc), "server_error", False) from exc
-    except operations.ModelStoppedError as exc:
-        raise GatewayError(503, "model_stopped", str(exc), "server_error", False) from exc
-    except operations.EngineFailedError as exc:
-        raise GatewayError(502, "engine_failed", str(exc), "server_error") from exc
     except operations.SchedulerError as exc:
-        raise GatewayError(503, "unavailable", str(exc), "server_error") from exc
+        raise _scheduler_error(exc.code, str(exc)) from exc
     finally:
         connection.close()
+
+
+def _scheduler_error(code: str, message: str) -> GatewayError:
+    """The /v1 error for a wake that failed with the scheduler's ``code``."""
+    if code == "no_capacity":
+        return GatewayError(503, "no_capacity", message, "server_error", False)
+    if code == "model_stopped":
+        return GatewayError(503, "model_stopped", message, "server_error", False)
+    if code == "engine_failed":
+        return GatewayError(502, "engine_failed", message, "server_error")
+    return GatewayError(503, "unavailable", message, "server_error")
 
 
 def _touch_sync(deployment_id: int) -> None:

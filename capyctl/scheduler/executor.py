@@ -13,10 +13,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from capyctl.hosts.agents import poll_hosts
+from capyctl.hosts.agents import AgentUnreachableError, poll_hosts
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 from capyctl.scheduler import operations
 from capyctl.scheduler.models import Operation
@@ -112,6 +113,11 @@ class SchedulerLoop(threading.Thread):
             if host is not None:
                 reconcile(host.pk)
             poll_hosts()
+            for remote in Host.objects.filter(is_local=False, state=Host.State.ONLINE):
+                try:
+                    reconcile(remote.pk)
+                except AgentUnreachableError as exc:  # the next poll marks it unreachable
+                    logger.info("reconcile of %s skipped: %s", remote.name, exc)
         except Exception:
             logger.exception("reconcile failed")
         finally:
@@ -119,7 +125,29 @@ class SchedulerLoop(threading.Thread):
             connection.close()
 
 
+SERVER_ALIVE_KEY = "capyctl:server-alive"  # refreshed by `capyctl start server` in Redis
+
+
 def server_alive() -> bool:
-    """Whether a standalone server is running on this database (its loop beat recently)."""
+    """Whether a server is running on this database: standalone's loop beat recently, or
+    (server mode) the supervisor's beat is in Redis."""
+    if settings.MODE == "server":
+        import redis
+
+        try:
+            return bool(redis.Redis.from_url(settings.REDIS_URL or "").exists(SERVER_ALIVE_KEY))
+        except redis.RedisError:
+            return False
     host = Host.objects.filter(name=LOCAL_HOST_NAME).first()
     return bool(host and host.heartbeat_at and timezone.now() - host.heartbeat_at < ALIVE_WITHIN)
+
+
+def submit(operation: Operation) -> None:
+    """Hand a saved operation to whoever carries it out: in server mode a Celery worker
+    (once the row is committed); standalone's loop finds it by itself."""
+    if settings.MODE == "server":
+        from django.db import transaction
+
+        from capyctl.scheduler import tasks
+
+        transaction.on_commit(lambda: tasks.run_operation.delay(operation.pk))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from capyctl.scheduler import executor, operations, reconcile
+from capyctl.scheduler import executor, notify, operations, reconcile
 
 
 @shared_task(acks_late=True, ignore_result=True)
@@ -16,21 +16,52 @@ def run_operation(operation_id: int) -> None:
 
 @shared_task(acks_late=True, ignore_result=True)
 def ensure_ready(deployment_id: int) -> None:
+    """Make a deployment ready for the requests waiting on it, and tell them how it went."""
     try:
         operations.ensure_ready(deployment_id)
-    except operations.SchedulerError:
-        return  # recorded as an event; the requester sees it through the deployment's state
+    except operations.SchedulerError as exc:
+        notify.announce(deployment_id, ok=False, code=exc.code, message=str(exc))
+    except Exception as exc:
+        notify.announce(
+            deployment_id, ok=False, code="unavailable", message=f"{type(exc).__name__}: {exc}"
+        )
+        raise
+    else:
+        notify.announce(deployment_id, ok=True)
 
 
 @shared_task(acks_late=True, ignore_result=True)
 def reconcile_host(host_id: int) -> None:
-    reconcile.reconcile(host_id)
+    """One reconcile pass over a host, never two at once for the same host."""
+    from django.conf import settings
+
+    from capyctl.hosts.agents import AgentUnreachableError
+
+    lock = None
+    if settings.REDIS_URL and not settings.CELERY_TASK_ALWAYS_EAGER:
+        import redis
+
+        lock = redis.Redis.from_url(settings.REDIS_URL).lock(
+            f"capyctl:reconcile:{host_id}", timeout=120, blocking=False
+        )
+        if not lock.acquire():
+            return  # the pass under way covers it
+    try:
+        reconcile.reconcile(host_id)
+    except AgentUnreachableError:
+        return  # the next poll marks the host unreachable
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 @shared_task(ignore_result=True)
-def reconcile_hosts() -> None:
-    """The periodic pass (every few seconds, from Celery beat in server mode)."""
+def poll_hosts() -> None:
+    """The periodic pass of server mode: ask every host how it is, then reconcile the
+    online ones (sent every few seconds by `capyctl start server`)."""
+    from capyctl.hosts.agents import poll_hosts as poll
     from capyctl.hosts.models import Host
 
-    for host_id in Host.objects.filter(is_local=True).values_list("pk", flat=True):
+    poll()
+    for host_id in Host.objects.filter(state=Host.State.ONLINE).values_list("pk", flat=True):
         reconcile_host.delay(host_id)

@@ -1,0 +1,153 @@
+"""Server mode for real: PostgreSQL, Redis, `capyctl start server` (api + Celery worker),
+and a host agent joined over mutual TLS with a simulated GPU."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+import redis
+
+from hostagent.runtime import free_port
+from tests.conftest import CAPYCTL, run_program
+from tests.test_hosts_join import start_agent
+
+pytestmark = pytest.mark.e2e
+
+PG = "postgres://postgres@127.0.0.1:5432"
+REDIS_DB = "redis://127.0.0.1:6379/13"
+SIM = f"{sys.executable} -m hostagent.sim vllm"
+
+
+@pytest.fixture
+def server_env(tmp_path):
+    import os
+
+    name = f"capyctl_server_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    redis.Redis.from_url(REDIS_DB).flushdb()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+    env.update(
+        CAPYCTL_DATA_DIR=str(tmp_path / "server"),
+        CAPYCTL_DATABASE_URL=f"{PG}/{name}",
+        CAPYCTL_REDIS_URL=REDIS_DB,
+        CAPYCTL_MIN_READY_SECONDS="0",
+        PYTHONUNBUFFERED="1",
+    )
+    try:
+        yield env
+    finally:
+        redis.Redis.from_url(REDIS_DB).flushdb()
+        with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def start(env, tmp_path, port, enrol_port):
+    log = (tmp_path / f"server-{port}.log").open("w")
+    process = subprocess.Popen(
+        [CAPYCTL, "start", "server", "--listen", f"127.0.0.1:{port}",
+         "--enrol-listen", f"127.0.0.1:{enrol_port}"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, (tmp_path / f"server-{port}.log").read_text()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise AssertionError("the server did not start")
+
+
+def stop(process):
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_server_mode_needs_postgresql_and_redis(program_env):
+    no_redis = run_program({**program_env, "CAPYCTL_MODE": "server"}, "status")
+    assert no_redis.code == 2
+    assert "server mode needs CAPYCTL_REDIS_URL" in no_redis.err
+    sqlite = run_program({**program_env, "CAPYCTL_REDIS_URL": REDIS_DB}, "status")
+    assert sqlite.code == 2
+    assert "server mode needs PostgreSQL" in sqlite.err
+    dead = {**program_env, "CAPYCTL_REDIS_URL": "redis://127.0.0.1:1/0",
+            "CAPYCTL_DATABASE_URL": f"{PG}/postgres"}  # fmt: skip
+    refused = run_program(dead, "start", "server", "--listen", f"127.0.0.1:{free_port()}")
+    assert refused.code == 2
+    assert "Redis does not answer at redis://127.0.0.1:1/0" in refused.err
+    assert len(refused.err.strip().splitlines()) == 1
+
+
+def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_path):
+    env = server_env
+    port, enrol_port, agent_port = free_port(), free_port(), free_port()
+    env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{enrol_port}"
+    run = lambda *argv: run_program(env, *argv)  # noqa: E731
+    added = run("host", "add", "box", "--address", f"127.0.0.1:{agent_port}")
+    assert added.code == 0, added.err
+    token = added.out.split("--join ")[1].split()[0]
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", SIM,
+               "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
+    for name in ("a", "b"):
+        added = run("deployment", "add", name, "--engine", "sim", "--host", "box", "--source",
+                    f"/m/{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB")  # fmt: skip
+        assert added.code == 0, added.err
+    key = run("key", "create", "--user", "admin").out.strip()
+    server = start(env, tmp_path, port, enrol_port)
+    agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
+    try:
+        deadline = time.monotonic() + 20
+        while "online" not in run("host", "list").out:
+            assert time.monotonic() < deadline, run("host", "list").out
+            time.sleep(0.3)
+
+        def ask(model):
+            return httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 2},
+                timeout=60,
+            )  # fmt: skip
+
+        # a starts on a worker for the first request; b then takes the 24 GiB GPU from it.
+        first = ask("a")
+        assert first.status_code == 200, first.text
+        assert "x-capyctl-waited-ms" in first.headers
+        switched = ask("b")
+        assert switched.status_code == 200, switched.text
+        rows = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
+        assert (rows["a"]["observed_state"], rows["a"]["parked_mode"]) == ("parked", "ram")
+        assert rows["b"]["observed_state"] == "ready"
+        # An intent from the CLI is carried out by a worker too.
+        parked = run("deployment", "park", "b")
+        assert parked.code == 0, parked.err
+        assert "b is parked" in parked.out
+
+        # A restart of the server: PostgreSQL holds the truth; nothing is left half-done.
+        assert stop(server) == 0
+        server = start(env, tmp_path, port, enrol_port)
+        rows = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
+        assert {r["observed_state"] for r in rows.values()} <= {"ready", "parked", "stopped"}
+        again = ask("a")  # the engines lived on with their agent: a is woken, not started
+        assert again.status_code == 200, again.text
+        events = run("events", "--model", "a", "--limit", "50").out
+        assert events.count("deployment.starting") == 1
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=15)
+        stop(server)
+    assert Path(tmp_path / "agent" / "agent.crt").exists()
