@@ -165,7 +165,8 @@ def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
         stopped = run("deployment", "stop", name)
         assert stopped.code == 0, stopped.err
     assert states()["r1"] == ("stopped", "")
-    assert not [e for e in json.loads(run("status", "--json").out)["ledger"] if e["host"] == "gpu1"]
+    held = json.loads(run("status", "--json").out)["ledger"]
+    assert not [e for e in held if e["host"] == "gpu1" and e["deployment"]]  # foreign may stay
 
     # The host goes away: requests for its models are answered at once, not left waiting.
     assert run("deployment", "start", "r1").code == 0

@@ -59,9 +59,14 @@ def reconcile_host(host_id: int) -> None:
 def poll_hosts() -> None:
     """The periodic pass of server mode: ask every host how it is, then reconcile the
     online ones (sent every few seconds by `capyctl start server`)."""
+    from django.conf import settings
+
     from capyctl.hosts.agents import poll_hosts as poll
     from capyctl.hosts.models import Host
 
     poll()
-    for host_id in Host.objects.filter(state=Host.State.ONLINE).values_list("pk", flat=True):
+    hosts = Host.objects.filter(state=Host.State.ONLINE)
+    if settings.MODE == "server":  # engines run under agents only; no in-process host
+        hosts = hosts.filter(is_local=False)
+    for host_id in hosts.values_list("pk", flat=True):
         reconcile_host.delay(host_id)
