@@ -151,3 +151,64 @@ def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_
         agent.wait(timeout=15)
         stop(server)
     assert Path(tmp_path / "agent" / "agent.crt").exists()
+
+
+def test_two_hosts_with_different_gpus_switch_apart(server_env, tmp_path):
+    env = server_env
+    port, enrol_port = free_port(), free_port()
+    env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{enrol_port}"
+    run = lambda *argv: run_program(env, *argv)  # noqa: E731
+    ports = {"small": free_port(), "big": free_port()}
+    tokens = {}
+    for name, agent_port in ports.items():
+        added = run("host", "add", name, "--address", f"127.0.0.1:{agent_port}")
+        assert added.code == 0, added.err
+        tokens[name] = added.out.split("--join ")[1].split()[0]
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", SIM,
+               "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
+    placed = {"s1": ("small", "16GiB"), "s2": ("small", "16GiB"), "b1": ("big", "40GiB")}
+    for name, (host, size) in placed.items():
+        added = run("deployment", "add", name, "--engine", "sim", "--host", host, "--source",
+                    f"/m/{name}", "--gpu-memory", size, "--weights-size", "2GiB")  # fmt: skip
+        assert added.code == 0, added.err
+    key = run("key", "create", "--user", "admin").out.strip()
+    server = start(env, tmp_path, port, enrol_port)
+    agents = [
+        start_agent(env, tmp_path / "small", ports["small"], "--join", tokens["small"],
+                    gpus="24GiB"),
+        start_agent(env, tmp_path / "big", ports["big"], "--join", tokens["big"],
+                    gpus="80GiB"),
+    ]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while run("host", "list").out.count("online") < 2:
+            assert time.monotonic() < deadline, run("host", "list").out
+            time.sleep(0.3)
+
+        def ask(model):
+            answer = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+                timeout=60,
+            )
+            assert answer.status_code == 200, answer.text
+
+        def states():
+            rows = json.loads(run("deployment", "list", "--json").out)
+            return {d["name"]: (d["observed_state"], d["parked_mode"] or "") for d in rows}
+
+        for model in ("b1", "s1", "s2"):
+            ask(model)
+        # s2 took the small host's GPU from s1; b1, on the big host, was left alone.
+        assert states() == {"s1": ("parked", "ram"), "s2": ("ready", ""), "b1": ("ready", "")}
+        ledger = json.loads(run("status", "--json").out)["ledger"]
+        held = {(e["host"], e["deployment"], e["pool"]) for e in ledger if e["deployment"]}
+        assert ("big", "b1", "gpu0") in held
+        assert ("small", "s2", "gpu0") in held
+        assert ("small", "s1", "gpu0") in held  # its residual after the park
+    finally:
+        for agent in agents:
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(timeout=15)
+        stop(server)
