@@ -154,12 +154,20 @@ class AgentApp:
         if (method, path) == ("GET", "/foreign"):
             unified = scope.get("query_string", b"") == b"unified=1"
             return 200, await run(host.foreign, unified)
+        if (method, path) == ("GET", "/instances"):
+            return 200, {"ids": host.instance_ids()}
         if (method, path) == ("POST", "/instances"):
             return 200, (await run(host.launch, wire.request_from_json(body))).as_dict()
         parts = path.strip("/").split("/")
         if len(parts) < 2 or parts[0] != "instances":
             return 404, {"error": {"type": "NotFound", "message": f"no route {method} {path}"}}
-        ident, action = parts[1], "/".join(parts[2:])
+        return await self._instance_route(method, parts[1], "/".join(parts[2:]), body)
+
+    async def _instance_route(  # noqa: PLR0911 - one answer a route
+        self, method: str, ident: str, action: str, body: dict[str, Any]
+    ) -> tuple[int, Any]:
+        host = self.host
+        run = asyncio.to_thread
         if (method, action) == ("GET", ""):
             code, tail = await run(host.exit_report, ident)
             return 200, {"known": host.known(ident), "alive": host.alive(ident),
@@ -176,7 +184,8 @@ class AgentApp:
             return 200, {"seconds": seconds}
         if (method, action) == ("POST", "stop"):
             return 200, {"exit_code": await run(host.stop, ident, float(body["grace_seconds"]))}
-        return 404, {"error": {"type": "NotFound", "message": f"no route {method} {path}"}}
+        message = f"no route {method} /instances/{ident}/{action}"
+        return 404, {"error": {"type": "NotFound", "message": message}}
 
 
 class Relay:
@@ -286,7 +295,11 @@ def serve(files: AgentFiles, host: str, port: int) -> None:
         raise AgentError(f"{files.directory} holds no enrolment: start with --join TOKEN")
     name = files.host_name()
     context = tls.server_context(files.cert, files.key, files.ca, require_client=True)
-    runtime = HostRuntime(probe_from_env(), files.directory / "logs")
+    runtime = HostRuntime(
+        probe_from_env(), files.directory / "logs", state_file=files.directory / "instances.json"
+    )
+    for ident in runtime.restore():  # engines outlive a crashed or killed agent
+        logger.warning("serving engine %s again after a restart", ident)
     server = tls_server(AgentApp(name, runtime), host, port, context)
     logger.warning("host agent %s serving on %s:%d (mutual TLS)", name, host, port)
     # uvicorn re-raises the stopping signal after its shutdown; a no-op handler for

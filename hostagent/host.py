@@ -7,6 +7,9 @@ so the same calls work in-process and as JSON.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,6 +19,8 @@ import psutil
 from hostagent.errors import EngineExitedError
 from hostagent.probe import DeviceReading, Inventory, Probe, ProcessUsage, host_ram
 from hostagent.runtime import EngineRuntime, Instance, InstanceRequest
+
+logger = logging.getLogger("hostagent.host")
 
 
 @dataclass(frozen=True)
@@ -34,11 +39,70 @@ class Launched:
 class HostRuntime:
     """Engines as children of this process, through :class:`EngineRuntime`."""
 
-    def __init__(self, probe: Probe, log_dir: Path) -> None:
+    def __init__(self, probe: Probe, log_dir: Path, state_file: Path | None = None) -> None:
         self.probe = probe
         self.runtime = EngineRuntime(probe, log_dir)
+        self.state_file = state_file
         self._instances: dict[str, Instance] = {}
         self._lock = threading.Lock()
+
+    # -- the state file: what survives a restart of this process ---------------------------
+
+    def _save(self) -> None:
+        if self.state_file is None:
+            return
+        with self._lock:
+            records = [
+                {
+                    "request": asdict(i.request),
+                    "port": i.port,
+                    "api_key": i.api_key,
+                    "pid": i.pid,
+                    "create_time": _create_time(i.pid),
+                    "parked_mode": i.parked_mode,
+                }
+                for i in self._instances.values()
+            ]
+        temporary = self.state_file.with_suffix(".tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # launch keys
+        with os.fdopen(fd, "w") as handle:
+            json.dump(records, handle)
+        temporary.replace(self.state_file)
+
+    def restore(self) -> list[str]:
+        """Re-adopt the engines an earlier run left running; returns their ids. Records of
+        engines that are gone are dropped."""
+        if self.state_file is None or not self.state_file.exists():
+            return []
+        try:
+            records = json.loads(self.state_file.read_text())
+        except ValueError:
+            logger.warning("%s is damaged; starting with no engines", self.state_file)
+            records = []
+        adopted = []
+        for record in records:
+            request = InstanceRequest(**record["request"])
+            instance = self.runtime.adopt(
+                request,
+                port=int(record["port"]),
+                api_key=str(record["api_key"]),
+                pid=int(record["pid"]),
+                create_time=float(record["create_time"]),
+            )
+            if instance is None:
+                logger.warning("engine %s (pid %s) is gone", request.instance_id, record["pid"])
+                continue
+            instance.parked_mode = record.get("parked_mode")
+            with self._lock:
+                self._instances[request.instance_id] = instance
+            adopted.append(request.instance_id)
+            logger.warning("re-adopted engine %s (pid %s)", request.instance_id, record["pid"])
+        self._save()
+        return adopted
+
+    def instance_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._instances)
 
     def inventory(self) -> Inventory:
         return self.probe.inventory()
@@ -63,6 +127,7 @@ class HostRuntime:
         instance = self.runtime.launch(request)
         with self._lock:
             self._instances[request.instance_id] = instance
+        self._save()
         return Launched(
             instance.pid, instance.port, instance.api_key, str(instance.process.log_path)
         )
@@ -71,17 +136,26 @@ class HostRuntime:
         return self.runtime.wait_ready(self._get(instance_id), timeout)
 
     def park(self, instance_id: str, mode: str, timeout: float) -> ProcessUsage:
-        return self.runtime.park(self._get(instance_id), mode, timeout)
+        try:
+            return self.runtime.park(self._get(instance_id), mode, timeout)
+        finally:
+            self._save()
 
     def wake(self, instance_id: str, mode: str, timeout: float) -> float:
-        return self.runtime.wake(self._get(instance_id), mode, timeout)
+        try:
+            return self.runtime.wake(self._get(instance_id), mode, timeout)
+        finally:
+            self._save()
 
     def stop(self, instance_id: str, grace_seconds: float) -> int:
         with self._lock:
             instance = self._instances.pop(instance_id, None)
         if instance is None:
             return 0
-        return self.runtime.stop(instance, grace_seconds)
+        try:
+            return self.runtime.stop(instance, grace_seconds)
+        finally:
+            self._save()
 
     def usage(self, instance_id: str) -> ProcessUsage:
         return self.runtime.usage(self._get(instance_id))
@@ -128,6 +202,13 @@ class HostRuntime:
         """End every engine this process started (at shutdown)."""
         for instance_id in list(self._instances):
             self.stop(instance_id, grace_seconds)
+
+
+def _create_time(pid: int) -> float:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return 0.0
 
 
 def _own_rss() -> int:

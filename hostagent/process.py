@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -13,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import psutil
 
@@ -25,34 +25,54 @@ DEFAULT_LOG_MAX_BYTES = 8 * 1024 * 1024
 
 
 class CappedLog:
-    """Copy a stream into ``path``; past ``max_bytes`` the file rolls over to ``path.1``,
-    so an instance's logs never take more than twice the cap."""
+    """An instance's log file; past ``max_bytes`` it rolls over to ``path.1`` (copy, then
+    truncate), so an instance's logs never take much more than twice the cap.
+
+    The engine writes to the file itself (opened for append), not through a pipe to this
+    process: an engine must outlive its agent (a restart re-adopts it), and a pipe whose
+    reader died would end it on its next log line.
+    """
 
     def __init__(self, path: Path, max_bytes: int = DEFAULT_LOG_MAX_BYTES) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[bytes] = path.open("ab")
+
+    def _roll_over(self, incoming: int) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size and size + incoming > self.max_bytes:
+            shutil.copyfile(self.path, self.path.with_name(self.path.name + ".1"))
+            os.truncate(self.path, 0)  # the engine's O_APPEND writes go on from the start
 
     def write(self, data: bytes) -> None:
         with self._lock:
-            if self._file.tell() + len(data) > self.max_bytes:
-                self._file.close()
-                self.path.replace(self.path.with_name(self.path.name + ".1"))
-                self._file = self.path.open("ab")
-            self._file.write(data)
-            self._file.flush()
+            self._roll_over(len(data))
+            with self.path.open("ab") as handle:
+                handle.write(data)
 
-    def pump(self, stream: IO[bytes]) -> None:
-        """Copy ``stream`` until it closes (run in a thread)."""
-        try:
-            for line in iter(stream.readline, b""):
-                self.write(line)
-        finally:
-            stream.close()
-            with self._lock:
-                self._file.close()
+    def enforce(self) -> None:
+        """Roll over if the engine wrote past the cap (called every second or so)."""
+        with self._lock:
+            self._roll_over(0)
+
+    def open_for_child(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def watch(self, alive: Callable[[], bool], every: float = 1.0) -> threading.Thread:
+        """Keep the cap while ``alive()`` (a daemon thread)."""
+
+        def run() -> None:
+            while alive():
+                time.sleep(every)
+                self.enforce()
+
+        thread = threading.Thread(target=run, name=f"log-{self.path.stem}", daemon=True)
+        thread.start()
+        return thread
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -69,26 +89,68 @@ def tail(path: Path, lines: int = 20) -> str:
 
 @dataclass
 class EngineProcess:
-    """One running engine program."""
+    """One running engine program: our child (``popen``), or one re-adopted after a
+    restart of this process (``adopted``), whose exit status can no longer be known."""
 
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | None
     log_path: Path
+    adopted: psutil.Process | None = None
     started_at: float = field(default_factory=time.monotonic)
-    _pump: threading.Thread | None = None
+    _watch: threading.Thread | None = None
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        if self.popen is not None:
+            return self.popen.pid
+        assert self.adopted is not None  # noqa: S101 - one of the two is always set
+        return int(self.adopted.pid)
 
     def exit_code(self) -> int | None:
-        """``None`` while it runs; reaps it when it has ended (no zombies)."""
-        return self.popen.poll()
+        """``None`` while it runs; reaps it when it has ended (no zombies). An adopted
+        process that ended reports -1 (its status went to its first parent)."""
+        if self.popen is not None:
+            return self.popen.poll()
+        assert self.adopted is not None  # noqa: S101
+        try:
+            running = self.adopted.is_running() and self.adopted.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            running = False
+        return None if running else -1
 
     def alive(self) -> bool:
         return self.exit_code() is None
 
+    def wait(self, timeout: float | None) -> None:
+        """Wait for the end; raises subprocess.TimeoutExpired after ``timeout``."""
+        if self.popen is not None:
+            self.popen.wait(timeout=timeout)
+            return
+        assert self.adopted is not None  # noqa: S101
+        try:
+            self.adopted.wait(timeout=timeout)
+        except psutil.TimeoutExpired:
+            raise subprocess.TimeoutExpired(str(self.pid), timeout or 0) from None
+        except psutil.NoSuchProcess:
+            return
+
     def log_tail(self, lines: int = 20) -> str:
         return tail(self.log_path, lines)
+
+
+def adopt_process(
+    pid: int, create_time: float, log_path: Path, log_max_bytes: int
+) -> EngineProcess | None:
+    """The engine ``pid`` started earlier (by a previous run of this agent), if it is still
+    that same process (same start time); else None."""
+    try:
+        process = psutil.Process(pid)
+        if abs(process.create_time() - create_time) > 0.01:
+            return None  # the pid was reused by another program
+    except psutil.Error:
+        return None
+    engine = EngineProcess(popen=None, log_path=log_path, adopted=process)
+    engine._watch = CappedLog(log_path, log_max_bytes).watch(engine.alive)
+    return engine
 
 
 def start_process(
@@ -105,12 +167,13 @@ def start_process(
     """
     log = CappedLog(log_path, log_max_bytes)
     log.write(f"--- capyctl: starting {argv[0]} ---\n".encode())
+    output = log.open_for_child()
     try:
         popen = subprocess.Popen(
             argv,
             env={**os.environ, **env},
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
+            stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=cwd,
@@ -118,11 +181,11 @@ def start_process(
     except OSError as exc:
         log.write(f"--- capyctl: could not start: {exc} ---\n".encode())
         raise EngineExitedError(f"could not start {argv[0]}: {exc.strerror}", None, "") from exc
-    if popen.stdout is None:  # pragma: no cover - stdout=PIPE always gives one
-        raise RuntimeError("the engine's output pipe is missing")
-    pump = threading.Thread(target=log.pump, args=(popen.stdout,), daemon=True)
-    pump.start()
-    return EngineProcess(popen=popen, log_path=log_path, _pump=pump)
+    finally:
+        os.close(output)
+    engine = EngineProcess(popen=popen, log_path=log_path)
+    engine._watch = log.watch(engine.alive)
+    return engine
 
 
 def wait_ready(
@@ -164,20 +227,18 @@ def stop_process(process: EngineProcess, *, grace_seconds: float = 10.0) -> int:
     if process.exit_code() is None:
         _signal_group(process.pid, signal.SIGTERM)
         try:
-            process.popen.wait(timeout=grace_seconds)
+            process.wait(timeout=grace_seconds)
         except subprocess.TimeoutExpired:
             logger.warning(
                 "engine pid %s ignored SIGTERM for %.0fs: killing it", process.pid, grace_seconds
             )
             _signal_group(process.pid, signal.SIGKILL)
-            process.popen.wait()
+            process.wait(timeout=None)
     # Children that outlived the leader in its group go too, and are waited for: they may
     # hold the GPU memory (vLLM's engine core, tensor-parallel workers).
     _signal_group(process.pid, signal.SIGKILL)
     psutil.wait_procs(children, timeout=grace_seconds)
-    if process._pump is not None:
-        process._pump.join(timeout=5)
-    code = process.popen.returncode
+    code = process.popen.returncode if process.popen is not None else None
     return int(code) if code is not None else -1
 
 

@@ -23,6 +23,7 @@ from hostagent.probe import Probe, ProcessUsage, SimulatedProbe
 from hostagent.process import (
     DEFAULT_LOG_MAX_BYTES,
     EngineProcess,
+    adopt_process,
     start_process,
     stop_process,
     wait_ready,
@@ -114,15 +115,13 @@ class EngineRuntime:
             }
         return {}
 
-    def launch(self, request: InstanceRequest) -> Instance:
-        """Start the engine process; it is not ready yet (see :meth:`wait_ready`)."""
-        kind = get_kind(request.kind)
-        spec = LaunchSpec(
+    def _spec(self, request: InstanceRequest, port: int, api_key: str) -> LaunchSpec:
+        return LaunchSpec(
             command=request.command,
             source=request.source,
             served_name=request.served_name,
-            port=free_port(),
-            api_key=secrets.token_hex(24),  # never starts with "-", which flag parsers misread
+            port=port,
+            api_key=api_key,
             extra_args=list(request.extra_args),
             gpu_indices=request.gpu_indices,
             env={**self._probe_env(), **request.env},
@@ -130,6 +129,29 @@ class EngineRuntime:
             ram_park=request.ram_park,
             memory_fraction=request.memory_fraction,
         )
+
+    def adopt(
+        self, request: InstanceRequest, *, port: int, api_key: str, pid: int, create_time: float
+    ) -> Instance | None:
+        """Take back an engine an earlier run of this process started, if it still runs."""
+        log_path = self.log_dir / f"{request.instance_id}.log"
+        process = adopt_process(pid, create_time, log_path, self.log_max_bytes)
+        if process is None:
+            return None
+        spec = self._spec(request, port, api_key)
+        return Instance(
+            request=request,
+            kind=get_kind(request.kind),
+            spec=spec,
+            process=process,
+            client=EngineClient(spec.port, spec.api_key),
+        )
+
+    def launch(self, request: InstanceRequest) -> Instance:
+        """Start the engine process; it is not ready yet (see :meth:`wait_ready`)."""
+        kind = get_kind(request.kind)
+        # A key that never starts with "-", which flag parsers would misread.
+        spec = self._spec(request, free_port(), secrets.token_hex(24))
         launch = kind.build_launch(spec)
         log_path = self.log_dir / f"{request.instance_id}.log"
         process = start_process(

@@ -206,7 +206,7 @@ def test_a_crash_while_ready_is_detected(runtime, launched):
     runtime.wait_ready(instance, timeout=30)
     with pytest.raises(httpx.HTTPError):
         chat(instance)  # the warm-up was request 1; this one kills it
-    instance.process.popen.wait(timeout=5)
+    instance.process.wait(timeout=5)
     assert instance.process.exit_code() == 3
     with pytest.raises(EngineExitedError, match="exited with status 3"):
         runtime.park(instance, "ram")
@@ -217,7 +217,7 @@ def test_death_mid_stream_ends_the_stream(runtime, launched):
     runtime.wait_ready(instance, timeout=30)
     with pytest.raises(httpx.HTTPError):
         chat(instance, stream=True)
-    instance.process.popen.wait(timeout=5)
+    instance.process.wait(timeout=5)
     assert instance.process.exit_code() == 4
 
 

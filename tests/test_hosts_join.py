@@ -182,6 +182,65 @@ def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
     assert refused.json()["error"]["code"] == "host_unreachable"
 
 
+def test_a_killed_agent_leaves_its_engines_running_and_takes_them_back(joined):
+    import threading
+
+    import psutil
+
+    env, _, agent_port, agent_dir, agent, base_url = joined
+    wait_online(env, "gpu1")
+    run = lambda *argv: run_program(env, *argv)  # noqa: E731
+    slow = [
+        "--env",
+        "CAPYCTL_SIM_TOKENS_PER_SECOND=10",
+        "--env",
+        "CAPYCTL_SIM_COMPLETION_TOKENS=60",
+    ]
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command",
+               f"{sys.executable} -m hostagent.sim vllm", *slow).code == 0  # fmt: skip
+    assert run("deployment", "add", "r", "--engine", "sim", "--host", "gpu1", "--source", "/m/r",
+               "--gpu-memory", "20GiB").code == 0  # fmt: skip
+    key = run("key", "create", "--user", "admin").out.strip()
+    v1 = f"{base_url}/v1/chat/completions"
+    ask = {"model": "r", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {key}"}
+    assert httpx.post(v1, headers=headers, json=ask, timeout=30).status_code == 200
+    (record,) = json.loads((agent_dir / "instances.json").read_text())
+    engine = psutil.Process(record["pid"])
+
+    # A stream in flight when the agent dies ends in an error, not in silence.
+    seen: list[str] = []
+
+    def stream() -> None:
+        body = {**ask, "max_tokens": 60, "stream": True}
+        with httpx.stream("POST", v1, headers=headers, json=body, timeout=30) as answer:
+            seen.extend(answer.iter_lines())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    time.sleep(1.0)
+    agent.kill()
+    agent.wait(timeout=10)
+    reader.join(timeout=30)
+    assert seen
+    assert "data: [DONE]" not in seen
+    assert '"engine_failed"' in [line for line in seen if line][-1]
+    assert engine.is_running()  # the engine lives on without its agent
+
+    restarted = start_agent(env, agent_dir, agent_port)  # no token needed
+    try:
+        wait_online(env, "gpu1")
+        again = httpx.post(v1, headers=headers, json=ask, timeout=30)
+        assert again.status_code == 200, again.text
+        events = run("events", "--model", "r", "--limit", "50").out
+        assert events.count("deployment.starting") == 1  # taken back, not started again
+        assert run("deployment", "stop", "r").code == 0
+        engine.wait(timeout=15)  # stopping reaches the re-adopted engine
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        restarted.wait(timeout=15)
+
+
 def start_agent_expect_failure(env, data_dir, token):
     agent_env = {**env}
     agent_env.pop("CAPYCTL_DATA_DIR")

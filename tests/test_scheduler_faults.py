@@ -82,7 +82,7 @@ def test_a_crash_while_ready_is_failed_and_started_again_on_the_next_request(gpu
             headers={"Authorization": f"Bearer {instance.api_key}"},
             json={"model": "a", "prompt": "hi"},
         )
-    instance.process.popen.wait(timeout=5)
+    instance.process.wait(timeout=5)
     reconcile(Host.objects.get(name="local").pk)
     observed, _ = state("a")
     assert observed == "failed"

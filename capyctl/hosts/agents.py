@@ -162,6 +162,9 @@ class RemoteHostDriver:
         report = self._report(instance_id)
         return report["exit_code"], str(report["log_tail"])
 
+    def instance_ids(self) -> list[str]:
+        return [str(i) for i in self._call("GET", "/instances")["ids"]]
+
     def foreign(self, unified: bool) -> dict[str, int]:
         figures = self._call("GET", f"/foreign?unified={int(unified)}")
         return {str(k): int(v) for k, v in figures.items()}

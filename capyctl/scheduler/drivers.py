@@ -45,6 +45,8 @@ class HostDriver(Protocol):
 
     def foreign(self, unified: bool) -> dict[str, int]: ...
 
+    def instance_ids(self) -> list[str]: ...
+
 
 class LocalHostDriver(HostRuntime):
     """Standalone's host ``local``: the engines are this process's children."""

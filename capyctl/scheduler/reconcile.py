@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, Instance, ObservedState
 from capyctl.events.models import Event
+from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
@@ -119,6 +120,7 @@ def reconcile(host_id: int) -> None:
     driver = driver_for(host)
     now = timezone.now()
     _update_foreign(host, driver)
+    _end_orphans(host, driver)
     deployments = Deployment.objects.filter(host=host, observed_state__in=LIVE).select_related(
         "engine", "host"
     )
@@ -183,6 +185,29 @@ def _update_foreign(host: Host, driver: HostDriver) -> None:
             room = current.capacity_bytes - (current.used_bytes - current.foreign_bytes)
             allowed[pool] = min(foreign, max(room, 0))
         set_foreign(locked, allowed)
+
+
+def _end_orphans(host: Host, driver: HostDriver) -> None:
+    """Stop engines the host runs that no live instance row stands for (left by a crash
+    between a launch and its record, or re-adopted by an agent after the model was ended).
+    The driver is asked first: every launch has its row before it starts."""
+    running = driver.instance_ids()
+    if not running:
+        return
+    wanted = {
+        operations.instance_key(i)
+        for i in Instance.objects.filter(host=host).exclude(state=Instance.State.EXITED)
+    }
+    for ident in running:
+        if ident not in wanted:
+            driver.stop(ident, operations.STOP_GRACE_SECONDS)
+            record_event(
+                "engine.orphan_stopped",
+                f"stopped engine {ident} on {host.name}: no model of this server owns it",
+                subject=host.name,
+                host_id=host.pk,
+                level=Event.Level.WARNING,
+            )
 
 
 def _engine_died(deployment: Deployment, driver: HostDriver, instance: Instance) -> None:
