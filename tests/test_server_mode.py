@@ -76,11 +76,23 @@ def stop(process):
             process.kill()
 
 
+def one_host_setup(env):
+    """Ports for the server, its enrolment and one agent; host ``box`` added; its token."""
+    ports = (free_port(), free_port(), free_port())
+    env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{ports[1]}"
+    run = lambda *argv: run_program(env, *argv)  # noqa: E731
+    added = run("host", "add", "box", "--address", f"127.0.0.1:{ports[2]}")
+    assert added.code == 0, added.err
+    return env, run, ports, added.out.split("--join ")[1].split()[0]
+
+
 def test_server_mode_needs_postgresql_and_redis(program_env):
     no_redis = run_program({**program_env, "CAPYCTL_MODE": "server"}, "status")
     assert no_redis.code == 2
     assert "server mode needs CAPYCTL_REDIS_URL" in no_redis.err
-    sqlite = run_program({**program_env, "CAPYCTL_REDIS_URL": REDIS_DB}, "status")
+    sqlite_url = f"sqlite:///{program_env['CAPYCTL_DATA_DIR']}/x.db"
+    on_sqlite = {**program_env, "CAPYCTL_REDIS_URL": REDIS_DB, "CAPYCTL_DATABASE_URL": sqlite_url}
+    sqlite = run_program(on_sqlite, "status")
     assert sqlite.code == 2
     assert "server mode needs PostgreSQL" in sqlite.err
     dead = {**program_env, "CAPYCTL_REDIS_URL": "redis://127.0.0.1:1/0",
@@ -92,13 +104,7 @@ def test_server_mode_needs_postgresql_and_redis(program_env):
 
 
 def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_path):
-    env = server_env
-    port, enrol_port, agent_port = free_port(), free_port(), free_port()
-    env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{enrol_port}"
-    run = lambda *argv: run_program(env, *argv)  # noqa: E731
-    added = run("host", "add", "box", "--address", f"127.0.0.1:{agent_port}")
-    assert added.code == 0, added.err
-    token = added.out.split("--join ")[1].split()[0]
+    env, run, (port, enrol_port, agent_port), token = one_host_setup(server_env)
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", SIM,
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
     for name in ("a", "b"):
@@ -211,4 +217,73 @@ def test_two_hosts_with_different_gpus_switch_apart(server_env, tmp_path):
         for agent in agents:
             agent.send_signal(signal.SIGTERM)
             agent.wait(timeout=15)
+        stop(server)
+
+
+def test_a_worker_killed_mid_wake_leaves_nothing_half_done(server_env, tmp_path):
+    import threading
+
+    import psutil
+
+    env, run, (port, enrol_port, agent_port), token = one_host_setup(server_env)
+    assert run("engine", "add", "slow", "--kind", "vllm", "--command", SIM,
+               "--env", "CAPYCTL_SIM_WAKE_SECONDS=3",
+               "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
+    assert run("deployment", "add", "a", "--engine", "slow", "--host", "box", "--source", "/m/a",
+               "--gpu-memory", "16GiB", "--weights-size", "2GiB",
+               "--wake-timeout", "4").code == 0  # fmt: skip
+    key = run("key", "create", "--user", "admin").out.strip()
+    server = start(env, tmp_path, port, enrol_port)
+    agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
+
+    def state():
+        (row,) = json.loads(run("deployment", "list", "--json").out)
+        return row["observed_state"]
+
+    def ask():
+        return httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "a", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=120,
+        )
+
+    try:
+        deadline = time.monotonic() + 20
+        while "online" not in run("host", "list").out:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        assert run("deployment", "start", "a").code == 0
+        assert run("deployment", "park", "a").code == 0
+        answers: list[httpx.Response] = []
+        asking = threading.Thread(target=lambda: answers.append(ask()))
+        asking.start()
+        deadline = time.monotonic() + 20
+        while state() != "waking":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        workers = [p for p in psutil.Process(server.pid).children()
+                   if "worker" in " ".join(p.cmdline())]  # fmt: skip
+        assert workers
+        for worker in workers:
+            worker.kill()  # mid-wake: no warm shutdown, no acknowledgement
+        asking.join(timeout=60)
+        assert answers[0].status_code == 504  # the request is answered, not left hanging
+        assert answers[0].json()["error"]["code"] == "wake_timeout"
+        # No deployment stays waking past its timeout: the pass repairs it (failed), and
+        # the next request starts it again on the worker the supervisor started anew.
+        deadline = time.monotonic() + 60
+        while state() == "waking":
+            assert time.monotonic() < deadline, "a stayed waking"
+            time.sleep(0.5)
+        again = ask()
+        assert again.status_code == 200, (again.text, run("events", "--limit", "15").out)
+        assert state() == "ready"
+        status = json.loads(run("status", "--json").out)
+        mine = [e for e in status["ledger"] if e["deployment"] == "a"]
+        assert {e["status"] for e in mine} <= {"held"}  # nothing promised or unknown left
+        assert len({e["pool"] for e in mine}) == len(mine)  # one entry a pool
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=15)
         stop(server)

@@ -30,8 +30,9 @@ from hostagent.asgi import HOP_BY_HOP, cancel_on_disconnect
 logger = logging.getLogger("capyctl.gateway")
 
 Scope = dict[str, Any]
-# The client's key never reaches an engine: the instance's launch key replaces it.
-_HOP_BY_HOP = HOP_BY_HOP | {b"authorization", b"x-api-key"}
+# The client's key never reaches an engine: the instance's launch key replaces it. The
+# engine's own date and server lines give way to the ones this server writes.
+_HOP_BY_HOP = HOP_BY_HOP | {b"authorization", b"x-api-key", b"date", b"server"}
 _GATE_TRIES = 3  # waits for a wake when a drain closed the gate under a request
 _MODELS_PATH = re.compile(r"^/v1/models(?:/([^/]+))?/?$")
 _STORED_RESPONSE_PATH = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_-]+)(?:/[a-z_]+)?/?$")
@@ -233,9 +234,10 @@ class Gateway:
         channel = await layer.new_channel()
         group = notify.group(route.deployment_id)
         await layer.group_add(group, channel)
+        deadline = time.monotonic() + route.wake_timeout_seconds
         try:
             await asyncio.to_thread(tasks.ensure_ready.delay, route.deployment_id)
-            while True:
+            while time.monotonic() < deadline:  # past it, the next request sends a new wake
                 try:
                     outcome = await asyncio.wait_for(layer.receive(channel), timeout=0.5)
                 except TimeoutError:
@@ -246,6 +248,12 @@ class Gateway:
                 if outcome.get("ok"):
                     return
                 raise _scheduler_error(str(outcome.get("code")), str(outcome.get("message")))
+            raise GatewayError(
+                504,
+                "wake_timeout",
+                f"`{route.name}` did not become ready within {route.wake_timeout_seconds}s.",
+                "server_error",
+            )
         finally:
             await layer.group_discard(group, channel)
 

@@ -162,13 +162,24 @@ def _repair_stuck(deployment: Deployment, driver: HostDriver, stuck: float) -> N
         if operations.transition_back_to_ready(deployment.pk):
             logger.info("%s was left draining for %.0fs; it is ready again", deployment.name, stuck)
         return
+    # Claim it first, from exactly the state and moment this pass saw: if it moved on
+    # meanwhile (the slow step finished, another pass repaired it), nothing is touched.
+    # STOPPING keeps a new start from beginning until its memory is released.
     instance = deployment.instances.exclude(state=Instance.State.EXITED).first()
-    operations.fail(
-        deployment,
-        driver,
-        instance,
-        f"it stayed {deployment.observed_state} for {stuck:.0f}s, past its timeout",
-        "system",
+    claimed = Deployment.objects.filter(
+        pk=deployment.pk,
+        observed_state=deployment.observed_state,
+        state_changed_at=deployment.state_changed_at,
+    ).update(observed_state=S.STOPPING, state_changed_at=timezone.now())
+    if not claimed:
+        return
+    reason = f"it stayed {deployment.observed_state} for {stuck:.0f}s, past its timeout"
+    operations.fail(deployment, driver, instance, reason, "system")
+    Deployment.objects.filter(pk=deployment.pk, observed_state=S.STOPPING).update(
+        observed_state=S.FAILED,
+        state_changed_at=timezone.now(),
+        state_reason=reason[:2000],
+        parked_mode="",
     )
 
 
