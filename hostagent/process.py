@@ -146,6 +146,8 @@ def adopt_process(
         process = psutil.Process(pid)
         if abs(process.create_time() - create_time) > 0.01:
             return None  # the pid was reused by another program
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None  # it ended; its first parent has not been reaped yet
     except psutil.Error:
         return None
     engine = EngineProcess(popen=None, log_path=log_path, adopted=process)

@@ -241,6 +241,46 @@ def test_a_killed_agent_leaves_its_engines_running_and_takes_them_back(joined):
         restarted.wait(timeout=15)
 
 
+def test_an_engine_gone_with_its_host_is_failed_and_started_again(joined):
+    import psutil
+
+    env, _, agent_port, agent_dir, agent, base_url = joined
+    wait_online(env, "gpu1")
+    run = lambda *argv: run_program(env, *argv)  # noqa: E731
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command",
+               f"{sys.executable} -m hostagent.sim vllm").code == 0  # fmt: skip
+    assert run("deployment", "add", "r", "--engine", "sim", "--host", "gpu1", "--source", "/m/r",
+               "--gpu-memory", "20GiB").code == 0  # fmt: skip
+    assert run("deployment", "start", "r").code == 0
+    (record,) = json.loads((agent_dir / "instances.json").read_text())
+    agent.kill()  # the machine goes down: agent and engine both
+    agent.wait(timeout=10)
+    psutil.Process(record["pid"]).kill()
+    restarted = start_agent(env, agent_dir, agent_port)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            (row,) = json.loads(run("deployment", "list", "--json").out)
+            if row["observed_state"] == "failed":
+                break
+            assert time.monotonic() < deadline, row
+            time.sleep(0.3)
+        assert "gone from host gpu1" in run("events", "--model", "r").out
+        held = json.loads(run("status", "--json").out)["ledger"]
+        assert not [e for e in held if e["deployment"] == "r"]  # its memory is given back
+        key = run("key", "create", "--user", "admin").out.strip()
+        again = httpx.post(
+            f"{base_url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "r", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=60,
+        )
+        assert again.status_code == 200, again.text  # started again on its next request
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        restarted.wait(timeout=15)
+
+
 def start_agent_expect_failure(env, data_dir, token):
     agent_env = {**env}
     agent_env.pop("CAPYCTL_DATA_DIR")

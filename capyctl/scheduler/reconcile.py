@@ -134,7 +134,12 @@ def reconcile(host_id: int) -> None:
             continue
         key = operations.instance_key(instance)
         if not driver.known(key):
-            continue  # not started by this driver (another worker owns it)
+            if not host.is_local and _should_run(deployment, instance):
+                # An agent is the only owner of its host's engines: one it does not know
+                # is gone (the machine or the agent restarted without it).
+                reason = f"its engine is gone from host {host.name} (was the host restarted?)"
+                operations.fail(deployment, driver, instance, reason, "system")
+            continue  # in-process: another worker of this installation owns it
         if not driver.alive(key):
             _engine_died(deployment, driver, instance)
             continue
@@ -153,6 +158,12 @@ def reconcile(host_id: int) -> None:
                 operations.park(deployment.pk, actor="system", reason=f"after {idle}s idle")
             except operations.SchedulerError as exc:
                 logger.warning("idle park of %s did not happen: %s", deployment.name, exc)
+
+
+def _should_run(deployment: Deployment, instance: Instance) -> bool:
+    """Whether an engine must exist now for this deployment (not mid-launch or mid-step)."""
+    settled = (S.READY, S.DRAINING, S.PARKED)
+    return deployment.observed_state in settled and instance.state == Instance.State.RUNNING
 
 
 def _repair_stuck(deployment: Deployment, driver: HostDriver, stuck: float) -> None:
