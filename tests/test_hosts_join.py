@@ -227,9 +227,20 @@ def test_a_killed_agent_leaves_its_engines_running_and_takes_them_back(joined):
     assert '"engine_failed"' in [line for line in seen if line][-1]
     assert engine.is_running()  # the engine lives on without its agent
 
+    def statuses():
+        ledger = json.loads(run("status", "--json").out)["ledger"]
+        return {e["status"] for e in ledger if e["deployment"] == "r"}
+
+    deadline = time.monotonic() + 20
+    while host_rows(env)["gpu1"]["state"] != "unreachable":
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    assert statuses() == {"unconfirmed"}  # still counted, as nobody can confirm it now
+
     restarted = start_agent(env, agent_dir, agent_port)  # no token needed
     try:
         wait_online(env, "gpu1")
+        assert statuses() == {"held"}  # it reports again
         again = httpx.post(v1, headers=headers, json=ask, timeout=30)
         assert again.status_code == 200, again.text
         events = run("events", "--model", "r", "--limit", "50").out

@@ -19,6 +19,7 @@ from django.utils import timezone
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.hosts.pki import pki
+from capyctl.ledger.models import LedgerEntry
 from hostagent import tls, wire
 from hostagent.errors import EngineCallError
 from hostagent.host import Launched
@@ -26,6 +27,7 @@ from hostagent.probe import DeviceReading, Inventory, ProcessUsage
 from hostagent.runtime import InstanceRequest
 
 logger = logging.getLogger("capyctl.hosts")
+UNREACHABLE_NOTE = "its host does not answer"
 _clients: dict[str, httpx.Client] = {}
 _clients_lock = threading.Lock()
 
@@ -75,12 +77,24 @@ def poll_hosts() -> None:
         except AgentUnreachableError as exc:
             if host.state != Host.State.UNREACHABLE:
                 Host.objects.filter(pk=host.pk).update(state=Host.State.UNREACHABLE)
+                # What its models hold stays counted, as memory nobody can confirm now.
+                LedgerEntry.objects.filter(
+                    host=host,
+                    deployment__isnull=False,
+                    status__in=[LedgerEntry.Status.HELD, LedgerEntry.Status.PROMISED],
+                ).update(status=LedgerEntry.Status.UNCONFIRMED, note=UNREACHABLE_NOTE)
                 record_event("host.unreachable", str(exc), subject=host.name, host_id=host.pk,
                              level="warning")  # fmt: skip
             continue
         Host.objects.filter(pk=host.pk).update(
             state=Host.State.ONLINE, inventory=inventory, last_seen_at=timezone.now()
         )
+        if host.state == Host.State.UNREACHABLE:
+            # It reports again: its entries count as held; reconcile then finds out which
+            # engines are still there (and fails the ones that are gone).
+            LedgerEntry.objects.filter(
+                host=host, status=LedgerEntry.Status.UNCONFIRMED, note=UNREACHABLE_NOTE
+            ).update(status=LedgerEntry.Status.HELD, note="")
         if host.state != Host.State.ONLINE:
             gpus = ", ".join(g["name"] for g in inventory.get("gpus") or []) or "no GPUs"
             record_event("host.online", f"host {host.name} answers: {gpus}", subject=host.name,
