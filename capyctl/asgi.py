@@ -17,6 +17,7 @@ from django.core.asgi import get_asgi_application
 django_application = get_asgi_application()
 
 from capyctl.gateway.app import gateway  # noqa: E402
+from capyctl.web.metrics import metrics_application  # noqa: E402
 from capyctl.web.staticfiles import StaticFilesApp  # noqa: E402
 
 static_application = StaticFilesApp()
@@ -27,6 +28,8 @@ async def http_application(scope: dict[str, Any], receive: Any, send: Any) -> No
     path = str(scope["path"])
     if path.startswith("/v1/"):
         await gateway(scope, receive, send)
+    elif path == "/metrics":
+        await metrics_application(scope, receive, send)
     elif static_application.handles(scope):
         await static_application(scope, receive, send)
     else:

@@ -255,6 +255,35 @@ def test_a_client_that_goes_away_cancels_its_upstream_request(served, program_en
     assert time.monotonic() - started < 10  # no draining of a request that is gone
 
 
+def test_metrics_parse_and_show_a_switch(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server, key, _, _ = served
+    assert chat(server, key, "a").status_code == 200
+    assert chat(server, key, "b").status_code == 200  # a is parked to make room
+    assert chat(server, key, "ghost").status_code == 404
+    assert chat(server, "capy_nope_nope", "a").status_code == 401
+    text = httpx.get(f"{server.base_url}/metrics").text
+    assert "capy_" not in text  # no key, not even a refused one, in any label
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples["capyctl_requests_total", (("model", "a"), ("status", "200"))] == 1
+    assert samples["capyctl_requests_total", (("model", "-"), ("status", "404"))] == 1
+    assert samples["capyctl_requests_total", (("model", "-"), ("status", "401"))] == 1
+    assert samples["capyctl_wait_seconds_count", (("model", "b"),)] == 1
+    assert samples["capyctl_overhead_seconds_count", (("model", "b"),)] == 1
+    assert samples["capyctl_switch_steps_total", (("step", "park"),)] == 1
+    assert samples["capyctl_switch_step_seconds_total", (("step", "start"),)] > 0
+    assert samples["capyctl_deployment_state", (("model", "a"), ("state", "parked"))] == 1
+    assert samples["capyctl_deployment_state", (("model", "b"), ("state", "ready"))] == 1
+    held = [v for (name, labels), v in samples.items()
+            if name == "capyctl_ledger_bytes" and ("status", "held") in labels]  # fmt: skip
+    assert sum(held) >= 16 * 1024**3
+
+
 def test_keys_count_usage_and_limits_and_revocation_is_quick(served):
     server, key, _, run = served
     assert chat(server, key, "a", max_tokens=2).status_code == 200

@@ -25,6 +25,7 @@ from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.routing import Route, RoutingTable, list_models
 from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
 from capyctl.scheduler import inflight, operations
+from capyctl.web import metrics
 from hostagent.asgi import HOP_BY_HOP, cancel_on_disconnect
 
 logger = logging.getLogger("capyctl.gateway")
@@ -58,12 +59,21 @@ class Gateway:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         started = time.perf_counter()
+        outcome = _Outcome()
         try:
-            await self._handle(scope, receive, send, started)
+            await self._handle(scope, receive, send, started, outcome)
         except GatewayError as error:
+            outcome.status = error.status
             await _respond(send, error.status, error.body(), error.response_headers())
+        finally:
+            metrics.REQUESTS.labels(outcome.model, str(outcome.status)).inc()
+            if outcome.headers_at:
+                metrics.LATENCY.labels(outcome.model).observe(outcome.headers_at - started)
+                metrics.OVERHEAD.labels(outcome.model).observe(outcome.overhead)
 
-    async def _handle(self, scope: Scope, receive: Any, send: Any, started: float) -> None:
+    async def _handle(
+        self, scope: Scope, receive: Any, send: Any, started: float, outcome: _Outcome
+    ) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         key = await self.keys.check(_presented_key(headers))
         if key is None:
@@ -81,12 +91,14 @@ class Gateway:
         listing = _MODELS_PATH.match(path) if scope["method"] == "GET" else None
         if listing is not None:
             await self._models(send, key, listing.group(1))
+            outcome.status = 200
             return
         body = await _read_body(receive, int(settings.CAPYCTL["MAX_BODY_BYTES"]))
         name, parsed = self._model_named(path, headers, body)
         route = await self.routes.get(name)
         if route is None or not key.allows(route.deployment_id):
             raise model_not_found(name)
+        outcome.model = route.name  # a label only once it names a model the key may use
         if route.desired_state == "stopped":
             raise GatewayError(
                 503, "model_stopped", f"The model `{name}` is stopped.", "server_error", False
@@ -101,6 +113,8 @@ class Gateway:
         if name != route.name:  # an alias: the engine serves the deployment's own name
             body = _rename_model(body, parsed, route.name)
         route, waited_ms = await self._admit(route)
+        if waited_ms:
+            metrics.WAITS.labels(route.name).observe(waited_ms / 1000)
         try:
             await self._forward(
                 scope,
@@ -112,6 +126,7 @@ class Gateway:
                 route=route,
                 started=started,
                 waited_ms=waited_ms,
+                outcome=outcome,
             )
         finally:
             inflight.end(route.deployment_id)
@@ -196,6 +211,7 @@ class Gateway:
                 headers=[(b"retry-after", b"1")],
             )
         self._waiting[deployment_id] = self._waiting.get(deployment_id, 0) + 1
+        metrics.NOW.waiting[route.name] = self._waiting[deployment_id]
         try:
             wake = self._wakes.get(deployment_id)
             if wake is None or wake.done():
@@ -216,6 +232,7 @@ class Gateway:
                 ) from None
         finally:
             self._waiting[deployment_id] -= 1
+            metrics.NOW.waiting[route.name] = self._waiting[deployment_id]
         fresh = await self.routes.get(route.name, fresh=True)
         if fresh is None or fresh.base_url is None:
             raise GatewayError(
@@ -297,6 +314,7 @@ class Gateway:
         route: Route,
         started: float,
         waited_ms: float,
+        outcome: _Outcome,
     ) -> None:
         upstream_headers = {
             k.decode("latin-1"): v.decode("latin-1")
@@ -320,6 +338,7 @@ class Gateway:
                 url,
                 tls_name=route.tls_name,
                 tap=tap,
+                outcome=outcome,
                 headers=upstream_headers,
                 body=body,
                 send=send,
@@ -345,6 +364,7 @@ class Gateway:
         *,
         tls_name: str | None,
         tap: UsageTap,
+        outcome: _Outcome,
         headers: dict[str, str],
         body: bytes,
         send: Any,
@@ -359,7 +379,10 @@ class Gateway:
             request = self._client().request(method, url, data=body, headers=headers, **extra)
             async with request as upstream:
                 out = [(k, v) for k, v in upstream.raw_headers if k.lower() not in _HOP_BY_HOP]
-                overhead = (time.perf_counter() - started) * 1000 - waited_ms
+                outcome.status = upstream.status
+                outcome.headers_at = time.perf_counter()
+                overhead = (outcome.headers_at - started) * 1000 - waited_ms
+                outcome.overhead = overhead / 1000
                 out.append((b"x-capyctl-overhead-ms", f"{overhead:.1f}".encode()))
                 if waited_ms:
                     out.append((b"x-capyctl-waited-ms", f"{waited_ms:.0f}".encode()))
@@ -431,6 +454,18 @@ def _touch_sync(deployment_id: int) -> None:
 
 def path_is_responses(scope: Scope) -> bool:
     return str(scope["path"]).rstrip("/") == "/v1/responses"
+
+
+class _Outcome:
+    """What one request came to, for the metrics."""
+
+    __slots__ = ("headers_at", "model", "overhead", "status")
+
+    def __init__(self) -> None:
+        self.model = "-"  # no model label for requests refused before one was resolved
+        self.status = 500
+        self.headers_at = 0.0
+        self.overhead = 0.0
 
 
 class StoredResponses:

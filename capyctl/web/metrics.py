@@ -1,0 +1,124 @@
+"""``/metrics`` for Prometheus: what the gateway saw in this process, and what the
+database says now (the ledger, states, switches). Labels carry model, host, pool and
+status names only: never a key or a secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+from django.db import close_old_connections
+from django.db.models import Count, Sum
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+REGISTRY = CollectorRegistry()
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_OVERHEAD = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+REQUESTS = Counter(
+    "capyctl_requests", "/v1 requests answered, by model and HTTP status", ["model", "status"],
+    registry=REGISTRY,
+)  # fmt: skip
+LATENCY = Histogram(
+    "capyctl_request_seconds", "/v1 requests, arrival to the answer's headers", ["model"],
+    buckets=_LATENCY, registry=REGISTRY,
+)  # fmt: skip
+OVERHEAD = Histogram(
+    "capyctl_overhead_seconds", "CapyCTL's own time in a /v1 request (no waiting, no engine)",
+    ["model"], buckets=_OVERHEAD, registry=REGISTRY,
+)  # fmt: skip
+WAITS = Histogram(
+    "capyctl_wait_seconds", "time /v1 requests waited for a start or wake", ["model"],
+    buckets=_LATENCY, registry=REGISTRY,
+)  # fmt: skip
+# Switch steps as the scheduler records them (events with their durations).
+_STEPS = {
+    "deployment.ready": "start",
+    "deployment.parked": "park",
+    "deployment.woke": "wake",
+    "deployment.stopped": "stop",
+    "deployment.failed": "failure",
+}
+
+
+class _Now(Collector):
+    """Read at each scrape: queue depths from the gateway, the rest from the database."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, int] = {}  # model -> requests waiting for it (the gateway's)
+
+    def collect(self) -> Iterator[Metric]:
+        from capyctl.deployments.models import Deployment
+        from capyctl.events.models import Event
+        from capyctl.ledger.models import LedgerEntry
+
+        queue = GaugeMetricFamily(
+            "capyctl_waiting_requests", "requests waiting for a model to be ready", labels=["model"]
+        )
+        for model, count in sorted(self.waiting.items()):
+            queue.add_metric([model], count)
+        yield queue
+        ledger = GaugeMetricFamily(
+            "capyctl_ledger_bytes",
+            "bytes the memory ledger counts",
+            labels=["host", "pool", "status"],
+        )
+        rows = LedgerEntry.objects.values("host__name", "pool", "status").annotate(
+            total=Sum("bytes")
+        )
+        for row in rows.order_by("host__name", "pool", "status"):
+            ledger.add_metric([row["host__name"], row["pool"], row["status"]], row["total"] or 0)
+        yield ledger
+        states = GaugeMetricFamily(
+            "capyctl_deployment_state",
+            "1 for each model's observed state",
+            labels=["model", "state"],
+        )
+        for name, state in Deployment.objects.order_by("name").values_list(
+            "name", "observed_state"
+        ):
+            states.add_metric([name, state], 1)
+        yield states
+        steps = CounterMetricFamily(
+            "capyctl_switch_steps", "starts, parks, wakes, stops and failures", labels=["step"]
+        )
+        seconds = CounterMetricFamily(
+            "capyctl_switch_step_seconds", "time those steps took", labels=["step"]
+        )
+        done = (
+            Event.objects.filter(kind__in=list(_STEPS))
+            .values("kind")
+            .annotate(n=Count("id"), ms=Sum("duration_ms"))
+        )
+        for step in done.order_by("kind"):
+            steps.add_metric([_STEPS[step["kind"]]], step["n"])
+            seconds.add_metric([_STEPS[step["kind"]]], (step["ms"] or 0) / 1000)
+        yield steps
+        yield seconds
+
+
+NOW = _Now()
+REGISTRY.register(NOW)
+
+
+def _scrape() -> bytes:
+    close_old_connections()
+    try:
+        return generate_latest(REGISTRY)
+    finally:
+        close_old_connections()
+
+
+async def metrics_application(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """``GET /metrics`` (the database is read on a worker thread, off the event loop)."""
+    body = await asyncio.to_thread(_scrape)
+    headers = [
+        (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
