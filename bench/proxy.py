@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -126,9 +127,31 @@ def engine_address(env: dict[str, str], name: str) -> tuple[str, str]:
     return f"http://127.0.0.1:{instance.port}", instance.launch_key
 
 
+def json_level(
+    direct: tuple[str, str], proxy: tuple[str, str], concurrency: int, args: Any
+) -> None:
+    """One line of the JSON table. Direct and proxied runs alternate, so that a slow
+    moment of this shared machine falls on both; the ratio is the median of the rounds'."""
+    direct_times: list[float] = []
+    proxied: list[float] = []
+    ratios = []
+    each = args.seconds / args.rounds
+    for _ in range(args.rounds):
+        d = asyncio.run(small_json(direct[0], direct[1], "json", concurrency, each))
+        p = asyncio.run(small_json(proxy[0], proxy[1], "json", concurrency, each))
+        ratios.append(len(p) / len(d))
+        direct_times += d
+        proxied += p
+    d_rate, p_rate = len(direct_times) / args.seconds, len(proxied) / args.seconds
+    print(f"{concurrency:>11}  {d_rate:>12.0f}  {p_rate:>13.0f}  {statistics.median(ratios):>6.2f}  "
+          f"{pct(direct_times, 0.5):>8.1f}/{pct(direct_times, 0.99):<9.1f}  "
+          f"{pct(proxied, 0.5):>8.1f}/{pct(proxied, 0.99):<9.1f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=4, help="direct/proxied alternations")
     args = parser.parse_args()
     data = tempfile.mkdtemp(prefix="capyctl-proxy-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
@@ -172,14 +195,8 @@ def main() -> None:
         print(f"{'concurrency':>11}  {'direct req/s':>12}  {'capyctl req/s':>13}  {'ratio':>6}  "
               f"{'direct p50/p99 ms':>18}  {'capyctl p50/p99 ms':>19}")  # fmt: skip
         for concurrency in (1, 32, 256):
-            direct = asyncio.run(small_json(f"{direct_json}/v1/chat/completions", json_key, "json",
-                                            concurrency, args.seconds))  # fmt: skip
-            proxied = asyncio.run(small_json(f"{base}/v1/chat/completions", key, "json",
-                                             concurrency, args.seconds))  # fmt: skip
-            d_rate, p_rate = len(direct) / args.seconds, len(proxied) / args.seconds
-            print(f"{concurrency:>11}  {d_rate:>12.0f}  {p_rate:>13.0f}  {p_rate / d_rate:>6.2f}  "
-                  f"{pct(direct, 0.5):>8.1f}/{pct(direct, 0.99):<9.1f}  "
-                  f"{pct(proxied, 0.5):>8.1f}/{pct(proxied, 0.99):<9.1f}")  # fmt: skip
+            json_level((f"{direct_json}/v1/chat/completions", json_key),
+                       (f"{base}/v1/chat/completions", key), concurrency, args)  # fmt: skip
         seconds = max(args.seconds, 3.0)
         d_url, p_url = f"{direct_stream}/v1/chat/completions", f"{base}/v1/chat/completions"
         runs = {

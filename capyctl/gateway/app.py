@@ -66,10 +66,8 @@ class Gateway:
             outcome.status = error.status
             await _respond(send, error.status, error.body(), error.response_headers())
         finally:
-            metrics.REQUESTS.labels(outcome.model, str(outcome.status)).inc()
-            if outcome.headers_at:
-                metrics.LATENCY.labels(outcome.model).observe(outcome.headers_at - started)
-                metrics.OVERHEAD.labels(outcome.model).observe(outcome.overhead)
+            metrics.count(outcome.model, outcome.status, started, outcome.headers_at,
+                          outcome.overhead)  # fmt: skip
 
     async def _handle(
         self, scope: Scope, receive: Any, send: Any, started: float, outcome: _Outcome

@@ -35,6 +35,24 @@ WAITS = Histogram(
     "capyctl_wait_seconds", "time /v1 requests waited for a start or wake", ["model"],
     buckets=_LATENCY, registry=REGISTRY,
 )  # fmt: skip
+_counted: dict[tuple[str, int], Any] = {}
+_timed: dict[str, tuple[Any, Any]] = {}
+
+
+def count(model: str, status: int, started: float, headers_at: float, overhead: float) -> None:
+    """One /v1 answer. The labelled children are kept, so a request costs no label lookup."""
+    counter = _counted.get((model, status))
+    if counter is None:
+        counter = _counted[model, status] = REQUESTS.labels(model, str(status))
+    counter.inc()
+    if headers_at:
+        timers = _timed.get(model)
+        if timers is None:
+            timers = _timed[model] = (LATENCY.labels(model), OVERHEAD.labels(model))
+        timers[0].observe(headers_at - started)
+        timers[1].observe(overhead)
+
+
 # Switch steps as the scheduler records them (events with their durations).
 _STEPS = {
     "deployment.ready": "start",
