@@ -34,6 +34,7 @@ Scope = dict[str, Any]
 # The client's key never reaches an engine: the instance's launch key replaces it. The
 # engine's own date and server lines give way to the ones this server writes.
 _HOP_BY_HOP = HOP_BY_HOP | {b"authorization", b"x-api-key", b"date", b"server"}
+_WHOLE_BODY_BYTES = 1024 * 1024  # sized answers up to this are passed on in one piece
 _GATE_TRIES = 3  # waits for a wake when a drain closed the gate under a request
 _MODELS_PATH = re.compile(r"^/v1/models(?:/([^/]+))?/?$")
 _STORED_RESPONSE_PATH = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_-]+)(?:/[a-z_]+)?/?$")
@@ -112,7 +113,7 @@ class Gateway:
             body = _rename_model(body, parsed, route.name)
         route, waited_ms = await self._admit(route)
         if waited_ms:
-            metrics.WAITS.labels(route.name).observe(waited_ms / 1000)
+            metrics.WAITS.observe(route.name, waited_ms / 1000)
         try:
             await self._forward(
                 scope,
@@ -384,6 +385,19 @@ class Gateway:
                 out.append((b"x-capyctl-overhead-ms", f"{overhead:.1f}".encode()))
                 if waited_ms:
                     out.append((b"x-capyctl-waited-ms", f"{waited_ms:.0f}".encode()))
+                length = upstream.content_length
+                if length is not None and length <= _WHOLE_BODY_BYTES:
+                    # A sized answer (not a stream): read it, then pass it on with its
+                    # length in one write, instead of chunk, chunk and end-of-chunks.
+                    whole = await upstream.read()
+                    tap.feed(whole)
+                    out.append((b"content-length", str(len(whole)).encode()))
+                    await send(
+                        {"type": "http.response.start", "status": upstream.status, "headers": out}
+                    )
+                    sent_headers = True
+                    await send({"type": "http.response.body", "body": whole})
+                    return
                 await send(
                     {"type": "http.response.start", "status": upstream.status, "headers": out}
                 )

@@ -6,51 +6,70 @@ status names only: never a key or a secret.
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
 from django.db import close_old_connections
 from django.db.models import Count, Sum
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 REGISTRY = CollectorRegistry()
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _OVERHEAD = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
-REQUESTS = Counter(
-    "capyctl_requests", "/v1 requests answered, by model and HTTP status", ["model", "status"],
-    registry=REGISTRY,
-)  # fmt: skip
-LATENCY = Histogram(
-    "capyctl_request_seconds", "/v1 requests, arrival to the answer's headers", ["model"],
-    buckets=_LATENCY, registry=REGISTRY,
-)  # fmt: skip
-OVERHEAD = Histogram(
-    "capyctl_overhead_seconds", "CapyCTL's own time in a /v1 request (no waiting, no engine)",
-    ["model"], buckets=_OVERHEAD, registry=REGISTRY,
-)  # fmt: skip
-WAITS = Histogram(
-    "capyctl_wait_seconds", "time /v1 requests waited for a start or wake", ["model"],
-    buckets=_LATENCY, registry=REGISTRY,
-)  # fmt: skip
-_counted: dict[tuple[str, int], Any] = {}
-_timed: dict[str, tuple[Any, Any]] = {}
+
+class _Histogram:
+    """Bucket counts and a sum per model, kept as plain numbers: the event loop adds to
+    them (a dict lookup and a bisect, no lock); a scrape reads a copy."""
+
+    def __init__(self, name: str, text: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.text, self.bounds = name, text, bounds
+        self.by_model: dict[str, tuple[list[int], list[float]]] = {}
+
+    def observe(self, model: str, value: float) -> None:
+        entry = self.by_model.get(model)
+        if entry is None:
+            entry = self.by_model[model] = ([0] * (len(self.bounds) + 1), [0.0])
+        entry[0][bisect_left(self.bounds, value)] += 1
+        entry[1][0] += value
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.text, labels=["model"])
+        for model, (counts, total) in sorted(dict(self.by_model).items()):
+            running, buckets = 0, []
+            for bound, n in zip((*self.bounds, float("inf")), list(counts), strict=True):
+                running += n
+                buckets.append(("+Inf" if bound == float("inf") else str(bound), running))
+            family.add_metric([model], buckets, total[0])
+        return family
+
+
+LATENCY = _Histogram(
+    "capyctl_request_seconds", "/v1 requests, arrival to the answer's headers", _LATENCY
+)
+OVERHEAD = _Histogram(
+    "capyctl_overhead_seconds",
+    "CapyCTL's own time in a /v1 request (no waiting, no engine)",
+    _OVERHEAD,
+)
+WAITS = _Histogram("capyctl_wait_seconds", "time /v1 requests waited for a start or wake", _LATENCY)
+_counted: dict[tuple[str, int], int] = {}
 
 
 def count(model: str, status: int, started: float, headers_at: float, overhead: float) -> None:
-    """One /v1 answer. The labelled children are kept, so a request costs no label lookup."""
-    counter = _counted.get((model, status))
-    if counter is None:
-        counter = _counted[model, status] = REQUESTS.labels(model, str(status))
-    counter.inc()
+    """One /v1 answer (on the event loop: plain numbers, no lock)."""
+    _counted[model, status] = _counted.get((model, status), 0) + 1
     if headers_at:
-        timers = _timed.get(model)
-        if timers is None:
-            timers = _timed[model] = (LATENCY.labels(model), OVERHEAD.labels(model))
-        timers[0].observe(headers_at - started)
-        timers[1].observe(overhead)
+        LATENCY.observe(model, headers_at - started)
+        OVERHEAD.observe(model, overhead)
 
 
 # Switch steps as the scheduler records them (events with their durations).
@@ -74,6 +93,15 @@ class _Now(Collector):
         from capyctl.events.models import Event
         from capyctl.ledger.models import LedgerEntry
 
+        requests = CounterMetricFamily(
+            "capyctl_requests", "/v1 requests answered, by model and HTTP status",
+            labels=["model", "status"],
+        )  # fmt: skip
+        for (model, status), n in sorted(dict(_counted).items()):
+            requests.add_metric([model, str(status)], n)
+        yield requests
+        for histogram in (LATENCY, OVERHEAD, WAITS):
+            yield histogram.family()
         queue = GaugeMetricFamily(
             "capyctl_waiting_requests", "requests waiting for a model to be ready", labels=["model"]
         )
