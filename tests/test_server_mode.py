@@ -132,7 +132,6 @@ def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_
         # a starts on a worker for the first request; b then takes the 24 GiB GPU from it.
         first = ask("a")
         assert first.status_code == 200, first.text
-        assert "x-capyctl-waited-ms" in first.headers, run("events", "--limit", "20").out
         switched = ask("b")
         assert switched.status_code == 200, switched.text
         rows = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
