@@ -223,12 +223,7 @@ class Gateway:
             try:
                 await asyncio.wait_for(asyncio.shield(wake), timeout=route.wake_timeout_seconds)
             except TimeoutError:
-                raise GatewayError(
-                    504,
-                    "wake_timeout",
-                    f"`{route.name}` did not become ready within {route.wake_timeout_seconds}s.",
-                    "server_error",
-                ) from None
+                raise _wake_timeout(route) from None
         finally:
             self._waiting[deployment_id] -= 1
             metrics.NOW.waiting[route.name] = self._waiting[deployment_id]
@@ -264,12 +259,7 @@ class Gateway:
                 if outcome.get("ok"):
                     return
                 raise _scheduler_error(str(outcome.get("code")), str(outcome.get("message")))
-            raise GatewayError(
-                504,
-                "wake_timeout",
-                f"`{route.name}` did not become ready within {route.wake_timeout_seconds}s.",
-                "server_error",
-            )
+            raise _wake_timeout(route)
         finally:
             await layer.group_discard(group, channel)
 
@@ -444,6 +434,15 @@ def _ensure_ready(deployment_id: int) -> None:
         raise _scheduler_error(exc.code, str(exc)) from exc
     finally:
         connection.close()
+
+
+def _wake_timeout(route: Route) -> GatewayError:
+    return GatewayError(
+        504,
+        "wake_timeout",
+        f"`{route.name}` did not become ready within {route.wake_timeout_seconds}s.",
+        "server_error",
+    )
 
 
 def _scheduler_error(code: str, message: str) -> GatewayError:
