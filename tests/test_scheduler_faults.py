@@ -230,3 +230,47 @@ def test_an_sglang_victim_with_cpu_backup_is_stopped_rather_than_copied(gpu24, s
     assert state("b") == ("ready", "")
     stopped = Event.objects.get(kind="deployment.stopped", subject="a")
     assert "instead of parking" in stopped.message
+
+
+def test_a_reconcile_lease_outlives_a_long_pass_but_not_a_killed_worker(settings, monkeypatch):
+    """A pass renews its Redis lease while it runs; a holder that died (a killed worker)
+    keeps the host from being reconciled for one lease at most."""
+    import threading
+
+    import redis
+
+    from capyctl.scheduler import tasks
+
+    settings.REDIS_URL = "redis://127.0.0.1:6379/14"
+    settings.CELERY_TASK_ALWAYS_EAGER = False
+    monkeypatch.setattr(tasks, "LEASE_SECONDS", 1)
+    monkeypatch.setattr(tasks, "_RENEW_SECONDS", 0.25)
+    host_id = 990_000 + os.getpid() % 10_000
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.delete(f"capyctl:reconcile:{host_id}")
+    passes: list[float] = []
+
+    def slow_pass(pk):
+        assert pk == host_id
+        passes.append(time.monotonic())
+        time.sleep(2.5)  # longer than the lease
+
+    monkeypatch.setattr("capyctl.scheduler.reconcile.reconcile", slow_pass)
+    first = threading.Thread(target=tasks.reconcile_host, args=(host_id,))
+    first.start()
+    time.sleep(1.8)  # past the first lease: only renewals keep it
+    tasks.reconcile_host(host_id)  # returns at once: the pass under way covers it
+    assert len(passes) == 1
+    first.join()
+    assert client.get(f"capyctl:reconcile:{host_id}") is None  # released at the end
+
+    # A worker killed mid-pass: its lease is never renewed nor released.
+    monkeypatch.setattr(
+        "capyctl.scheduler.reconcile.reconcile", lambda pk: passes.append(time.monotonic())
+    )
+    assert client.lock(f"capyctl:reconcile:{host_id}", timeout=1).acquire(blocking=False)
+    tasks.reconcile_host(host_id)
+    assert len(passes) == 1
+    time.sleep(1.2)
+    tasks.reconcile_host(host_id)
+    assert len(passes) == 2

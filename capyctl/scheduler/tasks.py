@@ -4,9 +4,15 @@ mid-task leaves the task to another. Standalone runs the same code in-process.""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+
 from celery import shared_task
 
 from capyctl.scheduler import executor, notify, operations, reconcile
+
+logger = logging.getLogger(__name__)
 
 
 @shared_task(acks_late=True, ignore_result=True)
@@ -30,6 +36,13 @@ def ensure_ready(deployment_id: int) -> None:
         notify.announce(deployment_id, ok=True)
 
 
+# A reconcile pass holds a short lease that a thread renews while the pass runs: a pass
+# can take minutes (an idle park drains first), yet a worker killed mid-pass must not keep
+# its host from being reconciled for longer than one lease.
+LEASE_SECONDS = 10
+_RENEW_SECONDS = 3
+
+
 @shared_task(acks_late=True, ignore_result=True)
 def reconcile_host(host_id: int) -> None:
     """One reconcile pass over a host, never two at once for the same host."""
@@ -37,21 +50,40 @@ def reconcile_host(host_id: int) -> None:
 
     from capyctl.hosts.agents import AgentUnreachableError
 
-    lock = None
-    if settings.REDIS_URL and not settings.CELERY_TASK_ALWAYS_EAGER:
-        import redis
+    if not settings.REDIS_URL or settings.CELERY_TASK_ALWAYS_EAGER:
+        with contextlib.suppress(AgentUnreachableError):  # the next poll marks it unreachable
+            reconcile.reconcile(host_id)
+        return
+    import redis
 
-        lock = redis.Redis.from_url(settings.REDIS_URL).lock(
-            f"capyctl:reconcile:{host_id}", timeout=120, blocking=False
-        )
-        if not lock.acquire():
-            return  # the pass under way covers it
+    lock = redis.Redis.from_url(settings.REDIS_URL).lock(
+        f"capyctl:reconcile:{host_id}",
+        timeout=LEASE_SECONDS,
+        blocking=False,
+        thread_local=False,  # the renewing thread uses the same token
+    )
+    if not lock.acquire():
+        return  # the pass under way covers it
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(_RENEW_SECONDS):
+            try:
+                lock.reacquire()
+            except Exception:  # lost (Redis restarted): the pass finishes; next one re-takes
+                logger.warning("reconcile lease of host %s lapsed mid-pass", host_id)
+                return
+
+    renewer = threading.Thread(target=renew, name=f"lease-{host_id}", daemon=True)
+    renewer.start()
     try:
         reconcile.reconcile(host_id)
     except AgentUnreachableError:
         return  # the next poll marks the host unreachable
     finally:
-        if lock is not None:
+        done.set()
+        renewer.join()
+        with contextlib.suppress(redis.exceptions.LockError):  # lapsed; another may hold it
             lock.release()
 
 
