@@ -10,6 +10,7 @@ from django.conf import settings
 from capyctl.access.models import ApiKey
 from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
+from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
@@ -106,6 +107,30 @@ def ledger_data(entry: LedgerEntry) -> dict[str, Any]:
         "status": entry.status,
         "bytes": entry.bytes,
         "note": entry.note,
+    }
+
+
+def event_data(event: Event) -> dict[str, Any]:
+    return {
+        "id": event.pk,
+        "time": event.created_at.isoformat(),
+        "kind": event.kind,
+        "level": event.level,
+        "subject": event.subject,
+        "message": event.message,
+        "duration_ms": event.duration_ms,
+        "actor": event.actor,
+    }
+
+
+def user_data(user: Any) -> dict[str, Any]:
+    return {
+        "username": user.get_username(),
+        "staff": bool(user.is_staff),
+        "active": bool(user.is_active),
+        "date_joined": _time(user.date_joined),
+        "last_login": _time(user.last_login),
+        "keys": user.api_keys.count(),
     }
 
 

@@ -161,3 +161,88 @@ def revoke_api_key(ident: str, *, actor: str = "") -> ApiKey:
             "key.revoked", f"API key {key.prefix} revoked", subject=key.prefix, actor=actor
         )
     return key
+
+
+UNCHANGED = object()  # "leave this setting as it is" (None has a meaning: no limit)
+
+
+@transaction.atomic
+def update_api_key(
+    ident: str,
+    *,
+    name: str | None = None,
+    models: list[str] | None = None,
+    requests_per_minute: int | object | None = UNCHANGED,
+    actor: str = "",
+) -> ApiKey:
+    """Change a key's label, allowed models or rate limit (its secret never changes)."""
+    key = get_api_key(ident)
+    changed = []
+    if name is not None:
+        if len(name) > 100:
+            raise UserError("a key name is at most 100 characters", field="name")
+        key.name = name
+        changed.append("name")
+    if requests_per_minute is not UNCHANGED:
+        if requests_per_minute is not None and (
+            not isinstance(requests_per_minute, int) or requests_per_minute < 1
+        ):
+            raise UserError("requests per minute must be at least 1", field="requests_per_minute")
+        key.requests_per_minute = requests_per_minute
+        changed.append("requests per minute")
+    deployments = [get_deployment(model) for model in models] if models is not None else None
+    key.save()
+    if deployments is not None:
+        key.allowed_models.set(deployments)
+        changed.append("models")
+    record_event(
+        "key.changed",
+        f"API key {key.prefix} changed: {', '.join(changed) or 'nothing'}",
+        subject=key.prefix,
+        actor=actor,
+    )
+    return key
+
+
+@transaction.atomic
+def update_user(
+    username: str,
+    *,
+    password: str | None = None,
+    staff: bool | None = None,
+    active: bool | None = None,
+    actor: str = "",
+) -> User:
+    """Set a user's password, staff flag or active flag. An inactive user's keys stop
+    working at once (they are checked with the user on every lookup)."""
+    user = get_user(username)
+    changed = []
+    if password is not None:
+        if len(password) < 8:
+            raise UserError("a password is at least 8 characters", field="password")
+        user.set_password(password)
+        changed.append("password")
+    if staff is not None:
+        user.is_staff = user.is_superuser = staff
+        changed.append("staff" if staff else "not staff")
+    if active is not None:
+        user.is_active = active
+        changed.append("active" if active else "inactive")
+    user.save()
+    record_event(
+        "user.changed",
+        f"user {username} changed: {', '.join(changed) or 'nothing'}",
+        subject=username,
+        actor=actor,
+    )
+    return user
+
+
+@transaction.atomic
+def remove_user(username: str, *, actor: str = "") -> None:
+    """Delete a user and their keys."""
+    user = get_user(username)
+    if username == actor:
+        raise UserError("you cannot remove your own user", field="username")
+    user.delete()
+    record_event("user.removed", f"user {username} removed", subject=username, actor=actor)

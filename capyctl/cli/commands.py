@@ -341,51 +341,32 @@ def status(args: argparse.Namespace) -> int:
 
 def deployment_action(args: argparse.Namespace) -> int:
     """start/stop/park/wake: saved as an operation, carried out by the running server."""
-    import time
-
     from capyctl.deployments.services import get_deployment
-    from capyctl.scheduler.executor import server_alive, submit
+    from capyctl.scheduler.actions import default_timeout, request_action, seconds_taken, wait_for
     from capyctl.scheduler.models import Operation
 
     prepare()
     deployment = get_deployment(args.name)
-    if args.action in ("start", "stop"):
+    op = request_action(
+        deployment, args.action, mode=getattr(args, "mode", None) or "", actor="cli"
+    )
+    if op is None:
         desired = "running" if args.action == "start" else "stopped"
-        type(deployment).objects.filter(pk=deployment.pk).update(desired_state=desired)
-    if not server_alive():
-        if args.action in ("start", "stop"):
-            print(
-                f"{deployment.name}: desired state {desired}; no CapyCTL server is running on "
-                "this data dir, so it takes effect when one runs"
-            )
-            return 0
-        raise UserError(
-            f"cannot {args.action} {deployment.name}: no CapyCTL server is running on this "
-            "data dir (start one with 'capyctl start standalone' or 'capyctl start server')"
+        print(
+            f"{deployment.name}: desired state {desired}; no CapyCTL server is running on "
+            "this data dir, so it takes effect when one runs"
         )
-    op = Operation.objects.create(
-        deployment=deployment,
-        action=args.action,
-        mode=getattr(args, "mode", None) or "",
-        actor="cli",
-    )
-    submit(op)
-    timeout = args.timeout or (
-        deployment.setting("start_timeout_seconds") + deployment.setting("drain_timeout_seconds")
-    )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        op.refresh_from_db()
-        if op.status == Operation.Status.DONE:
-            elapsed = (op.finished_at - op.created_at).total_seconds() if op.finished_at else 0
-            print(f"{op.message} ({elapsed:.1f}s)")
-            return 0
-        if op.status == Operation.Status.FAILED:
-            print(f"capyctl: error: {op.message}", file=sys.stderr)
-            return 1
-        time.sleep(0.1)
+        return 0
+    timeout = args.timeout or default_timeout(deployment)
+    op = wait_for(op, timeout)
+    if op.status == Operation.Status.DONE:
+        print(f"{op.message} ({seconds_taken(op):.1f}s)")
+        return 0
+    if op.status == Operation.Status.FAILED:
+        print(f"capyctl: error: {op.message}", file=sys.stderr)
+        return 1
     print(
-        f"capyctl: error: {args.action} {deployment.name} did not finish in {timeout}s; "
+        f"capyctl: error: {args.action} {deployment.name} did not finish in {timeout:g}s; "
         "it goes on in the server (see 'capyctl events')",
         file=sys.stderr,
     )
@@ -394,18 +375,10 @@ def deployment_action(args: argparse.Namespace) -> int:
 
 def _event_row(event: object) -> dict[str, object]:
     from capyctl.events.models import Event
+    from capyctl.reports import event_data
 
     assert isinstance(event, Event)  # noqa: S101 - narrowing for the type checker
-    return {
-        "id": event.pk,
-        "time": event.created_at.isoformat(),
-        "kind": event.kind,
-        "level": event.level,
-        "subject": event.subject,
-        "message": event.message,
-        "duration_ms": event.duration_ms,
-        "actor": event.actor,
-    }
+    return event_data(event)
 
 
 def _print_event(row: dict[str, object], as_json: bool) -> None:

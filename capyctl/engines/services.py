@@ -82,3 +82,64 @@ def remove_engine(name: str, *, actor: str = "") -> None:
         )
     engine.delete()
     record_event("engine.removed", f"engine {name} removed", subject=name, actor=actor)
+
+
+@transaction.atomic
+def update_engine(
+    name: str,
+    *,
+    new_name: str | None = None,
+    kind: str | None = None,
+    command: str | None = None,
+    host: str | None = None,
+    clear_host: bool = False,
+    env: dict[str, str] | None = None,
+    options: dict[str, Any] | None = None,
+    actor: str = "",
+) -> Engine:
+    """Change an engine's settings; deployments pick them up at their next start. Its kind
+    and host change only while none of its deployments runs."""
+    engine = get_engine(name)
+    Engine.objects.select_for_update().filter(pk=engine.pk).first()
+    new_name = new_name if new_name is not None else engine.name
+    kind = kind if kind is not None else engine.kind
+    command = command if command is not None else engine.command
+    options = options if options is not None else engine.options
+    check_engine(new_name, kind, command, options)
+    if env is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise UserError("engine env must map names to string values", field="env")
+    host_row = None if clear_host else (get_host(host) if host else engine.host)
+    if new_name != engine.name and Engine.objects.filter(name=new_name).exists():
+        raise UserError(f"an engine named {new_name!r} already exists", field="name")
+    moved = kind != engine.kind or host_row != engine.host
+    live = list(
+        engine.deployments.exclude(observed_state__in=("stopped", "failed")).values_list(
+            "name", flat=True
+        )
+    )
+    if moved and live:
+        raise UserError(
+            f"engine {name!r} runs deployments {', '.join(live)}; stop them before changing "
+            "its kind or host",
+            field="kind" if kind != engine.kind else "host",
+        )
+    target = {"name": new_name, "kind": kind, "command": command, "options": options}
+    changed = [field for field, value in target.items() if getattr(engine, field) != value]
+    if host_row != engine.host:
+        changed.append("host")
+    if env is not None and env != engine.env:
+        changed.append("env")
+        engine.env = env
+    engine.name, engine.kind, engine.command = new_name, kind, command
+    engine.options, engine.host = options, host_row
+    engine.save()
+    record_event(
+        "engine.changed",
+        f"engine {engine.name} changed: {', '.join(changed) or 'nothing'}",
+        subject=engine.name,
+        actor=actor,
+        host_id=host_row.pk if host_row else None,
+    )
+    return engine

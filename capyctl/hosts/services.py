@@ -165,3 +165,37 @@ def remove_host(name: str) -> None:
     with transaction.atomic():
         host.delete()
         record_event("host.removed", f"host {name} removed", subject=name)
+
+
+@transaction.atomic
+def update_host(
+    name: str,
+    *,
+    address: str | None = None,
+    reserves: dict[str, int | None] | None = None,
+    actor: str = "",
+) -> Host:
+    """Change where a remote host's agent listens, or the memory it keeps free
+    (``gpu_reserve_bytes``/``ram_reserve_bytes``; ``None`` means the global default)."""
+    host = get_host(name)
+    changed = []
+    if address is not None:
+        if host.is_local:
+            raise UserError(f"{name!r} is the in-process host; it has no address", field="address")
+        parse_address(address)
+        host.address = address
+        changed.append("address")
+    for field_name, value in (reserves or {}).items():
+        if value is not None and value < 0:
+            raise UserError(f"{field_name} cannot be negative", field=field_name)
+        setattr(host, field_name, value)
+        changed.append(field_name)
+    host.save()
+    record_event(
+        "host.changed",
+        f"host {name} changed: {', '.join(changed) or 'nothing'}",
+        subject=name,
+        actor=actor,
+        host_id=host.pk,
+    )
+    return host

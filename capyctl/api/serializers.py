@@ -1,0 +1,266 @@
+"""Shapes of the REST API. Output is the same plain data as the CLI's ``--json``
+(:mod:`capyctl.reports`); input is checked for types here and for meaning by the
+services, whose errors name the field at fault."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from capyctl import reports
+from capyctl.deployments.models import ParkPolicy
+
+# -- output ---------------------------------------------------------------------------------
+
+
+class _Report(serializers.Serializer):  # type: ignore[type-arg]
+    """Declared fields document the shape; the data comes from one report function."""
+
+    report: Any = None
+
+    def to_representation(self, instance: Any) -> dict[str, Any]:
+        return dict(type(self).report(instance))
+
+
+class EngineOut(_Report):
+    report = staticmethod(reports.engine_data)
+    name = serializers.CharField()
+    kind = serializers.CharField()
+    command = serializers.CharField()
+    host = serializers.CharField(allow_null=True)
+    created_at = serializers.DateTimeField()
+
+
+class DeploymentOut(_Report):
+    report = staticmethod(reports.deployment_data)
+    name = serializers.CharField()
+    aliases = serializers.ListField(child=serializers.CharField())
+    engine = serializers.CharField()
+    kind = serializers.CharField()
+    host = serializers.CharField(allow_null=True)
+    source = serializers.CharField()  # type: ignore[assignment]
+    engine_args = serializers.ListField(child=serializers.CharField())
+    gpu_memory_bytes = serializers.IntegerField(allow_null=True)
+    gpu_memory_fraction = serializers.FloatField(allow_null=True)
+    weights_bytes = serializers.IntegerField(allow_null=True)
+    measured_gpu_bytes = serializers.IntegerField(allow_null=True)
+    measured_weights_bytes = serializers.IntegerField(allow_null=True)
+    gpus = serializers.IntegerField()
+    park = serializers.CharField()
+    pinned = serializers.BooleanField()
+    priority = serializers.IntegerField()
+    idle_park_seconds = serializers.IntegerField()
+    min_ready_seconds = serializers.IntegerField()
+    max_waiting = serializers.IntegerField()
+    wake_timeout_seconds = serializers.IntegerField()
+    start_timeout_seconds = serializers.IntegerField()
+    drain_timeout_seconds = serializers.IntegerField()
+    desired_state = serializers.CharField()
+    observed_state = serializers.CharField()
+    parked_mode = serializers.CharField(allow_null=True)
+    state_reason = serializers.CharField()
+    last_request_at = serializers.DateTimeField(allow_null=True)
+
+
+class PoolOut(serializers.Serializer):  # type: ignore[type-arg]
+    pool = serializers.CharField()
+    reserve_bytes = serializers.IntegerField()
+    capacity_bytes = serializers.IntegerField()
+    held_bytes = serializers.IntegerField()
+    promised_bytes = serializers.IntegerField()
+    unconfirmed_bytes = serializers.IntegerField()
+    foreign_bytes = serializers.IntegerField()
+    used_bytes = serializers.IntegerField()
+    free_bytes = serializers.IntegerField()
+
+
+class HostOut(_Report):
+    report = staticmethod(reports.host_data)
+    name = serializers.CharField()
+    address = serializers.CharField(allow_null=True)
+    local = serializers.BooleanField()
+    state = serializers.CharField()
+    probe = serializers.CharField(allow_null=True)
+    unified = serializers.BooleanField()
+    gpus = serializers.ListField(child=serializers.DictField())
+    ram_total_bytes = serializers.IntegerField(allow_null=True)
+    pools = PoolOut(many=True)
+    last_seen_at = serializers.DateTimeField(allow_null=True)
+
+
+class HostAdded(HostOut):
+    join_token = serializers.CharField(help_text="one-time token for `capyctl start host --join`")
+
+    def to_representation(self, instance: Any) -> dict[str, Any]:
+        host, token = instance
+        return {**reports.host_data(host), "join_token": token}
+
+
+class KeyOut(_Report):
+    report = staticmethod(reports.key_data)
+    id = serializers.CharField()
+    prefix = serializers.CharField()
+    user = serializers.CharField()
+    name = serializers.CharField()
+    models = serializers.ListField(child=serializers.CharField())
+    admin = serializers.BooleanField()
+    requests_per_minute = serializers.IntegerField(allow_null=True)
+    expires_at = serializers.DateTimeField(allow_null=True)
+    revoked = serializers.BooleanField()
+    revoked_at = serializers.DateTimeField(allow_null=True)
+    active = serializers.BooleanField()
+    last_used_at = serializers.DateTimeField(allow_null=True)
+    requests = serializers.IntegerField()
+    prompt_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+
+
+class KeyCreated(KeyOut):
+    key = serializers.CharField(help_text="the full key: shown this once, never again")
+
+    def to_representation(self, instance: Any) -> dict[str, Any]:
+        key, full = instance
+        return {**reports.key_data(key), "key": full}
+
+
+class UserOut(_Report):
+    report = staticmethod(reports.user_data)
+    username = serializers.CharField()
+    staff = serializers.BooleanField()
+    active = serializers.BooleanField()
+    date_joined = serializers.DateTimeField()
+    last_login = serializers.DateTimeField(allow_null=True)
+    keys = serializers.IntegerField()
+
+
+class LedgerOut(serializers.Serializer):  # type: ignore[type-arg]
+    id = serializers.IntegerField()
+    host = serializers.CharField(source="host.name")
+    pool = serializers.CharField()
+    deployment = serializers.CharField(source="deployment.name", allow_null=True)
+    status = serializers.CharField()
+    bytes = serializers.IntegerField()
+    note = serializers.CharField()
+    updated_at = serializers.DateTimeField()
+
+
+class EventOut(_Report):
+    report = staticmethod(reports.event_data)
+    id = serializers.IntegerField()
+    time = serializers.DateTimeField()
+    kind = serializers.CharField()
+    level = serializers.CharField()
+    subject = serializers.CharField()
+    message = serializers.CharField()
+    duration_ms = serializers.IntegerField(allow_null=True)
+    actor = serializers.CharField()
+
+
+class OperationOut(serializers.Serializer):  # type: ignore[type-arg]
+    id = serializers.IntegerField()
+    deployment = serializers.CharField(source="deployment.name")
+    action = serializers.CharField()
+    mode = serializers.CharField()
+    actor = serializers.CharField()
+    status = serializers.CharField(help_text="pending, running, done or failed")
+    message = serializers.CharField()
+    created_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+
+
+# -- input ----------------------------------------------------------------------------------
+
+
+class EngineIn(serializers.Serializer):  # type: ignore[type-arg]
+    name = serializers.CharField(max_length=63)
+    kind = serializers.CharField(max_length=32, help_text="vllm, sglang, tensorfold, llama.cpp…")
+    command = serializers.CharField(max_length=4000, help_text="the engine program, with args")
+    host = serializers.CharField(required=False, allow_null=True, max_length=63)
+    env = serializers.DictField(child=serializers.CharField(allow_blank=True), required=False)
+    options = serializers.DictField(required=False)
+
+
+class DeploymentIn(serializers.Serializer):  # type: ignore[type-arg]
+    name = serializers.CharField(max_length=63)
+    engine = serializers.CharField(max_length=63)
+    source = serializers.CharField(max_length=1000)  # type: ignore[assignment]
+    aliases = serializers.ListField(child=serializers.CharField(max_length=200), required=False)
+    host = serializers.CharField(required=False, allow_null=True, max_length=63)
+    gpu_memory = serializers.CharField(
+        required=False, allow_null=True, allow_blank=True, max_length=32,
+        help_text="per GPU: 20GiB, bytes, or a fraction of the device such as 0.9",
+    )  # fmt: skip
+    weights_size = serializers.CharField(
+        required=False, allow_null=True, allow_blank=True, max_length=32, help_text="e.g. 15GiB"
+    )
+    gpus = serializers.IntegerField(required=False, min_value=1, max_value=64)
+    park = serializers.ChoiceField(choices=ParkPolicy.choices, required=False)
+    pinned = serializers.BooleanField(required=False)
+    priority = serializers.IntegerField(required=False, min_value=-1000, max_value=1000)
+    idle_park_seconds = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    min_ready_seconds = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    max_waiting = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    wake_timeout_seconds = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    start_timeout_seconds = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    drain_timeout_seconds = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    engine_args = serializers.ListField(
+        child=serializers.CharField(max_length=4000), required=False
+    )
+
+
+class ActionIn(serializers.Serializer):  # type: ignore[type-arg]
+    mode = serializers.ChoiceField(
+        choices=["ram", "deep"], required=False, help_text="park only: where the weights go"
+    )
+    wait = serializers.FloatField(
+        required=False, default=0, min_value=0, max_value=3600,
+        help_text="seconds to wait for the outcome (0: answer at once with the operation)",
+    )  # fmt: skip
+
+
+class HostIn(serializers.Serializer):  # type: ignore[type-arg]
+    name = serializers.CharField(max_length=63)
+    address = serializers.CharField(max_length=255, help_text="HOST:PORT the agent listens on")
+
+
+class HostChange(serializers.Serializer):  # type: ignore[type-arg]
+    address = serializers.CharField(max_length=255, required=False)
+    gpu_reserve_bytes = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    ram_reserve_bytes = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+
+
+class KeyIn(serializers.Serializer):  # type: ignore[type-arg]
+    user = serializers.CharField(
+        required=False, max_length=150, help_text="staff only: whose key (default: yours)"
+    )
+    name = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    models = serializers.ListField(
+        child=serializers.CharField(max_length=200), required=False,
+        help_text="deployments it may use (empty: all)",
+    )  # fmt: skip
+    expires = serializers.CharField(
+        required=False, allow_blank=True, max_length=16, help_text="e.g. 30d, 12h"
+    )
+    admin = serializers.BooleanField(required=False, default=False)
+    requests_per_minute = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+
+
+class KeyChange(serializers.Serializer):  # type: ignore[type-arg]
+    name = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    models = serializers.ListField(child=serializers.CharField(max_length=200), required=False)
+    requests_per_minute = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+
+
+class UserIn(serializers.Serializer):  # type: ignore[type-arg]
+    username = serializers.CharField(max_length=150)
+    password = serializers.CharField(required=False, write_only=True, max_length=256)
+    staff = serializers.BooleanField(required=False, default=False)
+
+
+class UserChange(serializers.Serializer):  # type: ignore[type-arg]
+    password = serializers.CharField(required=False, write_only=True, max_length=256)
+    staff = serializers.BooleanField(required=False)
+    active = serializers.BooleanField(required=False)

@@ -1,0 +1,23 @@
+"""``/api/``: the resources, the OpenAPI schema and its docs page."""
+
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.routers import DefaultRouter
+
+from capyctl.api import views
+
+router = DefaultRouter()
+router.register("engines", views.EngineViewSet, basename="engine")
+router.register("deployments", views.DeploymentViewSet, basename="deployment")
+router.register("hosts", views.HostViewSet, basename="host")
+router.register("keys", views.KeyViewSet, basename="key")
+router.register("users", views.UserViewSet, basename="user")
+router.register("ledger", views.LedgerViewSet, basename="ledger")
+router.register("events", views.EventViewSet, basename="event")
+router.register("operations", views.OperationViewSet, basename="operation")
+
+urlpatterns = [
+    path("schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("", include(router.urls)),
+]

@@ -1,0 +1,518 @@
+"""REST resources: engines, deployments (with start/stop/park/wake), hosts, keys, users,
+the ledger, events and operations. Every change goes through the service layer that the
+CLI and the admin use, so the three accept and refuse the same things."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from django.contrib.auth.models import User
+from django.db.models import QuerySet
+from django_filters import rest_framework as filters
+from drf_spectacular.utils import extend_schema, extend_schema_view
+from rest_framework import exceptions, mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.serializers import Serializer
+from rest_framework.views import exception_handler
+
+from capyctl.access import services as access
+from capyctl.access.models import ApiKey
+from capyctl.api import serializers as s
+from capyctl.api.auth import IsAdmin, IsSignedIn, is_admin
+from capyctl.deployments import services as deployments
+from capyctl.deployments.models import Deployment
+from capyctl.engines import services as engines
+from capyctl.engines.models import Engine
+from capyctl.errors import NotFoundError, UserError
+from capyctl.events.models import Event
+from capyctl.hosts import services as hosts
+from capyctl.hosts.models import Host
+from capyctl.ledger.models import LedgerEntry
+from capyctl.scheduler import actions
+from capyctl.scheduler.models import Operation
+from capyctl.validation import parse_duration, parse_gpu_memory, parse_size_value
+
+
+def handle_errors(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """A service's :class:`UserError` becomes a 400 naming its field (404 when the thing
+    named does not exist); the rest is DRF's usual JSON."""
+    if isinstance(exc, NotFoundError):
+        exc = exceptions.NotFound(exc.message)
+    elif isinstance(exc, UserError):
+        exc = exceptions.ValidationError({exc.field or "non_field_errors": [exc.message]})
+    return exception_handler(exc, context)
+
+
+def _actor(request: Request) -> str:
+    return str(request.user.get_username())
+
+
+def _valid(serializer_class: type[Serializer[Any]], request: Request, **kw: Any) -> dict[str, Any]:
+    serializer = serializer_class(data=request.data, **kw)
+    serializer.is_valid(raise_exception=True)
+    return dict(serializer.validated_data)
+
+
+# -- engines --------------------------------------------------------------------------------
+
+
+class EngineFilter(filters.FilterSet):
+    host = filters.CharFilter(field_name="host__name")
+
+    class Meta:
+        model = Engine
+        fields = (
+            "kind",
+            "host",
+        )
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Engines", responses=s.EngineOut(many=True)),
+    retrieve=extend_schema(summary="One engine", responses=s.EngineOut),
+    create=extend_schema(
+        summary="Register an engine", request=s.EngineIn, responses={201: s.EngineOut}
+    ),
+    partial_update=extend_schema(
+        summary="Change an engine", request=s.EngineIn(partial=True), responses=s.EngineOut
+    ),
+    destroy=extend_schema(
+        summary="Remove an engine (not while deployments use it)", responses={204: None}
+    ),
+)
+class EngineViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+    permission_classes = (IsAdmin,)
+    queryset = Engine.objects.select_related("host").order_by("name")
+    lookup_field = "name"
+    lookup_value_regex = "[^/]+"
+    filterset_class = EngineFilter
+    serializer_class = s.EngineOut
+    http_method_names = ("get", "post", "patch", "delete", "head", "options")
+
+    def list(self, request: Request) -> Response:
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        return self.get_paginated_response(s.EngineOut(page, many=True).data)
+
+    def retrieve(self, request: Request, name: str) -> Response:
+        return Response(s.EngineOut(engines.get_engine(name)).data)
+
+    def create(self, request: Request) -> Response:
+        data = _valid(s.EngineIn, request)
+        engine = engines.add_engine(
+            data["name"], kind=data["kind"], command=data["command"], host=data.get("host"),
+            env=data.get("env"), options=data.get("options"), actor=_actor(request),
+        )  # fmt: skip
+        return Response(s.EngineOut(engine).data, status=status.HTTP_201_CREATED)
+
+    def partial_update(self, request: Request, name: str) -> Response:
+        data = _valid(s.EngineIn, request, partial=True)
+        engine = engines.update_engine(
+            name, new_name=data.get("name"), kind=data.get("kind"), command=data.get("command"),
+            host=data.get("host"), clear_host="host" in data and data["host"] is None,
+            env=data.get("env"), options=data.get("options"), actor=_actor(request),
+        )  # fmt: skip
+        return Response(s.EngineOut(engine).data)
+
+    def destroy(self, request: Request, name: str) -> Response:
+        engines.remove_engine(name, actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# -- deployments ----------------------------------------------------------------------------
+
+
+class DeploymentFilter(filters.FilterSet):
+    engine = filters.CharFilter(field_name="engine__name")
+    host = filters.CharFilter(field_name="host__name")
+
+    class Meta:
+        model = Deployment
+        fields = (
+            "observed_state",
+            "desired_state",
+            "engine",
+            "host",
+            "pinned",
+        )
+
+
+def _spec(
+    data: dict[str, Any], base: deployments.DeploymentSpec | None
+) -> deployments.DeploymentSpec:
+    """A deployment's full settings from the request, on top of ``base`` for a change."""
+    fields = dict(vars(base)) if base is not None else {"aliases": [], "engine_args": []}
+    plain = {k: v for k, v in data.items() if k not in ("gpu_memory", "weights_size")}
+    fields.update({k: v for k, v in plain.items() if v is not None or k == "host"})
+    if "gpu_memory" in data:
+        value = data["gpu_memory"]
+        gpu_bytes, fraction = parse_gpu_memory(value) if value else (None, None)
+        fields["gpu_memory_bytes"], fields["gpu_memory_fraction"] = gpu_bytes, fraction
+    if "weights_size" in data:
+        value = data["weights_size"]
+        fields["weights_bytes"] = parse_size_value(value, field="weights_size") if value else None
+    if base is not None:  # a setting sent as null goes back to its default
+        for name, value in data.items():
+            if value is None and name.endswith(("_seconds", "max_waiting")):
+                fields[name] = None
+    return deployments.DeploymentSpec(**fields)
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Deployments", responses=s.DeploymentOut(many=True)),
+    retrieve=extend_schema(summary="One deployment (by name or alias)", responses=s.DeploymentOut),
+    create=extend_schema(
+        summary="Add a deployment", request=s.DeploymentIn, responses={201: s.DeploymentOut}
+    ),
+    partial_update=extend_schema(
+        summary="Change a deployment's settings (next start)",
+        request=s.DeploymentIn(partial=True),
+        responses=s.DeploymentOut,
+    ),
+    destroy=extend_schema(summary="Remove a stopped deployment", responses={204: None}),
+)
+class DeploymentViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+    permission_classes = (IsAdmin,)
+    queryset = (
+        Deployment.objects.select_related("engine", "host")
+        .prefetch_related("aliases")
+        .order_by("name")
+    )
+    lookup_field = "name"
+    lookup_value_regex = "[^/]+"
+    filterset_class = DeploymentFilter
+    serializer_class = s.DeploymentOut
+    http_method_names = ("get", "post", "patch", "delete", "head", "options")
+
+    def list(self, request: Request) -> Response:
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        return self.get_paginated_response(s.DeploymentOut(page, many=True).data)
+
+    def retrieve(self, request: Request, name: str) -> Response:
+        return Response(s.DeploymentOut(deployments.get_deployment(name)).data)
+
+    def create(self, request: Request) -> Response:
+        spec = _spec(_valid(s.DeploymentIn, request), None)
+        deployment = deployments.add_deployment(spec, actor=_actor(request))
+        return Response(s.DeploymentOut(deployment).data, status=status.HTTP_201_CREATED)
+
+    def partial_update(self, request: Request, name: str) -> Response:
+        current = deployments.get_deployment(name)
+        spec = _spec(_valid(s.DeploymentIn, request, partial=True), deployments.spec_of(current))
+        deployment = deployments.update_deployment(current.name, spec, actor=_actor(request))
+        return Response(s.DeploymentOut(deployment).data)
+
+    def destroy(self, request: Request, name: str) -> Response:
+        deployments.remove_deployment(name, actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    def _act(self, request: Request, name: str, verb: str) -> Response:
+        deployment = deployments.get_deployment(name)
+        data = _valid(s.ActionIn, request)
+        op = actions.request_action(
+            deployment, verb, mode=data.get("mode", ""), actor=_actor(request)
+        )
+        if op is None:  # no server runs: only the desired state was saved
+            return Response(s.DeploymentOut(Deployment.objects.get(pk=deployment.pk)).data,
+                            status=status.HTTP_202_ACCEPTED)  # fmt: skip
+        if data["wait"]:
+            op = actions.wait_for(op, data["wait"])
+        done = op.status in (Operation.Status.DONE, Operation.Status.FAILED)
+        return Response(
+            s.OperationOut(op).data, status=status.HTTP_200_OK if done else status.HTTP_202_ACCEPTED
+        )
+
+    _action_doc: ClassVar[dict[str, Any]] = {
+        "request": s.ActionIn,
+        "responses": {200: s.OperationOut, 202: s.OperationOut},
+        "description": "Saves the intent as an operation and answers 202 with it; with "
+        "`wait`, answers 200 once it is done or failed. Poll `/api/operations/{id}/`.",
+    }
+
+    @extend_schema(summary="Start (desired state running)", **_action_doc)
+    @action(detail=True, methods=["post"])
+    def start(self, request: Request, name: str) -> Response:
+        return self._act(request, name, "start")
+
+    @extend_schema(summary="Stop (desired state stopped)", **_action_doc)
+    @action(detail=True, methods=["post"])
+    def stop(self, request: Request, name: str) -> Response:
+        return self._act(request, name, "stop")
+
+    @extend_schema(summary="Park: give back its GPU memory", **_action_doc)
+    @action(detail=True, methods=["post"])
+    def park(self, request: Request, name: str) -> Response:
+        return self._act(request, name, "park")
+
+    @extend_schema(summary="Wake a parked deployment", **_action_doc)
+    @action(detail=True, methods=["post"])
+    def wake(self, request: Request, name: str) -> Response:
+        return self._act(request, name, "wake")
+
+
+# -- hosts ----------------------------------------------------------------------------------
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Hosts with their memory pools", responses=s.HostOut(many=True)),
+    retrieve=extend_schema(summary="One host", responses=s.HostOut),
+    create=extend_schema(
+        summary="Register a remote host; answers its one-time join token",
+        request=s.HostIn,
+        responses={201: s.HostAdded},
+    ),
+    partial_update=extend_schema(
+        summary="Change a host's address or reserves", request=s.HostChange, responses=s.HostOut
+    ),
+    destroy=extend_schema(summary="Forget a host (not while used)", responses={204: None}),
+)
+class HostViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+    permission_classes = (IsAdmin,)
+    queryset = Host.objects.order_by("name")
+    lookup_field = "name"
+    lookup_value_regex = "[^/]+"
+    filterset_fields = ("state",)
+    serializer_class = s.HostOut
+    http_method_names = ("get", "post", "patch", "delete", "head", "options")
+
+    def list(self, request: Request) -> Response:
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        return self.get_paginated_response(s.HostOut(page, many=True).data)
+
+    def retrieve(self, request: Request, name: str) -> Response:
+        return Response(s.HostOut(hosts.get_host(name)).data)
+
+    def create(self, request: Request) -> Response:
+        data = _valid(s.HostIn, request)
+        host, token = hosts.add_host(data["name"], data["address"])
+        return Response(s.HostAdded((host, token)).data, status=status.HTTP_201_CREATED)
+
+    def partial_update(self, request: Request, name: str) -> Response:
+        data = _valid(s.HostChange, request)
+        reserves = {k: v for k, v in data.items() if k.endswith("_reserve_bytes")}
+        host = hosts.update_host(
+            name, address=data.get("address"), reserves=reserves, actor=_actor(request)
+        )
+        return Response(s.HostOut(host).data)
+
+    def destroy(self, request: Request, name: str) -> Response:
+        hosts.remove_host(name)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(
+        summary="A new one-time join token (earlier ones stop working)",
+        request=None,
+        responses=s.HostAdded,
+    )
+    @action(detail=True, methods=["post"])
+    def token(self, request: Request, name: str) -> Response:
+        host = hosts.get_host(name)
+        if host.is_local:
+            raise UserError(f"{name!r} is the in-process host; it does not join", field="name")
+        return Response(s.HostAdded((host, hosts.new_join_token(host))).data)
+
+
+# -- keys -----------------------------------------------------------------------------------
+
+
+@extend_schema_view(
+    list=extend_schema(summary="API keys (yours; staff see all)", responses=s.KeyOut(many=True)),
+    retrieve=extend_schema(summary="One API key", responses=s.KeyOut),
+    create=extend_schema(
+        summary="Create an API key; the full key is in this answer only",
+        request=s.KeyIn,
+        responses={201: s.KeyCreated},
+    ),
+    partial_update=extend_schema(
+        summary="Change a key's name, models or rate limit", request=s.KeyChange, responses=s.KeyOut
+    ),
+    destroy=extend_schema(
+        summary="Revoke a key (within a second on every process)", responses={204: None}
+    ),
+)
+class KeyViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+    permission_classes = (IsSignedIn,)
+    lookup_field = "key_id"
+    lookup_value_regex = "[^/]+"
+    filterset_fields = ("is_admin",)
+    serializer_class = s.KeyOut
+    http_method_names = ("get", "post", "patch", "delete", "head", "options")
+
+    def get_queryset(self) -> QuerySet[ApiKey]:
+        keys = ApiKey.objects.select_related("user").prefetch_related("allowed_models")
+        if getattr(self, "swagger_fake_view", False):  # the schema generator's pass
+            return keys.none()
+        if not is_admin(self.request):
+            keys = keys.filter(user_id=self.request.user.pk or 0)
+        return keys.order_by("-created_at", "key_id")
+
+    def _mine(self, key_id: str) -> ApiKey:
+        key = self.get_queryset().filter(key_id=key_id).first()
+        if key is None:
+            raise exceptions.NotFound(f"no API key with id {key_id!r}")
+        return key
+
+    def list(self, request: Request) -> Response:
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        return self.get_paginated_response(s.KeyOut(page, many=True).data)
+
+    def retrieve(self, request: Request, key_id: str) -> Response:
+        return Response(s.KeyOut(self._mine(key_id)).data)
+
+    def create(self, request: Request) -> Response:
+        data = _valid(s.KeyIn, request)
+        owner = data.get("user") or _actor(request)
+        if owner != _actor(request) and not is_admin(request):
+            raise exceptions.PermissionDenied("only staff may create keys for other users")
+        expires = data.get("expires")
+        key, full = access.issue_api_key(
+            owner,
+            name=data.get("name", ""),
+            models=data.get("models"),
+            expires_in=parse_duration(expires, field="expires") if expires else None,
+            admin=data["admin"],
+            requests_per_minute=data.get("requests_per_minute"),
+            actor=_actor(request),
+        )
+        return Response(s.KeyCreated((key, full)).data, status=status.HTTP_201_CREATED)
+
+    def partial_update(self, request: Request, key_id: str) -> Response:
+        self._mine(key_id)
+        data = _valid(s.KeyChange, request)
+        key = access.update_api_key(
+            key_id,
+            name=data.get("name"),
+            models=data.get("models"),
+            requests_per_minute=data.get("requests_per_minute", access.UNCHANGED),
+            actor=_actor(request),
+        )
+        return Response(s.KeyOut(key).data)
+
+    def destroy(self, request: Request, key_id: str) -> Response:
+        self._mine(key_id)
+        access.revoke_api_key(key_id, actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# -- users ----------------------------------------------------------------------------------
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Users", responses=s.UserOut(many=True)),
+    retrieve=extend_schema(summary="One user", responses=s.UserOut),
+    create=extend_schema(summary="Add a user", request=s.UserIn, responses={201: s.UserOut}),
+    partial_update=extend_schema(
+        summary="Set a password, staff or active", request=s.UserChange, responses=s.UserOut
+    ),
+    destroy=extend_schema(summary="Remove a user and their keys", responses={204: None}),
+)
+class UserViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+    permission_classes = (IsAdmin,)
+    queryset = User.objects.order_by("username")
+    lookup_field = "username"
+    lookup_value_regex = "[^/]+"
+    filterset_fields = (
+        "is_staff",
+        "is_active",
+    )
+    serializer_class = s.UserOut
+    http_method_names = ("get", "post", "patch", "delete", "head", "options")
+
+    def list(self, request: Request) -> Response:
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        return self.get_paginated_response(s.UserOut(page, many=True).data)
+
+    def retrieve(self, request: Request, username: str) -> Response:
+        return Response(s.UserOut(access.get_user(username)).data)
+
+    def create(self, request: Request) -> Response:
+        data = _valid(s.UserIn, request)
+        if data.get("password") is not None and len(data["password"]) < 8:
+            raise UserError("a password is at least 8 characters", field="password")
+        user = access.add_user(
+            data["username"], password=data.get("password"), staff=data["staff"],
+            actor=_actor(request),
+        )  # fmt: skip
+        return Response(s.UserOut(user).data, status=status.HTTP_201_CREATED)
+
+    def partial_update(self, request: Request, username: str) -> Response:
+        data = _valid(s.UserChange, request)
+        user = access.update_user(username, actor=_actor(request), **data)
+        return Response(s.UserOut(user).data)
+
+    def destroy(self, request: Request, username: str) -> Response:
+        access.remove_user(username, actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# -- read-only records ----------------------------------------------------------------------
+
+
+class LedgerFilter(filters.FilterSet):
+    host = filters.CharFilter(field_name="host__name")
+    deployment = filters.CharFilter(field_name="deployment__name")
+
+    class Meta:
+        model = LedgerEntry
+        fields = (
+            "host",
+            "pool",
+            "status",
+            "deployment",
+        )
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Ledger entries: what each model holds or was promised"),
+    retrieve=extend_schema(summary="One ledger entry"),
+)
+class LedgerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
+    permission_classes = (IsAdmin,)
+    queryset = LedgerEntry.objects.select_related("host", "deployment").order_by(
+        "host__name", "pool", "id"
+    )
+    serializer_class = s.LedgerOut
+    filterset_class = LedgerFilter
+
+
+class EventFilter(filters.FilterSet):
+    deployment = filters.CharFilter(field_name="deployment__name")
+    host = filters.CharFilter(field_name="host__name")
+    since = filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    kind = filters.CharFilter(field_name="kind", lookup_expr="startswith")
+
+    class Meta:
+        model = Event
+        fields = (
+            "kind",
+            "level",
+            "subject",
+            "deployment",
+            "host",
+            "since",
+        )
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Events, newest first"), retrieve=extend_schema(summary="One event")
+)
+class EventViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
+    permission_classes = (IsAdmin,)
+    queryset = Event.objects.order_by("-created_at", "-id")
+    serializer_class = s.EventOut
+    filterset_class = EventFilter
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Operations asked for, newest first"),
+    retrieve=extend_schema(summary="One operation: poll it after an action"),
+)
+class OperationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
+    permission_classes = (IsAdmin,)
+    queryset = Operation.objects.select_related("deployment").order_by("-created_at", "-id")
+    serializer_class = s.OperationOut
+    filterset_fields = (
+        "status",
+        "action",
+    )

@@ -1,0 +1,69 @@
+"""Asking for start, stop, park or wake: one path for the CLI, the REST API and the admin.
+
+The intent is saved first (the desired state for start and stop, and an operation row),
+then carried out by the process that owns the engines; the asker may wait on the row.
+"""
+
+from __future__ import annotations
+
+import time
+
+from capyctl.deployments.models import Deployment
+from capyctl.errors import UserError
+from capyctl.scheduler.models import Operation
+
+ACTIONS = ("start", "stop", "park", "wake")
+PARK_MODES = ("ram", "deep")
+
+
+def request_action(
+    deployment: Deployment, action: str, *, mode: str = "", actor: str = ""
+) -> Operation | None:
+    """Save the intent and hand it to the server. Returns the operation, or ``None`` when
+    no server runs and only the desired state of a start or stop was saved (it takes effect
+    when one runs). Raises :class:`UserError` for a park or wake nobody could carry out."""
+    from capyctl.scheduler.executor import server_alive, submit
+
+    if action not in ACTIONS:
+        raise UserError(f"unknown action {action!r}; expected one of {', '.join(ACTIONS)}")
+    if mode and (action != "park" or mode not in PARK_MODES):
+        raise UserError(
+            f"mode {mode!r} is not allowed here: only a park takes a mode (ram or deep)",
+            field="mode",
+        )
+    if action in ("start", "stop"):
+        desired = "running" if action == "start" else "stopped"
+        Deployment.objects.filter(pk=deployment.pk).update(desired_state=desired)
+    if not server_alive():
+        if action in ("start", "stop"):
+            return None
+        raise UserError(
+            f"cannot {action} {deployment.name}: no CapyCTL server is running on this "
+            "data dir (start one with 'capyctl start standalone' or 'capyctl start server')"
+        )
+    op = Operation.objects.create(deployment=deployment, action=action, mode=mode, actor=actor)
+    submit(op)
+    return op
+
+
+def default_timeout(deployment: Deployment) -> float:
+    """How long an asker waits by default: a start plus a drain."""
+    return float(
+        deployment.setting("start_timeout_seconds") + deployment.setting("drain_timeout_seconds")
+    )
+
+
+def wait_for(op: Operation, timeout: float) -> Operation:
+    """Poll the operation until it is done or failed, or ``timeout`` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        op.refresh_from_db()
+        if op.status in (Operation.Status.DONE, Operation.Status.FAILED):
+            return op
+        if time.monotonic() >= deadline:
+            return op
+        time.sleep(0.1)
+
+
+def seconds_taken(op: Operation) -> float:
+    return (op.finished_at - op.created_at).total_seconds() if op.finished_at else 0.0
