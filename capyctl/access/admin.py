@@ -1,13 +1,38 @@
+"""API keys in the admin: made through the same service as the CLI, the full key shown
+once on the page that answers the form (never stored, never put in a message cookie)."""
+
 from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin, messages
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.utils import timezone
 
 from capyctl.access.models import ApiKey
-from capyctl.access.services import revoke_api_key
+from capyctl.access.services import issue_api_key, revoke_api_key, update_api_key
+
+
+class NewKeyForm(forms.ModelForm):  # type: ignore[type-arg]
+    class Meta:
+        model = ApiKey
+        fields = ("user", "name", "allowed_models", "is_admin", "requests_per_minute", "expires_at")
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        expires = data.get("expires_at")
+        if expires is not None and expires <= timezone.now():
+            self.add_error("expires_at", "the expiry must be in the future")
+        owner = data.get("user") or (self.instance.user if self.instance.pk else None)
+        if data.get("is_admin") and owner is not None and not owner.is_staff:
+            self.add_error(
+                "is_admin",
+                f"user {owner.username!r} is not staff, so their keys cannot have the admin scope",
+            )
+        return data
 
 
 @admin.register(ApiKey)
@@ -45,9 +70,64 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     filter_horizontal = ("allowed_models",)
     actions = ("revoke_keys",)
 
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # A key's secret is shown once at creation: `capyctl key create` does that.
-        return False
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        kwargs["form"] = NewKeyForm
+        kwargs["fields"] = NewKeyForm.Meta.fields if obj is None else self.fields[:5]
+        return super().get_form(request, obj, change, **kwargs)
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return NewKeyForm.Meta.fields if obj is None else self.fields
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return () if obj is None else self.readonly_fields
+
+    def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
+        actor = request.user.get_username()
+        data = form.cleaned_data
+        models = [d.name for d in data.get("allowed_models") or []]
+        if change:
+            update_api_key(
+                obj.key_id, name=data.get("name", ""), models=models,
+                requests_per_minute=data.get("requests_per_minute"), actor=actor,
+            )  # fmt: skip
+            ApiKey.objects.filter(pk=obj.pk).update(
+                is_admin=bool(data.get("is_admin")),
+                expires_at=data.get("expires_at"),
+            )
+            return
+        expires = data.get("expires_at")
+        key, full = issue_api_key(
+            data["user"].username,
+            name=data.get("name", ""),
+            models=models,
+            expires_in=(expires - timezone.now()) if expires else None,
+            admin=bool(data.get("is_admin")),
+            requests_per_minute=data.get("requests_per_minute"),
+            actor=actor,
+        )
+        obj.pk = key.pk
+        obj.key_id = key.key_id
+        request._capyctl_new_key = full  # type: ignore[attr-defined]
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        """The service set the allowed models already."""
+
+    def response_add(
+        self, request: HttpRequest, obj: ApiKey, post_url_continue: Any = None
+    ) -> HttpResponse:
+        full = getattr(request, "_capyctl_new_key", None)
+        if full is None:
+            return super().response_add(request, obj, post_url_continue)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"API key {obj.prefix} created",
+            "key": ApiKey.objects.get(pk=obj.pk),
+            "full_key": full,
+            "opts": self.opts,
+        }
+        return TemplateResponse(request, "admin/access/apikey/created.html", context)
 
     @admin.action(description="Revoke the selected keys")
     def revoke_keys(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:

@@ -6,7 +6,8 @@ import shlex
 from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from capyctl.admin_utils import ReadOnlyAdmin, attach_user_error
@@ -19,6 +20,7 @@ from capyctl.deployments.services import (
     update_deployment,
 )
 from capyctl.errors import UserError
+from capyctl.scheduler.actions import request_action
 from capyctl.validation import parse_gpu_memory, parse_size_value, split_engine_args
 from hostagent.units import format_size
 
@@ -131,6 +133,57 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         ),
         ("State", {"fields": readonly_fields}),
     )
+
+    actions = ("start", "stop", "park_ram", "park_deep", "wake")
+
+    def _ask(
+        self, request: HttpRequest, queryset: QuerySet[Deployment], verb: str, mode: str = ""
+    ) -> None:
+        """Hand the action to the scheduler for each selected deployment (not waiting)."""
+        asked: list[str] = []
+        saved: list[str] = []
+        for deployment in queryset:
+            try:
+                op = request_action(deployment, verb, mode=mode, actor=request.user.get_username())
+            except UserError as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+                continue
+            (asked if op is not None else saved).append(deployment.name)
+        if asked:
+            self.message_user(
+                request,
+                f"Asked to {verb} {', '.join(asked)}; the outcome shows in its state and in "
+                "the events.",
+                messages.SUCCESS,
+            )
+        if saved:
+            self.message_user(
+                request,
+                f"Saved: {', '.join(saved)} should be "
+                f"{'running' if verb == 'start' else 'stopped'}. No CapyCTL server is running, "
+                "so it takes effect when one runs.",
+                messages.WARNING,
+            )
+
+    @admin.action(description="Start the selected deployments")
+    def start(self, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+        self._ask(request, queryset, "start")
+
+    @admin.action(description="Stop the selected deployments")
+    def stop(self, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+        self._ask(request, queryset, "stop")
+
+    @admin.action(description="Park the selected deployments (weights to host RAM)")
+    def park_ram(self, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+        self._ask(request, queryset, "park", "ram")
+
+    @admin.action(description="Park the selected deployments (deep: weights dropped)")
+    def park_deep(self, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+        self._ask(request, queryset, "park", "deep")
+
+    @admin.action(description="Wake the selected deployments")
+    def wake(self, request: HttpRequest, queryset: QuerySet[Deployment]) -> None:
+        self._ask(request, queryset, "wake")
 
     def save_model(
         self, request: HttpRequest, obj: Deployment, form: DeploymentForm, change: bool

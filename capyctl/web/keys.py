@@ -1,0 +1,72 @@
+"""``/keys/``: any logged-in user creates, lists and revokes their own API keys.
+
+A new key's full text is shown in the answer to the form that made it, and never again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_http_methods, require_POST
+
+from capyctl.access.models import ApiKey
+from capyctl.access.services import issue_api_key, revoke_api_key
+from capyctl.deployments.models import Deployment
+from capyctl.errors import UserError
+from capyctl.validation import parse_duration
+
+EXPIRY_CHOICES = [("", "never"), ("1d", "1 day"), ("7d", "7 days"), ("30d", "30 days"),
+                  ("90d", "90 days"), ("365d", "1 year")]  # fmt: skip
+
+
+def _page(request: HttpRequest, **extra: Any) -> HttpResponse:
+    keys = (
+        ApiKey.objects.filter(user_id=request.user.pk or 0)
+        .prefetch_related("allowed_models")
+        .order_by("revoked_at", "-created_at")
+    )
+    context = {
+        "nav": "keys",
+        "keys": keys,
+        "models": Deployment.objects.order_by("name").values_list("name", flat=True),
+        "expiry_choices": EXPIRY_CHOICES,
+        **extra,
+    }
+    return render(request, "web/keys.html", context, status=400 if "error" in extra else 200)
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def keys_page(request: HttpRequest) -> HttpResponse:
+    """The list, and (POST) a new key for the logged-in user."""
+    if request.method == "GET":
+        return _page(request)
+    name = request.POST.get("name", "").strip()
+    models = [m for m in request.POST.getlist("models") if m]
+    expires = request.POST.get("expires", "")
+    if expires not in {value for value, _ in EXPIRY_CHOICES}:
+        return _page(request, error=f"unknown expiry {expires!r}", form_name=name)
+    try:
+        key, full = issue_api_key(
+            request.user.get_username(),
+            name=name,
+            models=models,
+            expires_in=parse_duration(expires, field="expires") if expires else None,
+            actor=request.user.get_username(),
+        )
+    except UserError as exc:
+        return _page(request, error=exc.message, form_name=name)
+    return _page(request, new_key=full, new_prefix=key.prefix)
+
+
+@login_required
+@require_POST
+def revoke_key(request: HttpRequest, key_id: str) -> HttpResponse:
+    """Revoke one of the user's own keys (another user's reads as not found)."""
+    if not ApiKey.objects.filter(user_id=request.user.pk or 0, key_id=key_id).exists():
+        return _page(request, error=f"you have no API key with id {key_id!r}")
+    revoke_api_key(key_id, actor=request.user.get_username())
+    return redirect("keys")
