@@ -1,7 +1,8 @@
 """The ASGI application: a Channels protocol router.
 
-HTTP goes to Django (admin, probes) except static assets, which a small ASGI app serves
-directly; later routes (``/v1``, WebSockets) slot in here beside Django's view path.
+HTTP goes to Django (admin, probes, pages) except ``/v1``, ``/metrics`` and static assets,
+which small ASGI apps serve directly. WebSockets (the dashboard's live feed) go through
+Channels' origin check and session authentication.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ from typing import Any
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "capyctl.settings")
 
-from channels.routing import ProtocolTypeRouter
+from channels.auth import AuthMiddlewareStack
+from channels.routing import ProtocolTypeRouter, URLRouter
+from channels.security.websocket import AllowedHostsOriginValidator
 from django.core.asgi import get_asgi_application
+from django.urls import path
 
 django_application = get_asgi_application()
 
 from capyctl.gateway.app import gateway  # noqa: E402
+from capyctl.web.consumers import DashboardConsumer  # noqa: E402
 from capyctl.web.metrics import metrics_application  # noqa: E402
 from capyctl.web.staticfiles import StaticFilesApp  # noqa: E402
 
@@ -48,4 +53,14 @@ async def lifespan_application(scope: dict[str, Any], receive: Any, send: Any) -
             return
 
 
-application = ProtocolTypeRouter({"http": http_application, "lifespan": lifespan_application})
+websocket_application = AllowedHostsOriginValidator(
+    AuthMiddlewareStack(URLRouter([path("ws/dashboard/", DashboardConsumer.as_asgi())]))
+)
+
+application = ProtocolTypeRouter(
+    {
+        "http": http_application,
+        "websocket": websocket_application,
+        "lifespan": lifespan_application,
+    }
+)

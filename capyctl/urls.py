@@ -2,18 +2,21 @@
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
-from django.views.generic import RedirectView
+from django.urls import include, path
 
-from capyctl.web import views
+from capyctl.web import keys, views
+from capyctl.web.dashboard import dashboard
 
 admin.site.site_header = "CapyCTL"
 admin.site.site_title = "CapyCTL admin"
 admin.site.index_title = "Models, engines, hosts and keys"
 
 urlpatterns = [
-    path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    path("", dashboard, name="dashboard"),
     path("admin/", admin.site.urls),
+    path("api/", include("capyctl.api.urls")),
+    path("keys/", keys.keys_page, name="keys"),
+    path("keys/<str:key_id>/revoke/", keys.revoke_key, name="revoke-key"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", views.healthz, name="healthz"),

@@ -39,18 +39,27 @@ def validate_alias(value: str) -> str:
     return value
 
 
+MAX_SIZE_BYTES = 2**62  # 4 EiB: beyond any machine, within a 64-bit database column
+
+
 def parse_size_value(value: str | int, *, field: str) -> int:
     """Bytes from ``24GiB``, ``512MiB`` or a plain byte count."""
     if isinstance(value, int):
-        if value <= 0:
+        size = value
+        if size <= 0:
             raise UserError(
                 f"invalid {field.replace('_', ' ')} {value!r}: must be > 0", field=field
             )
-        return value
-    try:
-        return parse_size(value)
-    except SizeError as exc:
-        raise UserError(f"invalid {field.replace('_', ' ')}: {exc}", field=field) from None
+    else:
+        try:
+            size = parse_size(value)
+        except SizeError as exc:
+            raise UserError(f"invalid {field.replace('_', ' ')}: {exc}", field=field) from None
+    if size > MAX_SIZE_BYTES:
+        raise UserError(
+            f"invalid {field.replace('_', ' ')} {value!r}: larger than 4 EiB", field=field
+        )
+    return size
 
 
 def parse_gpu_memory(value: str) -> tuple[int | None, float | None]:
@@ -88,7 +97,10 @@ def parse_duration(value: str, *, field: str) -> timedelta:
             f"invalid {field} {value!r}: use a number and a unit, like 30d, 12h, 45m or 2w",
             field=field,
         )
-    return timedelta(seconds=int(match[1]) * _DURATION_UNITS[match[2]])
+    seconds = int(match[1]) * _DURATION_UNITS[match[2]]
+    if seconds > 100 * 365 * 86400:
+        raise UserError(f"invalid {field} {value!r}: at most 100 years", field=field)
+    return timedelta(seconds=seconds)
 
 
 def split_engine_args(value: str) -> list[str]:

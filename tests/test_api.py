@@ -210,7 +210,7 @@ def test_deployment_errors_name_their_field_and_change_nothing(staff, model):
         ({"name": "x", "engine": "sim", "source": "/m/x", "aliases": ["llama"]}, "aliases"),
         ({"name": "bad name", "engine": "sim", "source": "/m/x"}, "name"),
         ({"name": "x", "engine": "sim", "source": "/m/x", "park": "sideways"}, "park"),
-        ({"name": "x", "engine": "sim", "source": "/m/x", "gpus": 0}, "gpus"),
+        ({"name": "x", "engine": "sim", "source": "/m/x", "gpus": 65}, "gpus"),
     ]:
         answer = staff.post("/api/deployments/", body, format="json")
         assert answer.status_code in (400, 404), (body, answer.content)
@@ -313,6 +313,10 @@ def test_users_crud(staff, alice):
     changed = staff.patch("/api/users/carol/", {"staff": True, "active": False}, format="json")
     assert (changed.json()["staff"], changed.json()["active"]) == (True, False)
     assert staff.get("/api/users/?is_active=false").json()["count"] == 1
+    myself = staff.patch("/api/users/alice/", {"active": False}, format="json")
+    assert myself.json() == {
+        "active": ["you cannot take away your own staff rights or deactivate yourself"]
+    }
     assert staff.delete("/api/users/alice/").json() == {
         "username": ["you cannot remove your own user"]
     }
@@ -374,3 +378,28 @@ def test_the_openapi_schema_and_its_docs_page(staff):
     docs = staff.get("/api/docs/")
     assert docs.status_code == 200
     assert b"swagger-ui" in docs.content
+
+
+def test_out_of_range_figures_are_refused_not_overflowed(staff, engine):
+    """Found by schemathesis: numbers past what the database holds got a 500."""
+    before = table_counts()
+    bodies: list[tuple[dict[str, object], str]] = [
+        ({"gpu_memory": "99999999999999999999999GiB"}, "gpu_memory"),
+        ({"idle_park_seconds": 10**30}, "idle_park_seconds"),
+    ]
+    for body, field in bodies:
+        answer = staff.post(
+            "/api/deployments/",
+            {"name": "x", "engine": "sim", "source": "/m", **body},
+            format="json",
+        )
+        assert answer.status_code == 400
+        assert field in answer.json()
+    huge = staff.patch("/api/hosts/local/", {"ram_reserve_bytes": 10**21}, format="json")
+    assert huge.status_code in (400, 404)
+    assert staff.post("/api/keys/", {"expires": "999999999999d"}, format="json").json() == {
+        "expires": ["invalid expires '999999999999d': at most 100 years"]
+    }
+    assert table_counts() == before
+    assert staff.get(f"/api/keys/?limit={10**36}&offset=-4").status_code == 200
+    assert staff.get(f"/api/events/?offset={10**36}").json()["results"] == []

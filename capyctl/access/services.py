@@ -216,6 +216,11 @@ def update_user(
     """Set a user's password, staff flag or active flag. An inactive user's keys stop
     working at once (they are checked with the user on every lookup)."""
     user = get_user(username)
+    if username == actor and (staff is False or active is False):
+        raise UserError(
+            "you cannot take away your own staff rights or deactivate yourself",
+            field="staff" if staff is False else "active",
+        )
     changed = []
     if password is not None:
         if len(password) < 8:

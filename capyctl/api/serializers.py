@@ -173,6 +173,10 @@ class OperationOut(serializers.Serializer):  # type: ignore[type-arg]
 
 # -- input ----------------------------------------------------------------------------------
 
+MAX_BYTES = 2**62  # fits the database's 64-bit integers with room to add
+MAX_SECONDS = 10**9  # about 31 years; fits a 32-bit column
+MAX_COUNT = 2**31 - 1
+
 
 class EngineIn(serializers.Serializer):  # type: ignore[type-arg]
     name = serializers.CharField(max_length=63)
@@ -196,16 +200,28 @@ class DeploymentIn(serializers.Serializer):  # type: ignore[type-arg]
     weights_size = serializers.CharField(
         required=False, allow_null=True, allow_blank=True, max_length=32, help_text="e.g. 15GiB"
     )
-    gpus = serializers.IntegerField(required=False, min_value=1, max_value=64)
+    gpus = serializers.IntegerField(required=False, min_value=0, max_value=64)
     park = serializers.ChoiceField(choices=ParkPolicy.choices, required=False)
     pinned = serializers.BooleanField(required=False)
     priority = serializers.IntegerField(required=False, min_value=-1000, max_value=1000)
-    idle_park_seconds = serializers.IntegerField(required=False, allow_null=True, min_value=0)
-    min_ready_seconds = serializers.IntegerField(required=False, allow_null=True, min_value=0)
-    max_waiting = serializers.IntegerField(required=False, allow_null=True, min_value=0)
-    wake_timeout_seconds = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    start_timeout_seconds = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    drain_timeout_seconds = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    idle_park_seconds = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=MAX_SECONDS
+    )
+    min_ready_seconds = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=MAX_SECONDS
+    )
+    max_waiting = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=MAX_COUNT
+    )
+    wake_timeout_seconds = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=MAX_SECONDS
+    )
+    start_timeout_seconds = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=MAX_SECONDS
+    )
+    drain_timeout_seconds = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=MAX_SECONDS
+    )
     engine_args = serializers.ListField(
         child=serializers.CharField(max_length=4000), required=False
     )
@@ -228,8 +244,12 @@ class HostIn(serializers.Serializer):  # type: ignore[type-arg]
 
 class HostChange(serializers.Serializer):  # type: ignore[type-arg]
     address = serializers.CharField(max_length=255, required=False)
-    gpu_reserve_bytes = serializers.IntegerField(required=False, allow_null=True, min_value=0)
-    ram_reserve_bytes = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    gpu_reserve_bytes = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=MAX_BYTES
+    )
+    ram_reserve_bytes = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=MAX_BYTES
+    )
 
 
 class KeyIn(serializers.Serializer):  # type: ignore[type-arg]
@@ -245,13 +265,17 @@ class KeyIn(serializers.Serializer):  # type: ignore[type-arg]
         required=False, allow_blank=True, max_length=16, help_text="e.g. 30d, 12h"
     )
     admin = serializers.BooleanField(required=False, default=False)
-    requests_per_minute = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    requests_per_minute = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=MAX_COUNT
+    )
 
 
 class KeyChange(serializers.Serializer):  # type: ignore[type-arg]
     name = serializers.CharField(required=False, allow_blank=True, max_length=100)
     models = serializers.ListField(child=serializers.CharField(max_length=200), required=False)
-    requests_per_minute = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    requests_per_minute = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=MAX_COUNT
+    )
 
 
 class UserIn(serializers.Serializer):  # type: ignore[type-arg]

@@ -1,13 +1,25 @@
-"""Writing events. Every state change records one, inside the same transaction."""
+"""Writing events. Every state change records one, inside the same transaction.
+
+Once an event is committed, open dashboards are told (the ``capyctl-dashboard`` group on
+the Channels layer), so a change shows at once rather than at their next poll.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
+
+from asgiref.sync import async_to_sync
+from channels.layers import InMemoryChannelLayer, get_channel_layer
+from django.db import transaction
 
 from capyctl.events.models import Event
 
 logger = logging.getLogger("capyctl.events")
+
+DASHBOARD_GROUP = "capyctl-dashboard"
+_dashboard_loop: asyncio.AbstractEventLoop | None = None
 
 _LOG_LEVELS: dict[str, int] = {
     Event.Level.INFO: logging.INFO,
@@ -41,4 +53,57 @@ def record_event(
         data=data or {},
     )
     logger.log(_LOG_LEVELS.get(level, logging.INFO), "%s: %s", kind, message)
+    transaction.on_commit(tell_dashboards)
     return event
+
+
+def dashboards_listen_on(loop: asyncio.AbstractEventLoop) -> None:
+    """Called by dashboard consumers with the event loop they run on.
+
+    The in-memory channel layer (standalone) keeps its queues on that loop and is not
+    thread-safe, so messages from other threads (scheduler workers) are sent from there.
+    """
+    global _dashboard_loop  # noqa: PLW0603 - one serving loop per process
+    _dashboard_loop = loop
+
+
+def tell_dashboards() -> None:
+    """Tell open dashboards that something changed. Best effort and quick: it never
+    raises, and a dashboard that misses it still sees the change at its next poll."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return  # sync code on an event loop's thread: no safe way to wait on a send here
+    message = {"type": "dashboard.changed"}
+    try:
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        if isinstance(layer, InMemoryChannelLayer):
+            loop = _dashboard_loop
+            if loop is None or loop.is_closed() or not loop.is_running():
+                return  # no dashboard has connected to this process
+            # The send is made on that loop (and its coroutine only there, so a loop that
+            # stops first leaves nothing half-started behind).
+            loop.call_soon_threadsafe(_send_on_loop, layer, message)
+        else:
+            async_to_sync(layer.group_send)(DASHBOARD_GROUP, message)
+    except Exception as exc:  # the event is saved; the dashboards' poll catches up
+        logger.debug("could not tell dashboards about a change: %s", exc)
+
+
+_sending: set[asyncio.Task[None]] = set()
+
+
+def _send_on_loop(layer: InMemoryChannelLayer, message: dict[str, str]) -> None:
+    task = asyncio.get_running_loop().create_task(layer.group_send(DASHBOARD_GROUP, message))
+    _sending.add(task)  # a reference until it is done, so it is not collected half-way
+    task.add_done_callback(_sent)
+
+
+def _sent(task: asyncio.Task[None]) -> None:
+    _sending.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("could not tell dashboards about a change: %s", task.exception())

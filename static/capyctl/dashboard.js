@@ -1,0 +1,265 @@
+// The dashboard at `/`: draws the data the page was rendered with, then keeps it live
+// over the WebSocket `/ws/dashboard/`, which sends a full snapshot on connect and again
+// whenever something changed. The socket is re-opened with backoff when it drops; close
+// code 4403 means the session may no longer see the page, and then it stops.
+(function () {
+  "use strict";
+
+  const FORBIDDEN = 4403;
+  const MIN_DELAY_MS = 500;
+  const MAX_DELAY_MS = 30000;
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [name, value] of Object.entries(attrs || {})) {
+      if (value === null || value === undefined || value === false) continue;
+      if (name === "text") node.textContent = value;
+      else if (name === "className") node.className = value;
+      else if (name === "style") node.style.cssText = value;
+      else node.setAttribute(name, value === true ? "" : String(value));
+    }
+    for (const child of children) {
+      if (child === null || child === undefined || child === false) continue;
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
+  function shortTime(iso) {
+    if (!iso) return "";
+    const when = new Date(iso);
+    if (Number.isNaN(when.getTime())) return iso.slice(0, 19);
+    const sameDay = when.toDateString() === new Date().toDateString();
+    return sameDay ? when.toLocaleTimeString() : when.toLocaleString();
+  }
+
+  function timeNode(iso, className) {
+    return el("time", { datetime: iso, className: className, title: iso, text: shortTime(iso) });
+  }
+
+  // --- hosts and their pools ---------------------------------------------------------
+
+  function segmentTitle(seg) {
+    return (seg.deployment ? seg.deployment + ": " : "") + seg.size + " " + seg.status;
+  }
+
+  function poolNode(pool) {
+    const bar = el("div", {
+      className: "bar",
+      role: "img",
+      "aria-label": `${pool.pool}: ${pool.used} used of ${pool.capacity}`,
+    });
+    for (const seg of pool.segments) {
+      bar.append(
+        el("span", {
+          className: "seg seg-" + seg.status,
+          "data-status": seg.status,
+          "data-deployment": seg.deployment,
+          style: `width: ${seg.percent.toFixed(3)}%`,
+          title: segmentTitle(seg),
+        }),
+      );
+    }
+    return el(
+      "div",
+      { className: "pool" + (pool.over ? " over" : ""), "data-pool": pool.pool },
+      el(
+        "div",
+        { className: "pool-label" },
+        el("strong", { text: pool.pool }),
+        " ",
+        el("span", {
+          className: "muted",
+          text: `${pool.used} used of ${pool.capacity} · ${pool.free} free · ${pool.reserve} reserved`,
+        }),
+      ),
+      bar,
+    );
+  }
+
+  function hostNode(host) {
+    const meta = [host.local ? "this machine" : host.address];
+    if (host.probe) meta.push("probe " + host.probe);
+    const metaNode = el("span", { className: "muted host-meta", text: meta.join(" · ") });
+    if (host.last_seen_at) metaNode.append(" · last seen ", timeNode(host.last_seen_at));
+    const card = el(
+      "article",
+      { className: "card host", "data-host": host.name },
+      el(
+        "h2",
+        {},
+        host.name + " ",
+        el("span", { className: "host-state host-" + host.state, text: host.state }),
+        " ",
+        metaNode,
+      ),
+    );
+    if (host.pools.length === 0) {
+      card.append(
+        el("p", { className: "muted", text: "No pools: this host has not reported its devices yet." }),
+      );
+    }
+    for (const pool of host.pools) card.append(poolNode(pool));
+    return card;
+  }
+
+  function drawHosts(hosts) {
+    const section = document.getElementById("hosts");
+    const nodes = hosts.map(hostNode);
+    if (nodes.length === 0) nodes.push(el("p", { className: "card muted", text: "No hosts yet." }));
+    section.replaceChildren(...nodes);
+  }
+
+  // --- models ------------------------------------------------------------------------
+
+  function deploymentRow(d) {
+    const memory = el("td", { className: "memory" });
+    for (const m of d.memory) {
+      memory.append(
+        el("span", {
+          className: "mem mem-" + m.status,
+          title: `${m.host}/${m.pool} ${m.status}`,
+          text: `${m.pool} ${m.size}`,
+        }),
+      );
+    }
+    if (d.memory.length === 0) memory.append(el("span", { className: "muted", text: "—" }));
+
+    const detail = el("td", { className: "detail" });
+    if (d.parked_mode) detail.append(el("span", { className: "tag", text: d.parked_mode }), " ");
+    detail.append(el("span", { className: "muted", text: d.state_reason }));
+
+    const lastSwitch = el("td", { className: "switch" });
+    if (d.last_switch) {
+      const s = d.last_switch;
+      lastSwitch.append(s.step + (s.took ? " in " + s.took : "") + " ", timeNode(s.at, "muted"));
+    } else {
+      lastSwitch.append(el("span", { className: "muted", text: "—" }));
+    }
+
+    return el(
+      "tr",
+      { "data-deployment": d.name, "data-state": d.observed_state },
+      el(
+        "td",
+        { className: "name" },
+        el("strong", { text: d.name }),
+        d.pinned ? " " : null,
+        d.pinned ? el("span", { className: "tag", text: "pinned" }) : null,
+      ),
+      el("td", { className: "engine" }, d.engine + " ", el("span", { className: "muted", text: d.kind })),
+      el("td", { className: "host", text: d.host || "—" }),
+      el("td", { className: "state state-" + d.observed_state, text: d.observed_state }),
+      detail,
+      el("td", { className: "desired", text: d.desired_state }),
+      memory,
+      el("td", { className: "inflight num", text: d.in_flight }),
+      el("td", { className: "waiting num", text: d.waiting }),
+      lastSwitch,
+    );
+  }
+
+  function drawDeployments(deployments) {
+    const body = document.querySelector("#deployments tbody");
+    const rows = deployments.map(deploymentRow);
+    if (rows.length === 0) {
+      const cell = el("td", { colspan: 10, className: "muted" }, "No models yet: add one with ");
+      cell.append(el("code", { text: "capyctl deployment add" }), " or in the admin.");
+      rows.push(el("tr", { className: "empty" }, cell));
+    }
+    body.replaceChildren(...rows);
+  }
+
+  // --- events ------------------------------------------------------------------------
+
+  function eventNode(e) {
+    const extra = [];
+    if (e.actor) extra.push("by " + e.actor);
+    if (e.took) extra.push("took " + e.took);
+    return el(
+      "li",
+      { "data-event": e.id, className: "level-" + e.level },
+      timeNode(e.at),
+      " ",
+      el("span", { className: "level", text: e.level }),
+      " ",
+      el("span", { className: "kind", text: e.kind }),
+      " ",
+      e.subject ? el("strong", { className: "subject", text: e.subject }) : null,
+      e.subject ? " " : null,
+      el("span", { className: "message", text: e.message }),
+      " ",
+      el("span", { className: "muted", text: extra.join(" · ") }),
+    );
+  }
+
+  function drawEvents(events) {
+    const list = document.getElementById("events");
+    const items = events.map(eventNode);
+    if (items.length === 0) {
+      items.push(el("li", { className: "muted empty", text: "Nothing has happened yet." }));
+    }
+    list.replaceChildren(...items);
+  }
+
+  function draw(data) {
+    drawHosts(data.hosts);
+    drawDeployments(data.deployments);
+    drawEvents(data.events);
+  }
+
+  // --- the live feed -----------------------------------------------------------------
+
+  function setStatus(status, text, title) {
+    const badge = document.getElementById("live-status");
+    badge.dataset.status = status;
+    badge.title = title;
+    badge.replaceChildren(text);
+    if (status === "logged-out") {
+      badge.append(" · ", el("a", { href: "/login/?next=/", text: "log in" }));
+    }
+  }
+
+  let delay = MIN_DELAY_MS;
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+    const socket = new WebSocket(`${scheme}//${location.host}/ws/dashboard/`);
+    socket.addEventListener("open", () => {
+      delay = MIN_DELAY_MS;
+      setStatus("live", "live", "updates as they happen");
+    });
+    socket.addEventListener("message", (message) => {
+      let payload;
+      try {
+        payload = JSON.parse(message.data);
+      } catch (error) {
+        console.warn("dashboard: a message that is not JSON", error);
+        return;
+      }
+      if (payload.type === "snapshot") draw(payload.data);
+    });
+    socket.addEventListener("close", (event) => {
+      if (event.code === FORBIDDEN) {
+        setStatus("logged-out", "logged out", "this session may no longer see the dashboard");
+        return;
+      }
+      const wait = Math.round(delay * (0.8 + Math.random() * 0.4));
+      delay = Math.min(delay * 2, MAX_DELAY_MS);
+      setStatus("reconnecting", "reconnecting…", `connection lost; trying again in ${Math.ceil(wait / 1000)} s`);
+      window.setTimeout(connect, wait);
+    });
+  }
+
+  function start() {
+    const initial = document.getElementById("dashboard-data");
+    if (initial) draw(JSON.parse(initial.textContent));
+    if ("WebSocket" in window) {
+      setStatus("connecting", "connecting…", "opening the live feed");
+      connect();
+    }
+  }
+
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
+  else start();
+})();

@@ -1,0 +1,152 @@
+"""What people do in a browser, driven by Playwright in Debian's Chromium against a real
+standalone server: log in, register an engine and a deployment in the admin, create a key
+on the self-service page, and watch a state change reach the dashboard without a reload.
+Also schemathesis against the live OpenAPI schema: no request may get a 5xx."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from tests.conftest import CliResult, run_program, start_server, stop_server
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = "/usr/bin/chromium"
+SIM = f"{sys.executable} -m hostagent.sim vllm"
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
+        )
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def server_env(program_env):
+    program_env["CAPYCTL_SIM_GPUS"] = "24GiB"
+    program_env["CAPYCTL_MIN_READY_SECONDS"] = "0"
+    for name, staff in (("alice", True), ("bob", False)):
+        argv = ["user", "add", name, "--password-stdin", *(["--staff"] if staff else [])]
+        added = run_program(program_env, *argv, stdin=f"{name}-password-1\n")
+        assert added.code == 0, added.err
+    return program_env
+
+
+def log_in(page: Page, base: str, user: str) -> None:
+    page.goto(f"{base}/login/")
+    page.fill("input[name=username]", user)
+    page.fill("input[name=password]", f"{user}-password-1")
+    page.click("button[type=submit]")
+
+
+def test_admin_keys_and_a_live_dashboard_in_a_browser(server_env, browser, tmp_path):
+    server = start_server(server_env)
+    base = server.base_url
+    try:
+        alice = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+        log_in(alice, base, "alice")
+        expect(alice).to_have_url(f"{base}/")  # staff land on the dashboard
+        expect(alice.locator("h1").first).to_be_visible()
+
+        # Register an engine and a deployment in the admin.
+        alice.goto(f"{base}/admin/engines/engine/add/")
+        alice.fill("#id_name", "sim")
+        alice.select_option("#id_kind", "vllm")
+        alice.fill("#id_command", SIM)
+        alice.fill("#id_env", '{"CAPYCTL_SIM_WEIGHTS_BYTES": "2GiB"}')
+        alice.click("input[name=_save]")
+        expect(alice.locator(".messagelist")).to_contain_text("was added successfully")
+        alice.goto(f"{base}/admin/deployments/deployment/add/")
+        alice.fill("#id_name", "llama")
+        alice.fill("#id_aliases_text", "chat")
+        alice.select_option("#id_engine", label="sim")
+        alice.fill("#id_source", "/models/llama")
+        alice.fill("#id_gpu_memory", "8GiB")
+        alice.click("input[name=_save]")
+        expect(alice.locator(".messagelist")).to_contain_text("was added successfully")
+
+        # The dashboard shows it stopped; a start elsewhere reaches the open page live.
+        alice.goto(f"{base}/")
+        row = alice.locator('tr[data-deployment="llama"]')
+        expect(row.locator("td.state")).to_have_text("stopped")
+        alice.evaluate("window.__notReloaded = true")
+        started: list[CliResult] = []
+        starter = threading.Thread(
+            target=lambda: started.append(run_program(server_env, "deployment", "start", "llama"))
+        )
+        starter.start()
+        expect(row.locator("td.state")).to_have_text("ready", timeout=30_000)
+        starter.join(timeout=60)
+        assert started[0].code == 0, started[0].err
+        assert alice.evaluate("window.__notReloaded") is True
+        pool_bar = alice.locator("[data-deployment='llama']").first
+        expect(pool_bar).to_be_visible()
+        shots = os.environ.get("CAPYCTL_SCREENSHOT_DIR")
+        if shots:  # how docs/images/dashboard.png is made
+            alice.screenshot(path=str(Path(shots) / "dashboard.png"), full_page=True)
+
+        # Bob, an ordinary user, makes himself a key and uses it on /v1.
+        bob = browser.new_context().new_page()
+        log_in(bob, base, "bob")
+        expect(bob).to_have_url(f"{base}/keys/")  # not staff: no dashboard
+        bob.fill("input[name=name]", "laptop")
+        bob.select_option("select[name=models]", ["llama"])
+        bob.click("#create-key button[type=submit]")
+        key = bob.locator("[data-key]").inner_text().strip()
+        assert key.startswith("capy_")
+        expect(bob.locator("#keys")).to_contain_text("laptop")
+        answer = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "chat", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        bob.goto(f"{base}/keys/")
+        expect(bob.locator("[data-key]")).to_have_count(0)  # shown once
+        bob.click("button[data-revoke]")
+        expect(bob.locator("#keys")).to_contain_text("revoked")
+        deadline = time.monotonic() + 3  # revocation reaches every process within a second
+        while (
+            httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
+            != 401
+        ):
+            assert time.monotonic() < deadline, "the revoked key still works"
+            time.sleep(0.1)
+    finally:
+        stop_server(server, signal.SIGTERM)
+
+
+def test_schemathesis_finds_no_server_error_in_the_rest_api(server_env):
+    made = run_program(server_env, "key", "create", "--user", "alice", "--admin")
+    assert made.code == 0, made.err
+    key = made.out.strip().splitlines()[-1]
+    server = start_server(server_env)
+    try:
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "schemathesis"), "run",
+             f"{server.base_url}/api/schema/", "-H", f"Authorization: Bearer {key}",
+             "--checks", "not_a_server_error", "--max-examples", "15", "--no-color"],
+            check=False, capture_output=True, text=True, timeout=600,
+            cwd=server_env["CAPYCTL_DATA_DIR"].rsplit("/", 1)[0],
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+        assert " passed" in done.stdout
+        assert "Traceback" not in server.log()
+    finally:
+        stop_server(server, signal.SIGTERM)
