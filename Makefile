@@ -37,9 +37,20 @@ $(VENV)/.engines-installed: $(VENV)/.runtime-installed requirements-engines.txt
 	  LLAMA_CPP_BUILD_JOBS=2 $(BIN)/pip install -q --no-deps -r requirements-engines.txt
 	touch $@
 
+# Chromium from Debian for the browser tests (Playwright drives it; it downloads no browser).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+$(VENV)/.browser-installed: $(VENV)/.runtime-installed
+	@test -x $(CHROMIUM) || { echo "installing Debian's chromium for the browser tests"; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium \
+	  || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	       $(SUDO) apt-get install -y -qq --no-install-recommends chromium; }; }
+	@test -x $(CHROMIUM) || { echo "error: $(CHROMIUM) is missing and could not be installed"; exit 1; }
+	touch $@
+
 venv: $(VENV)/.runtime-installed
 
-dev: $(VENV)/.dev-installed $(VENV)/.engines-installed
+dev: $(VENV)/.dev-installed $(VENV)/.engines-installed $(VENV)/.browser-installed
 
 run: venv
 	$(BIN)/capyctl start standalone $(ARGS)

@@ -99,3 +99,25 @@ def test_admin_actions_hand_the_work_to_the_scheduler(admin_client):
     assert Deployment.objects.get(pk=llama.pk).desired_state == "running"
     act("park_deep")
     assert Operation.objects.filter(action="park", mode="deep").exists()
+
+
+def test_an_engine_saved_in_the_admin_goes_through_the_service(admin_client):
+    from capyctl.engines.models import Engine
+    from capyctl.events.models import Event
+
+    form = {"name": "sim", "kind": "vllm", "command": "python -m hostagent.sim vllm",
+            "env": '{"A": "1"}', "options": "{}"}  # fmt: skip
+    assert admin_client.post("/admin/engines/engine/add/", form).status_code == 302
+    engine = Engine.objects.get(name="sim")
+    assert engine.env == {"A": "1"}
+    assert Event.objects.filter(kind="engine.added", actor="alice").exists()
+    changed = admin_client.post(
+        f"/admin/engines/engine/{engine.pk}/change/",
+        {**form, "command": "python -m hostagent.sim sglang"},
+    )
+    assert changed.status_code == 302
+    assert Engine.objects.get(pk=engine.pk).command.endswith("sglang")
+    assert Event.objects.filter(kind="engine.changed", actor="alice").exists()
+    bad = admin_client.post("/admin/engines/engine/add/", {**form, "name": "x", "kind": "nope"})
+    assert bad.status_code == 200
+    assert Engine.objects.count() == 1

@@ -4,10 +4,11 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
+from django.http import HttpRequest
 
 from capyctl.admin_utils import attach_user_error
 from capyctl.engines.models import Engine
-from capyctl.engines.services import check_engine
+from capyctl.engines.services import add_engine, check_engine, update_engine
 from capyctl.errors import UserError
 
 
@@ -32,3 +33,22 @@ class EngineAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_display = ("name", "kind", "command", "host")
     list_filter = ("kind", "host")
     search_fields = ("name", "command")
+
+    def save_model(self, request: HttpRequest, obj: Engine, form: EngineForm, change: bool) -> None:
+        """Saved by the same service as the CLI and REST (it records the event)."""
+        data, actor = form.cleaned_data, request.user.get_username()
+        host = data["host"].name if data.get("host") else None
+        if change:
+            original = Engine.objects.get(pk=obj.pk)
+            saved = update_engine(
+                original.name, new_name=data["name"], kind=data["kind"], command=data["command"],
+                host=host, clear_host=host is None, env=data.get("env") or {},
+                options=data.get("options") or {}, actor=actor,
+            )  # fmt: skip
+        else:
+            saved = add_engine(
+                data["name"], kind=data["kind"], command=data["command"], host=host,
+                env=data.get("env") or {}, options=data.get("options") or {}, actor=actor,
+            )  # fmt: skip
+        obj.pk = saved.pk
+        obj.refresh_from_db()
