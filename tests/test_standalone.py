@@ -31,7 +31,8 @@ def test_first_start_serves_health_and_admin_and_stops_on_sigterm(program_env):
     assert server.process.returncode == 0
     log = server.log()
     assert "Finished server process" in log
-    assert f"admin:     {server.base_url}/admin/" in log
+    assert f"admin: {server.base_url}/admin/" in log
+    assert f"dashboard: {server.base_url}/ " in log
     assert "log in as: admin / " in log
     password = log.split("log in as: admin / ")[1].split()[0]
     data_dir = program_env["CAPYCTL_DATA_DIR"]

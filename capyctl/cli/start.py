@@ -87,7 +87,7 @@ def start_standalone(args: argparse.Namespace) -> int:
         f"  data dir:  {settings.DATA_DIR}",
         f"  database:  {_describe_database()}",
         f"  host:      local, {gpu_text or 'no GPUs'}; RAM {ram}",
-        f"  admin:     {base}/admin/",
+        f"  dashboard: {base}/   admin: {base}/admin/   api: {base}/api/docs/",
     ]
     if admin.created and admin.password_file is not None:
         lines.append(f"  log in as: {admin.username} / {admin.password}")
