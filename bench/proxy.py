@@ -161,10 +161,8 @@ def main() -> None:
             "--env", "CAPYCTL_SIM_COMPLETION_TOKENS=4")  # fmt: skip
     capyctl(env, "engine", "add", "paced", "--kind", "llamacpp", "--command", sim,
             "--env", "CAPYCTL_SIM_COMPLETION_TOKENS=50", "--env", "CAPYCTL_SIM_TOKENS_PER_SECOND=50")  # fmt: skip
-    capyctl(env, "deployment", "add", "json", "--engine", "sim", "--source", "/m", "--gpus", "0")
-    capyctl(
-        env, "deployment", "add", "stream", "--engine", "paced", "--source", "/m", "--gpus", "0"
-    )
+    capyctl(env, "deployment", "add", "json", "--engine", "sim", "--source", "m", "--gpus", "0")
+    capyctl(env, "deployment", "add", "stream", "--engine", "paced", "--source", "m", "--gpus", "0")
     key = capyctl(env, "key", "create", "--user", "admin")
     port = free_port()
     server = subprocess.Popen(

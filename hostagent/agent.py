@@ -158,6 +158,16 @@ class AgentApp:
             return 200, {"ids": host.instance_ids()}
         if (method, path) == ("POST", "/instances"):
             return 200, (await run(host.launch, wire.request_from_json(body))).as_dict()
+        if (method, path) == ("POST", "/sources/fetch"):
+            return 200, host.fetch_start(str(body["source"])).as_dict()
+        if (method, path) == ("POST", "/sources/status"):
+            job = host.fetch_status(str(body["source"]))
+            return 200, {"status": job.as_dict() if job is not None else None}
+        if (method, path) == ("GET", "/sources"):
+            return 200, {"downloads": await run(host.downloads)}
+        if (method, path) == ("POST", "/sources/prune"):
+            keep = [str(s) for s in body["keep"]]
+            return 200, {"removed": await run(host.prune, keep, bool(body["dry_run"]))}
         parts = path.strip("/").split("/")
         if len(parts) < 2 or parts[0] != "instances":
             return 404, {"error": {"type": "NotFound", "message": f"no route {method} {path}"}}

@@ -19,6 +19,7 @@ import psutil
 from hostagent.errors import EngineExitedError
 from hostagent.probe import DeviceReading, Inventory, Probe, ProcessUsage, host_ram
 from hostagent.runtime import EngineRuntime, Instance, InstanceRequest
+from hostagent.sources import FetchStatus, SourceCache
 
 logger = logging.getLogger("hostagent.host")
 
@@ -39,9 +40,16 @@ class Launched:
 class HostRuntime:
     """Engines as children of this process, through :class:`EngineRuntime`."""
 
-    def __init__(self, probe: Probe, log_dir: Path, state_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        probe: Probe,
+        log_dir: Path,
+        state_file: Path | None = None,
+        models_dir: Path | None = None,
+    ) -> None:
         self.probe = probe
         self.runtime = EngineRuntime(probe, log_dir)
+        self.sources = SourceCache(models_dir or log_dir.parent / "models")
         self.state_file = state_file
         self._instances: dict[str, Instance] = {}
         self._lock = threading.Lock()
@@ -202,6 +210,27 @@ class HostRuntime:
         """End every engine this process started (at shutdown)."""
         for instance_id in list(self._instances):
             self.stop(instance_id, grace_seconds)
+
+    # -- model sources ------------------------------------------------------------------------
+
+    def fetch_start(self, source: str) -> FetchStatus:
+        """Begin (or join) fetching a model source on this host."""
+        return self.sources.start(source)
+
+    def fetch_status(self, source: str) -> FetchStatus | None:
+        return self.sources.status(source)
+
+    def downloads(self) -> list[dict[str, object]]:
+        return [
+            {"source": source, "path": str(path), "bytes": size}
+            for source, path, size in self.sources.downloads()
+        ]
+
+    def prune(self, keep: list[str], dry_run: bool) -> list[dict[str, object]]:
+        return [
+            {"source": source, "path": path, "bytes": size}
+            for source, path, size in self.sources.prune(keep, dry_run=dry_run)
+        ]
 
 
 def _create_time(pid: int) -> float:

@@ -25,10 +25,16 @@ def make_host(tmp_path, settings, spec):
     return driver
 
 
-def deployment(name, engine="sim-vllm", gib=16, **extra):
+def deployment(name, engine="sim-vllm", gib=16, source=None, **extra):
+    """A deployment of a simulated engine; its default source is a name the engine
+    resolves itself (nothing to download or check)."""
     return add_deployment(
         DeploymentSpec(
-            name=name, engine=engine, source=f"/models/{name}", gpu_memory_bytes=gib * GIB, **extra
+            name=name,
+            engine=engine,
+            source=source or f"models/{name}",
+            gpu_memory_bytes=gib * GIB,
+            **extra,
         )
     )
 

@@ -75,7 +75,7 @@ def test_admin_keys_and_a_live_dashboard_in_a_browser(server_env, browser, tmp_p
         alice.fill("#id_name", "llama")
         alice.fill("#id_aliases_text", "chat")
         alice.select_option("#id_engine", label="sim")
-        alice.fill("#id_source", "/models/llama")
+        alice.fill("#id_source", "models/llama")
         alice.fill("#id_gpu_memory", "8GiB")
         alice.click("input[name=_save]")
         expect(alice.locator(".messagelist")).to_contain_text("was added successfully")

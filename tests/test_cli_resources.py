@@ -57,19 +57,19 @@ REFUSALS = [
     (("engine", "add", "v1", "--kind", "vllm", "--command", "x"), "engine named 'v1' already"),
     (("engine", "add", "Bad_Name", "--kind", "vllm", "--command", "x"), "'Bad_Name'"),
     (
-        ("deployment", "add", "chat", "--engine", "v1", "--source", "/m"),
+        ("deployment", "add", "chat", "--engine", "v1", "--source", "m"),
         "deployment named 'chat' already exists",
     ),
     (
-        ("deployment", "add", "other", "--engine", "v1", "--source", "/m", "--alias", "chat"),
+        ("deployment", "add", "other", "--engine", "v1", "--source", "m", "--alias", "chat"),
         "alias 'chat' is already the name of another deployment",
     ),
     (
-        ("deployment", "add", "qwen", "--engine", "v1", "--source", "/m"),
+        ("deployment", "add", "qwen", "--engine", "v1", "--source", "m"),
         "'qwen' is already an alias of deployment 'chat'",
     ),
     (
-        ("deployment", "add", "other", "--engine", "v1", "--source", "/m", "--alias", "qwen"),
+        ("deployment", "add", "other", "--engine", "v1", "--source", "m", "--alias", "qwen"),
         "alias 'qwen' is already an alias of deployment 'chat'",
     ),
     (
@@ -87,27 +87,27 @@ REFUSALS = [
         "'20 GB?'",
     ),
     (
-        ("deployment", "add", "other", "--engine", "v1", "--source", "/m", "--gpu-memory", "1.5"),
+        ("deployment", "add", "other", "--engine", "v1", "--source", "m", "--gpu-memory", "1.5"),
         "'1.5': a fraction must lie in (0, 1]",
     ),
     (
-        ("deployment", "add", "other", "--engine", "nope", "--source", "/m"),
+        ("deployment", "add", "other", "--engine", "nope", "--source", "m"),
         "no engine named 'nope'",
     ),
     (
-        ("deployment", "add", "other", "--engine", "v1", "--source", "/m", "--weights-size", "x"),
+        ("deployment", "add", "other", "--engine", "v1", "--source", "m", "--weights-size", "x"),
         "'x'",
     ),
-    (("deployment", "add", "other", "--engine", "v1", "--source", "/m", "--gpus", "-1"), "'-1'"),
+    (("deployment", "add", "other", "--engine", "v1", "--source", "m", "--gpus", "-1"), "'-1'"),
     (
-        ("deployment", "add", "other", "--engine", "v1", "--source", "/m", "--args", "--port 1"),
+        ("deployment", "add", "other", "--engine", "v1", "--source", "m", "--args", "--port 1"),
         "may not set --port",
     ),
     (
-        ("deployment", "add", "other", "--engine", "v1", "--source", "/m", "--park", "sometimes"),
+        ("deployment", "add", "other", "--engine", "v1", "--source", "m", "--park", "sometimes"),
         "'sometimes'",
     ),
-    (("deployment", "add", "other", "--source", "/m"), "--engine"),
+    (("deployment", "add", "other", "--source", "m"), "--engine"),
     (("deployment", "remove", "ghost"), "no deployment named 'ghost'"),
     (("engine", "remove", "v1"), "used by deployments: chat"),
     (("key", "create", "--user", "nobody"), "no user named 'nobody'"),
@@ -156,13 +156,13 @@ def test_an_unknown_kind_is_refused_before_anything_exists(cli):
 
 def test_fractions_and_percentages_of_the_device(cli, chat):
     assert cli(
-        "deployment", "add", "half", "--engine", "v1", "--source", "/m", "--gpu-memory", "0.5"
+        "deployment", "add", "half", "--engine", "v1", "--source", "m", "--gpu-memory", "0.5"
     ).code == 0  # fmt: skip
     assert cli(
-        "deployment", "add", "most", "--engine", "v1", "--source", "/m", "--gpu-memory", "90%"
+        "deployment", "add", "most", "--engine", "v1", "--source", "m", "--gpu-memory", "90%"
     ).code == 0  # fmt: skip
     assert cli(
-        "deployment", "add", "all", "--engine", "v1", "--source", "/m", "--gpu-memory", "1.0"
+        "deployment", "add", "all", "--engine", "v1", "--source", "m", "--gpu-memory", "1.0"
     ).code == 0  # fmt: skip
     fractions = dict(Deployment.objects.values_list("name", "gpu_memory_fraction"))
     assert fractions == {"chat": None, "half": 0.5, "most": 0.9, "all": 1.0}
@@ -258,7 +258,7 @@ def test_engines_on_a_named_host(cli):
         cli("engine", "add", "v2", "--kind", "vllm", "--command", "vllm", "--host", "gpu-box").code
         == 2
     )
-    assert cli("deployment", "add", "a", "--engine", "v1", "--source", "/m").code == 0
+    assert cli("deployment", "add", "a", "--engine", "v1", "--source", "m").code == 0
     host = Deployment.objects.get(name="a").host
     assert host is not None
     assert host.name == "local"
@@ -279,9 +279,9 @@ def test_custom_engines_with_env_and_hooks(cli):
     engine = Engine.objects.get(name="mine")
     assert engine.env == {"OMP_NUM_THREADS": "4"}
     assert engine.options == options
-    deep = cli("deployment", "add", "m", "--engine", "mine", "--source", "/m", "--park", "deep")
+    deep = cli("deployment", "add", "m", "--engine", "mine", "--source", "m", "--park", "deep")
     assert deep.code == 0, deep.err
-    ram = cli("deployment", "add", "n", "--engine", "mine", "--source", "/m", "--park", "ram")
+    ram = cli("deployment", "add", "n", "--engine", "mine", "--source", "m", "--park", "ram")
     assert ram.code == 2
     assert "cannot park 'ram'" in ram.err
 

@@ -52,10 +52,10 @@ def two_models(gpu_box):
     """``chat`` holds 16 GiB of gpu0 (and 1 GiB of RAM); ``coder`` was promised 4 GiB."""
     add_engine("sim-vllm", kind="vllm", command="vllm")
     chat = add_deployment(
-        DeploymentSpec(name="chat", engine="sim-vllm", source="/models/chat", host="local")
+        DeploymentSpec(name="chat", engine="sim-vllm", source="models/chat", host="local")
     )
     coder = add_deployment(
-        DeploymentSpec(name="coder", engine="sim-vllm", source="/models/coder", host="local")
+        DeploymentSpec(name="coder", engine="sim-vllm", source="models/coder", host="local")
     )
     with host_lock(gpu_box.pk) as host:
         admit(host, chat.pk, {"gpu0": 16 * GIB, "ram": GIB})
@@ -192,7 +192,7 @@ def test_the_data_takes_a_few_queries_whatever_the_number_of_models(
     two_models, django_assert_max_num_queries
 ):
     for n in range(10):
-        add_deployment(DeploymentSpec(name=f"extra{n}", engine="sim-vllm", source="/m"))
+        add_deployment(DeploymentSpec(name=f"extra{n}", engine="sim-vllm", source="m"))
     with django_assert_max_num_queries(5):
         dashboard_data()
 

@@ -27,12 +27,12 @@ def served(program_env):
     assert (
         run("engine", "add", "slow", "--kind", "vllm", "--command", f"{SIM} vllm", *slow).code == 0
     )
-    queued = run("deployment", "add", "q", "--engine", "slow", "--source", "/m/q",
+    queued = run("deployment", "add", "q", "--engine", "slow", "--source", "m/q",
                  "--gpu-memory", "4GiB", "--max-waiting", "5")  # fmt: skip
     assert queued.code == 0, queued.err
     assert run("engine", "add", "sleepy", "--kind", "vllm", "--command", f"{SIM} vllm",
                "--env", "CAPYCTL_SIM_LOAD_SECONDS=5").code == 0  # fmt: skip
-    assert run("deployment", "add", "sleepy", "--engine", "sleepy", "--source", "/m",
+    assert run("deployment", "add", "sleepy", "--engine", "sleepy", "--source", "m",
                "--gpu-memory", "1GiB", "--wake-timeout", "1").code == 0  # fmt: skip
     trickle = [
         "--env",
@@ -42,15 +42,15 @@ def served(program_env):
     ]
     assert run("engine", "add", "trickle", "--kind", "vllm", "--command", f"{SIM} vllm",
                *trickle).code == 0  # fmt: skip
-    assert run("deployment", "add", "trickle", "--engine", "trickle", "--source", "/m",
+    assert run("deployment", "add", "trickle", "--engine", "trickle", "--source", "m",
                "--gpu-memory", "1GiB").code == 0  # fmt: skip
     assert run("engine", "add", "dies", "--kind", "vllm", "--command", f"{SIM} vllm",
                "--env", "CAPYCTL_SIM_DIE_MID_STREAM=1").code == 0  # fmt: skip
-    assert run("deployment", "add", "dies", "--engine", "dies", "--source", "/m",
+    assert run("deployment", "add", "dies", "--engine", "dies", "--source", "m",
                "--gpu-memory", "1GiB").code == 0  # fmt: skip
     broken = f"{sys.executable} -c 'import sys; print(\"no such model file\"); sys.exit(3)'"
     assert run("engine", "add", "broken", "--kind", "llamacpp", "--command", broken).code == 0
-    assert run("deployment", "add", "broken", "--engine", "broken", "--source", "/m",
+    assert run("deployment", "add", "broken", "--engine", "broken", "--source", "m",
                "--gpus", "0").code == 0  # fmt: skip
     models: tuple[tuple[str, list[str]], ...] = (
         ("a", ["--alias", "model-a", "--max-waiting", "1000"]),
@@ -60,7 +60,7 @@ def served(program_env):
     )
     for name, extra in models:
         gib = "30GiB" if name == "big" else "16GiB"
-        added = run("deployment", "add", name, "--engine", "sim", "--source", f"/m/{name}",
+        added = run("deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
                     "--gpu-memory", gib, *extra)  # fmt: skip
         assert added.code == 0, added.err
     key = run("key", "create", "--user", "admin").out.strip()
@@ -377,7 +377,7 @@ def test_the_real_llama_server_answers_through_v1_and_makes_room(program_env):
     assert run("deployment", "add", "smollm", "--engine", "llama", "--source", smollm2_gguf(),
                "--gpu-memory", "1536MiB", "--args", "-t 1 -c 2048").code == 0  # fmt: skip
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
-    assert run("deployment", "add", "other", "--engine", "sim", "--source", "/m",
+    assert run("deployment", "add", "other", "--engine", "sim", "--source", "m",
                "--gpu-memory", "1536MiB").code == 0  # fmt: skip
     key = run("key", "create", "--user", "admin").out.strip()
     server = start_server(program_env)

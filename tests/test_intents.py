@@ -30,7 +30,7 @@ def test_intents_drive_the_running_server(program_env):
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm",
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=8GiB").code == 0  # fmt: skip
     for name in ("a", "b"):
-        added = run("deployment", "add", name, "--engine", "sim", "--source", f"/m/{name}",
+        added = run("deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
                     "--gpu-memory", "16GiB")  # fmt: skip
         assert added.code == 0, added.err
 
@@ -93,7 +93,7 @@ def test_concurrent_intents_from_several_processes_never_overcommit(program_env,
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
     names = [f"m{i}" for i in range(5)]
     for name, gib in zip(names, (16, 12, 10, 8, 6), strict=True):
-        assert run("deployment", "add", name, "--engine", "sim", "--source", "/m",
+        assert run("deployment", "add", name, "--engine", "sim", "--source", "m",
                    "--gpu-memory", f"{gib}GiB").code == 0  # fmt: skip
 
     server = start_server(program_env)

@@ -41,7 +41,7 @@ def gpu_host(db, tmp_path, settings):
 def models(gpu_host):
     add_engine("v1", kind="vllm", command="vllm")
     return [
-        add_deployment(DeploymentSpec(name=f"m{i}", engine="v1", source="/m")).pk for i in range(12)
+        add_deployment(DeploymentSpec(name=f"m{i}", engine="v1", source="m")).pk for i in range(12)
     ]
 
 
@@ -108,7 +108,7 @@ def test_concurrent_threads_and_processes_never_overcommit_a_pool(tmp_path, sett
     host.refresh_from_db()
     add_engine("v1", kind="vllm", command="vllm")
     ids = [
-        add_deployment(DeploymentSpec(name=f"m{i}", engine="v1", source="/m")).pk for i in range(10)
+        add_deployment(DeploymentSpec(name=f"m{i}", engine="v1", source="m")).pk for i in range(10)
     ]
     stop = threading.Event()
     observed: list[str] = []

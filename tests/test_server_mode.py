@@ -109,7 +109,7 @@ def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
     for name in ("a", "b"):
         added = run("deployment", "add", name, "--engine", "sim", "--host", "box", "--source",
-                    f"/m/{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB")  # fmt: skip
+                    f"m/{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB")  # fmt: skip
         assert added.code == 0, added.err
     key = run("key", "create", "--user", "admin").out.strip()
     server = start(env, tmp_path, port, enrol_port)
@@ -174,7 +174,7 @@ def test_two_hosts_with_different_gpus_switch_apart(server_env, tmp_path):
     placed = {"s1": ("small", "16GiB"), "s2": ("small", "16GiB"), "b1": ("big", "40GiB")}
     for name, (host, size) in placed.items():
         added = run("deployment", "add", name, "--engine", "sim", "--host", host, "--source",
-                    f"/m/{name}", "--gpu-memory", size, "--weights-size", "2GiB")  # fmt: skip
+                    f"m/{name}", "--gpu-memory", size, "--weights-size", "2GiB")  # fmt: skip
         assert added.code == 0, added.err
     key = run("key", "create", "--user", "admin").out.strip()
     server = start(env, tmp_path, port, enrol_port)
@@ -228,7 +228,7 @@ def test_a_worker_killed_mid_wake_leaves_nothing_half_done(server_env, tmp_path)
     assert run("engine", "add", "slow", "--kind", "vllm", "--command", SIM,
                "--env", "CAPYCTL_SIM_WAKE_SECONDS=3",
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
-    assert run("deployment", "add", "a", "--engine", "slow", "--host", "box", "--source", "/m/a",
+    assert run("deployment", "add", "a", "--engine", "slow", "--host", "box", "--source", "m/a",
                "--gpu-memory", "16GiB", "--weights-size", "2GiB",
                "--wake-timeout", "4").code == 0  # fmt: skip
     key = run("key", "create", "--user", "admin").out.strip()

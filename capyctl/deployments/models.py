@@ -25,6 +25,7 @@ class ObservedState(models.TextChoices):
     """The scheduler's view of a deployment; only the scheduler writes it."""
 
     STOPPED = "stopped"
+    DOWNLOADING = "downloading"  # fetching an hf:// or http(s):// source on its host
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"
@@ -94,6 +95,12 @@ class Deployment(models.Model):
     )
     parked_mode = models.CharField(max_length=8, choices=ParkMode.choices, blank=True)
     state_reason = models.TextField(blank=True)
+    download = models.JSONField(
+        default=dict, blank=True, help_text="the source's last fetch: bytes, rate, ETA, outcome"
+    )
+    source_bytes = models.BigIntegerField(
+        null=True, blank=True, help_text="size of the weights at the source, once fetched"
+    )
     state_changed_at = models.DateTimeField(null=True, blank=True)
     last_request_at = models.DateTimeField(null=True, blank=True)
 

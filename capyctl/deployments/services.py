@@ -26,6 +26,7 @@ from capyctl.hosts.models import Host
 from capyctl.hosts.services import get_host
 from capyctl.validation import validate_alias, validate_name
 from hostagent.kinds import KindError, get_kind
+from hostagent.sources import SourceError, check_syntax
 from hostagent.units import format_size
 
 MAX_GPUS = 64
@@ -152,6 +153,10 @@ def _check_source(source: str) -> None:
         raise UserError(
             f"invalid source {source!r}: it contains control characters", field="source"
         )
+    try:
+        check_syntax(source)
+    except SourceError as exc:
+        raise UserError(str(exc), field="source") from None
 
 
 def check_deployment(

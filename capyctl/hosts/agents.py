@@ -25,6 +25,7 @@ from hostagent.errors import EngineCallError
 from hostagent.host import Launched
 from hostagent.probe import DeviceReading, Inventory, ProcessUsage
 from hostagent.runtime import InstanceRequest
+from hostagent.sources import FetchStatus
 
 logger = logging.getLogger("capyctl.hosts")
 UNREACHABLE_NOTE = "its host does not answer"
@@ -162,6 +163,20 @@ class RemoteHostDriver:
 
     def usage(self, instance_id: str) -> ProcessUsage:
         return wire.usage_from_json(self._call("GET", f"/instances/{instance_id}/usage"))
+
+    def fetch_start(self, source: str) -> FetchStatus:
+        return FetchStatus.from_dict(self._call("POST", "/sources/fetch", json={"source": source}))
+
+    def fetch_status(self, source: str) -> FetchStatus | None:
+        found = self._call("POST", "/sources/status", json={"source": source})["status"]
+        return FetchStatus.from_dict(found) if found is not None else None
+
+    def downloads(self) -> list[dict[str, object]]:
+        return list(self._call("GET", "/sources", timeout=120)["downloads"])
+
+    def prune(self, keep: list[str], dry_run: bool) -> list[dict[str, object]]:
+        body = {"keep": keep, "dry_run": dry_run}
+        return list(self._call("POST", "/sources/prune", json=body, timeout=600)["removed"])
 
     def _report(self, instance_id: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/instances/{instance_id}"))

@@ -18,6 +18,7 @@ from capyctl.hosts.models import Host
 from hostagent.host import HostRuntime, Launched
 from hostagent.probe import DeviceReading, Inventory, ProcessUsage, make_probe
 from hostagent.runtime import InstanceRequest
+from hostagent.sources import FetchStatus
 
 
 class HostDriver(Protocol):
@@ -46,6 +47,14 @@ class HostDriver(Protocol):
     def foreign(self, unified: bool) -> dict[str, int]: ...
 
     def instance_ids(self) -> list[str]: ...
+
+    def fetch_start(self, source: str) -> FetchStatus: ...
+
+    def fetch_status(self, source: str) -> FetchStatus | None: ...
+
+    def downloads(self) -> list[dict[str, object]]: ...
+
+    def prune(self, keep: list[str], dry_run: bool) -> list[dict[str, object]]: ...
 
 
 class LocalHostDriver(HostRuntime):

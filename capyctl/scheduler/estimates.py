@@ -4,8 +4,8 @@ Claim per GPU: explicit bytes; else an explicit fraction of the device; else the
 own fraction flag in its args (vLLM ``--gpu-memory-utilization``, SGLang
 ``--mem-fraction-static``); else what was measured at its last start; else vLLM's default
 of 0.9 of the device; else the model files' size x 1.2 + 1 GiB. Weights copy: explicit
-``weights_bytes``, else the measured figure, else the files' size on disk, else half the
-claim.
+``weights_bytes``, else the measured figure, else the weights' size at the source
+(safetensors/GGUF totals of the local or downloaded files), else half the claim.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from capyctl.deployments.models import Deployment
+from hostagent.sources import classify, weights_size
 
 GIB = 1024**3
 ENGINE_RAM_ESTIMATE = 512 * 1024**2  # host RAM of an engine process before it is measured
@@ -20,17 +21,15 @@ _FRACTION_FLAGS = {"vllm": "--gpu-memory-utilization", "sglang": "--mem-fraction
 _DEFAULT_FRACTION = {"vllm": 0.9}
 
 
-def files_size(source: str) -> int | None:
-    """Bytes of the model files at a local path (a file or a directory), or None."""
-    path = Path(source)
-    try:
-        if path.is_file():
-            return path.stat().st_size
-        if path.is_dir():
-            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    except OSError:
+def files_size(deployment: Deployment) -> int | None:
+    """Bytes of the model's weights: as measured when its source was last fetched (the
+    downloaded or local files' safetensors/GGUF total), else read from a local path on
+    this machine, else None."""
+    if deployment.source_bytes:
+        return int(deployment.source_bytes)
+    if classify(deployment.source) != "local":
         return None
-    return None
+    return weights_size(Path(deployment.source).expanduser())
 
 
 def _args_fraction(deployment: Deployment) -> float | None:
@@ -67,7 +66,7 @@ def claim_per_gpu(  # noqa: PLR0911 - the order of DESIGN §6, one answer per ru
     default = _DEFAULT_FRACTION.get(deployment.engine.kind)
     if default is not None:
         return int(device_total * default)
-    size = files_size(deployment.source) or 0
+    size = files_size(deployment) or 0
     return min(int(size * 1.2) + GIB, device_total)
 
 
@@ -83,5 +82,5 @@ def weights_bytes(deployment: Deployment, claim: int) -> int:
         return int(deployment.weights_bytes)
     if deployment.measured_weights_bytes is not None:
         return int(deployment.measured_weights_bytes)
-    size = files_size(deployment.source)
+    size = files_size(deployment)
     return size if size else claim // 2

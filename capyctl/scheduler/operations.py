@@ -37,6 +37,7 @@ from capyctl.ledger.services import (
 )
 from capyctl.scheduler import estimates, inflight, snapshots
 from capyctl.scheduler.drivers import HostDriver, driver_for
+from capyctl.scheduler.fetching import SourceFailedError, fetch_source
 from capyctl.scheduler.policy import (
     DEEP,
     RAM,
@@ -80,6 +81,12 @@ class ModelStoppedError(SchedulerError):
 
 class EngineFailedError(SchedulerError):
     code = "engine_failed"
+
+
+class SourceError(SchedulerError):
+    """The deployment's weights are missing on its host, or their download failed."""
+
+    code = "source_failed"
 
 
 # --- state ------------------------------------------------------------------------------
@@ -183,12 +190,30 @@ def _live_instance(deployment: Deployment) -> Instance | None:
 # --- making room ---------------------------------------------------------------------------
 
 
-def _place(deployment: Deployment, actor: str) -> tuple[Host, Placement, Instance] | None:
-    """Choose the host and pools, evicting victims until the need fits; then, in one
-    transaction under the host lock, claim the start (STOPPED/FAILED -> STARTING), admit
-    the memory and create the instance row. ``None``: another caller started or stopped
-    it meanwhile, and nothing was admitted."""
-    hosts: list[Host] = [deployment.host] if deployment.host else list(Host.objects.all())
+def _source_host(deployment: Deployment) -> Host:
+    """Where the deployment will run: its own host, else the first with room for it now
+    (its weights are fetched there, and it is placed there)."""
+    if deployment.host is not None:
+        return deployment.host
+    hosts = list(Host.objects.all())
+    if not hosts:
+        raise NoCapacityError(f"no host can run {deployment.name}: there are no hosts")
+    for host in hosts:
+        with host_lock(host.pk) as locked:
+            result = plan([snapshots.snapshot(locked)], snapshots.need(deployment, locked))
+        if not isinstance(result, NoCapacity):
+            return host
+    return hosts[0]
+
+
+def _place(
+    deployment: Deployment, actor: str, target: Host
+) -> tuple[Host, Placement, Instance] | None:
+    """Choose the pools on ``host``, evicting victims until the need fits; then, in one
+    transaction under the host lock, claim the start (STOPPED/FAILED/DOWNLOADING ->
+    STARTING), admit the memory and create the instance row. ``None``: another caller
+    started or stopped it meanwhile, and nothing was admitted."""
+    hosts: list[Host] = [target]
     for _round in range(MAX_SWITCH_ROUNDS):
         result: Placement | NoCapacity = NoCapacity(f"no host can run {deployment.name}")
         for host in hosts:
@@ -200,7 +225,7 @@ def _place(deployment: Deployment, actor: str) -> tuple[Host, Placement, Instanc
                 if not result.victims:
                     if not _transition(
                         deployment.pk,
-                        [S.STOPPED, S.FAILED],
+                        [S.STOPPED, S.FAILED, S.DOWNLOADING],
                         S.STARTING,
                         wanted=True,
                         host=locked,
@@ -327,7 +352,9 @@ def ensure_ready(
 
 def _act(deployment: Deployment, actor: str) -> Deployment:
     """Start a stopped or failed deployment, wake a parked one; others are left alone."""
-    if deployment.observed_state in (S.STOPPED, S.FAILED):
+    if deployment.observed_state in (S.STOPPED, S.FAILED, S.DOWNLOADING):
+        # DOWNLOADING: join the fetch on its host (one per source there), or pick up one
+        # whose asker is gone (a restart); only one caller gets to place it.
         return _start(deployment, actor)
     if deployment.observed_state == S.PARKED:
         return _wake(deployment, actor)
@@ -342,7 +369,16 @@ def start(deployment_id: int, actor: str = "system") -> Deployment:
 
 def _start(deployment: Deployment, actor: str) -> Deployment:
     started = time.monotonic()
-    placed = _place(deployment, actor)
+    source_host = _source_host(deployment)
+    try:
+        source_path = fetch_source(deployment, source_host, actor)
+    except SourceFailedError as exc:
+        _fail_source(deployment, str(exc), actor)
+        raise SourceError(f"{deployment.name}: {exc}") from exc
+    if source_path is None:  # stopped while it downloaded
+        return _load(deployment.pk)
+    deployment = _load(deployment.pk)
+    placed = _place(deployment, actor, source_host)
     if placed is None:
         return _load(deployment.pk)
     host, placement, instance = placed
@@ -357,7 +393,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         instance_id=instance_id,
         kind=deployment.engine.kind,
         command=deployment.engine.command,
-        source=deployment.source,
+        source=source_path,
         served_name=deployment.name,
         extra_args=list(deployment.engine_args),
         gpu_indices=placement.gpu_indices if deployment.gpus else [],
@@ -423,6 +459,20 @@ def _record_measured(
         )
         logger.warning(message)
         record(deployment, "ledger.overshoot", message, level=Event.Level.WARNING)
+
+
+def _fail_source(deployment: Deployment, reason: str, actor: str) -> None:
+    """A source that is missing or failed to download: no engine ran, nothing was
+    admitted; the deployment is failed with the reason."""
+    _transition(
+        deployment.pk,
+        [S.STOPPED, S.FAILED, S.DOWNLOADING],
+        S.FAILED,
+        state_reason=reason[:2000],
+        parked_mode="",
+    )
+    record(deployment, "deployment.failed", f"{deployment.name} failed: {reason}",
+           level=Event.Level.ERROR, actor=actor)  # fmt: skip
 
 
 def fail(

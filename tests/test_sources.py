@@ -1,0 +1,257 @@
+"""Model sources: HTTP files (checksums, resume, one download for many starts), Hugging
+Face repositories from a local Hub endpoint, local paths checked and never touched, and
+pruning that removes downloads only."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+
+from capyctl.deployments.models import Deployment
+from capyctl.deployments.services import remove_deployment
+from capyctl.events.models import Event
+from capyctl.scheduler import estimates, operations
+from hostagent.sources import SourceCache, SourceError, check_syntax, weights_size
+from tests.fakes import FakeHub, FileServer
+from tests.scheduling import SIM, SIM_ENV, deployment
+
+WEIGHTS = bytes(range(256)) * 16_384  # 4 MiB
+SHA = hashlib.sha256(WEIGHTS).hexdigest()
+
+
+@pytest.fixture
+def files():
+    server = FileServer({"/m/tiny.gguf": WEIGHTS})
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    import huggingface_hub.constants
+
+    server = FakeHub(
+        {"acme/tiny": {"config.json": b'{"model_type": "llama"}', "model.safetensors": WEIGHTS}}
+    )
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+        server.url + "/{repo_id}/resolve/{revision}/{filename}",
+    )  # fmt: skip
+    yield server
+    server.close()
+
+
+def gets(server: FileServer, path: str) -> list[str]:
+    return [rng for p, rng in server.requests if p == path]
+
+
+# -- the cache, on its own ------------------------------------------------------------------
+
+
+def test_an_http_source_downloads_once_and_verifies_its_checksum(files, tmp_path):
+    cache = SourceCache(tmp_path)
+    source = f"{files.url}/m/tiny.gguf#sha256={SHA}"
+    done = cache.fetch(source)
+    assert done.state == "done", done.error
+    assert Path(done.path).read_bytes() == WEIGHTS
+    assert done.size_bytes == len(WEIGHTS)
+    assert (done.done_bytes, done.total_bytes, done.downloaded) == (
+        len(WEIGHTS),
+        len(WEIGHTS),
+        True,
+    )
+    again = cache.fetch(source)
+    assert again.state == "done"
+    assert again.downloaded is False
+    assert len(gets(files, "/m/tiny.gguf")) == 1
+
+
+def test_concurrent_starts_of_one_source_download_once(files, tmp_path):
+    cache = SourceCache(tmp_path)
+    source = f"{files.url}/m/tiny.gguf"
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(cache.fetch(source))) for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {r.state for r in results} == {"done"}
+    assert len(gets(files, "/m/tiny.gguf")) == 1
+    # Two caches on one directory (two processes) share it through the lock file.
+    other = SourceCache(tmp_path).fetch(source)
+    assert other.state == "done"
+    assert len(gets(files, "/m/tiny.gguf")) == 1
+
+
+def test_a_wrong_checksum_fails_and_leaves_no_usable_file(files, tmp_path):
+    cache = SourceCache(tmp_path)
+    wrong = "0" * 64
+    failed = cache.fetch(f"{files.url}/m/tiny.gguf#sha256={wrong}")
+    assert failed.state == "failed"
+    assert failed.error.startswith(f"checksum mismatch for {files.url}/m/tiny.gguf")
+    assert f"expected sha256 {wrong}, got {SHA}" in failed.error
+    directory = cache.http_dir(f"{files.url}/m/tiny.gguf")
+    assert not (directory / "tiny.gguf").exists()
+    assert not (directory / "tiny.gguf.part").exists()
+
+
+def test_an_interrupted_download_resumes_where_it_stopped(files, tmp_path):
+    cache = SourceCache(tmp_path)
+    source = f"{files.url}/m/tiny.gguf#sha256={SHA}"
+    files.cut_after = 1_000_000
+    first = cache.fetch(source)
+    assert first.state == "failed"
+    assert "the next start resumes it" in first.error
+    directory = cache.http_dir(f"{files.url}/m/tiny.gguf")
+    assert not (directory / "tiny.gguf").exists()  # never mistaken for a complete file
+    assert (directory / "tiny.gguf.part").stat().st_size == 1_000_000
+    second = cache.fetch(source)
+    assert second.state == "done", second.error
+    assert gets(files, "/m/tiny.gguf") == ["", "bytes=1000000-"]
+    assert Path(second.path).read_bytes() == WEIGHTS
+
+
+def test_missing_files_and_malformed_sources_say_what_is_wrong(files, tmp_path):
+    cache = SourceCache(tmp_path)
+    missing = cache.fetch(f"{files.url}/m/nope.gguf")
+    assert (missing.state, missing.error) == (
+        "failed", f"downloading {files.url}/m/nope.gguf failed: HTTP 404"
+    )  # fmt: skip
+    local = cache.fetch(str(tmp_path / "absent"))
+    assert local.error == f"the local source {tmp_path / 'absent'} does not exist"
+    for bad, words in [
+        ("hf://just-a-name", "hf://ORG/NAME"),
+        ("https://example.com/", "must name a file"),
+        ("https://example.com/a.gguf#md5=1", "#sha256="),
+    ]:
+        with pytest.raises(SourceError, match=words):
+            check_syntax(bad)
+
+
+def test_a_hugging_face_source_downloads_from_the_hub_endpoint(hub, tmp_path):
+    cache = SourceCache(tmp_path)
+    done = cache.fetch("hf://acme/tiny")
+    assert done.state == "done", done.error
+    folder = Path(done.path)
+    assert (folder / "model.safetensors").read_bytes() == WEIGHTS
+    assert done.size_bytes == len(WEIGHTS)  # the safetensors total, not config.json
+    assert done.downloaded is True
+    assert cache.fetch("hf://acme/tiny").downloaded is False  # cached
+    missing = cache.fetch("hf://acme/ghost")
+    assert missing.state == "failed"
+    assert missing.error == (
+        f"hf://acme/ghost: no such repository at {hub.url} (or it is private and HF_TOKEN "
+        "is missing)"
+    )
+
+
+def test_offline_mode_serves_a_cached_repository_and_refuses_the_rest(hub, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    cache = SourceCache(tmp_path)
+    assert cache.fetch("hf://acme/tiny").state == "done"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    hub.requests.clear()
+    cached = cache.fetch("hf://acme/tiny")
+    assert cached.state == "done", cached.error
+    assert hub.requests == []
+    absent = cache.fetch("hf://acme/other")
+    assert absent.state == "failed"
+    assert "not in this host's cache" in absent.error
+
+
+def test_weights_size_counts_safetensors_and_gguf(tmp_path):
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "model-00002.safetensors").write_bytes(b"x" * 50)
+    (tmp_path / "tokenizer.json").write_bytes(b"x" * 1000)
+    assert weights_size(tmp_path) == 150
+    assert weights_size(tmp_path / "tokenizer.json") == 1000
+    assert weights_size(tmp_path / "absent") is None
+
+
+def test_prune_removes_unused_downloads_only(files, hub, tmp_path):
+    cache = SourceCache(tmp_path / "cache")
+    kept = f"{files.url}/m/tiny.gguf"
+    assert cache.fetch(kept).state == "done"
+    assert cache.fetch("hf://acme/tiny").state == "done"
+    mine = tmp_path / "my-model"
+    mine.mkdir()
+    (mine / "weights.gguf").write_bytes(b"mine")
+    would = cache.prune([kept, str(mine)], dry_run=True)
+    assert [s for s, _, _ in would] == ["hf://acme/tiny"]
+    assert would[0][2] >= len(WEIGHTS)
+    assert Path(would[0][1]).exists()  # a dry run removes nothing
+    removed = cache.prune([kept, str(mine)])
+    assert [s for s, _, _ in removed] == ["hf://acme/tiny"]
+    assert not Path(removed[0][1]).exists()
+    assert [s for s, _, _ in cache.downloads()] == [kept]
+    assert (mine / "weights.gguf").read_bytes() == b"mine"  # never touched
+
+
+# -- through the scheduler ------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_model_with_an_http_source_downloads_then_starts(gpu24, files):
+    from capyctl.engines.services import add_engine
+
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    source = f"{files.url}/m/tiny.gguf#sha256={SHA}"
+    model = deployment("tiny", source=source)
+    ready = operations.ensure_ready(model.pk)
+    assert ready.observed_state == "ready"
+    assert ready.source_bytes == len(WEIGHTS)
+    assert ready.download["state"] == "done"
+    kinds = list(Event.objects.filter(subject="tiny").order_by("id").values_list("kind", flat=True))
+    assert kinds.index("deployment.downloading") < kinds.index("deployment.downloaded")
+    assert kinds.index("deployment.downloaded") < kinds.index("deployment.ready")
+    downloaded = Event.objects.get(subject="tiny", kind="deployment.downloaded")
+    assert downloaded.message.startswith(f"downloaded {source}: 4.0 MiB in ")
+    # The engine was given the downloaded file, not the URL.
+    instance = gpu24.instance(operations.instance_key(ready.instances.get()))
+    path = Path(instance.request.source)
+    assert path.read_bytes() == WEIGHTS
+    assert path.is_relative_to(gpu24.sources.root)
+    assert estimates.weights_bytes(Deployment.objects.get(pk=model.pk), 10**12) >= 0
+    # Stopped and removed: the file stays, and a second deployment reuses it.
+    operations.stop(model.pk)
+    remove_deployment("tiny")
+    assert path.read_bytes() == WEIGHTS
+    other = deployment("again", source=source)
+    assert operations.ensure_ready(other.pk).observed_state == "ready"
+    assert len(gets(files, "/m/tiny.gguf")) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_missing_local_source_fails_clearly_and_a_present_one_is_left_alone(gpu24, tmp_path):
+    from capyctl.engines.services import add_engine
+
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    absent = deployment("absent", source=str(tmp_path / "nowhere"))
+    with pytest.raises(operations.SourceError, match="does not exist"):
+        operations.ensure_ready(absent.pk)
+    row = Deployment.objects.get(pk=absent.pk)
+    assert row.observed_state == "failed"
+    assert (
+        row.state_reason
+        == f"the local source {tmp_path / 'nowhere'} does not exist (on host local)"
+    )
+    assert not absent.ledger_entries.exists()  # nothing was admitted, no engine ran
+    weights = tmp_path / "mine.gguf"
+    weights.write_bytes(b"x" * 1234)
+    present = deployment("present", source=str(weights))
+    ready = operations.ensure_ready(present.pk)
+    assert ready.source_bytes == 1234
+    assert estimates.weights_bytes(ready, 10**12) == 1234 or ready.measured_weights_bytes
+    operations.stop(present.pk)
+    remove_deployment("present")
+    assert weights.read_bytes() == b"x" * 1234
+    assert gpu24.prune([], dry_run=False) == []  # a local path is never a download
+    assert weights.exists()
