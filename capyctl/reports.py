@@ -58,6 +58,8 @@ def deployment_data(deployment: Deployment) -> dict[str, Any]:
         "observed_state": deployment.observed_state,
         "parked_mode": deployment.parked_mode or None,
         "state_reason": deployment.state_reason,
+        "download": deployment.download or None,
+        "source_bytes": deployment.source_bytes,
         "last_request_at": _time(deployment.last_request_at),
     }
 

@@ -221,16 +221,10 @@ class HostRuntime:
         return self.sources.status(source)
 
     def downloads(self) -> list[dict[str, object]]:
-        return [
-            {"source": source, "path": str(path), "bytes": size}
-            for source, path, size in self.sources.downloads()
-        ]
+        return self.sources.listing()
 
     def prune(self, keep: list[str], dry_run: bool) -> list[dict[str, object]]:
-        return [
-            {"source": source, "path": path, "bytes": size}
-            for source, path, size in self.sources.prune(keep, dry_run=dry_run)
-        ]
+        return self.sources.prune_listing(keep, dry_run)
 
 
 def _create_time(pid: int) -> float:

@@ -243,8 +243,15 @@ class SourceCache:
         final = directory / _file_name(url)
         part = final.with_name(final.name + ".part")
         with self._locked(directory):
-            (directory / ".source").write_text(job.source + "\n")
+            (directory / ".source").write_text(url + "\n")  # the file, whatever checksum
             if final.exists():
+                if checksum is not None and _file_sha256(final) != checksum:
+                    # Another source with this URL downloaded it; this one expects other
+                    # bytes. The file is someone's verified download: it stays.
+                    raise SourceError(
+                        f"checksum mismatch for {url}: expected sha256 {checksum}, got "
+                        f"{_file_sha256(final)} (the file already in the cache)"
+                    )
                 job.advance(final.stat().st_size, final.stat().st_size)
                 return final
             job.downloaded = True
@@ -291,6 +298,7 @@ class SourceCache:
                     f"checksum mismatch for {url}: expected sha256 {checksum}, got "
                     f"{digest.hexdigest()}; the download was discarded"
                 )
+            final.with_name(final.name + ".sha256").write_text(digest.hexdigest() + "\n")
             part.replace(final)
             job.advance(final.stat().st_size, final.stat().st_size)
             return final
@@ -392,6 +400,15 @@ class SourceCache:
             removed.append((source, str(directory), size))
         return removed
 
+    def listing(self) -> list[dict[str, object]]:
+        """:meth:`downloads` as plain data."""
+        return [{"source": s, "path": str(p), "bytes": n} for s, p, n in self.downloads()]
+
+    def prune_listing(self, keep: Collection[str], dry_run: bool) -> list[dict[str, object]]:
+        """:meth:`prune` as plain data."""
+        removed = self.prune(keep, dry_run=dry_run)
+        return [{"source": s, "path": p, "bytes": n} for s, p, n in removed]
+
     @contextlib.contextmanager
     def _locked_if_idle(self, directory: Path) -> Iterator[bool]:
         lock = directory / ".lock"
@@ -410,6 +427,20 @@ class SourceCache:
                 yield True
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _file_sha256(path: Path) -> str:
+    """A downloaded file's sha256, from the note written when it was downloaded (else
+    computed, and noted)."""
+    note = path.with_name(path.name + ".sha256")
+    if note.exists() and note.stat().st_mtime >= path.stat().st_mtime:
+        return note.read_text().strip()
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(_CHUNK), b""):
+            digest.update(block)
+    note.write_text(digest.hexdigest() + "\n")
+    return digest.hexdigest()
 
 
 def _tree_size(directory: Path) -> int:

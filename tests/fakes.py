@@ -8,6 +8,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -19,6 +20,7 @@ class FileServer:
     def __init__(self, files: dict[str, bytes]) -> None:
         self.files = files
         self.cut_after: int | None = None
+        self.seconds_per_mib = 0.0  # pace full downloads, to watch their progress
         self.requests: list[tuple[str, str]] = []  # (path, Range header)
         outer = self
 
@@ -58,7 +60,11 @@ class FileServer:
                     self.wfile.flush()
                     self.close_connection = True
                     return
-                self.wfile.write(chunk)
+                step = 64 * 1024
+                for offset in range(0, len(chunk), step):
+                    self.wfile.write(chunk[offset : offset + step])
+                    if outer.seconds_per_mib:
+                        time.sleep(outer.seconds_per_mib / 16)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -5,6 +5,7 @@ pruning that removes downloads only."""
 from __future__ import annotations
 
 import hashlib
+import signal
 import threading
 from pathlib import Path
 
@@ -255,3 +256,58 @@ def test_a_missing_local_source_fails_clearly_and_a_present_one_is_left_alone(gp
     assert weights.read_bytes() == b"x" * 1234
     assert gpu24.prune([], dry_run=False) == []  # a local path is never a download
     assert weights.exists()
+
+
+@pytest.mark.e2e
+def test_the_cli_shows_a_download_and_prunes_it_after_the_model_is_removed(program_env, files):
+    from tests.conftest import run_program, start_server, stop_server
+
+    files.seconds_per_mib = 0.5  # 4 MiB in about 2 s: progress to show
+    run = lambda *argv: run_program(program_env, *argv)  # noqa: E731
+    source = f"{files.url}/m/tiny.gguf#sha256={SHA}"
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
+    added = run("deployment", "add", "tiny", "--engine", "sim", "--source", source, "--gpus", "0")
+    assert added.code == 0, added.err
+    bad = run("deployment", "add", "bad", "--engine", "sim", "--gpus", "0",
+              "--source", f"{files.url}/m/tiny.gguf#sha256={'0' * 64}")  # fmt: skip
+    assert bad.code == 0, bad.err
+    server = start_server(program_env)
+    try:
+        started = run("deployment", "start", "tiny")
+        assert started.code == 0, started.err
+        assert started.out.startswith("tiny is ready")
+        assert "downloading: " in started.err
+        assert "downloaded 4.0 MiB of 4.0 MiB" in started.err.splitlines()[-1]
+        status = run("status").out
+        assert "tiny" in status
+        listed = run("cache", "list").out
+        assert f"{files.url}/m/tiny.gguf" in listed
+        assert "4.0 MiB" in listed
+        refused = run("deployment", "start", "bad")
+        assert refused.code == 1
+        assert "checksum mismatch" in refused.err
+        assert "expected sha256 0000" in refused.err
+        kept = run("cache", "prune", "--dry-run")
+        assert kept.out.strip() == "nothing to remove"  # tiny still names it
+        assert run("deployment", "stop", "tiny").code == 0
+        assert run("deployment", "remove", "tiny").code == 0
+        assert run("deployment", "remove", "bad").code == 0
+        would = run("cache", "prune", "--dry-run")
+        assert would.out.startswith(f"would remove {files.url}/m/tiny.gguf on local: 4.0 MiB at ")
+        assert f"{files.url}/m/tiny.gguf" in run("cache", "list").out  # a dry run keeps it
+        pruned = run("cache", "prune")
+        assert pruned.out.splitlines()[-1] == "removed 1 download(s), 4.0 MiB"
+        assert run("cache", "list").out.strip() == "no downloads"
+    finally:
+        stop_server(server, signal.SIGTERM)
+
+
+def test_a_cached_file_is_checked_against_each_sources_checksum(files, tmp_path):
+    cache = SourceCache(tmp_path)
+    assert cache.fetch(f"{files.url}/m/tiny.gguf#sha256={SHA}").state == "done"
+    other = cache.fetch(f"{files.url}/m/tiny.gguf#sha256={'1' * 64}")
+    assert other.state == "failed"
+    assert other.error.endswith("(the file already in the cache)")
+    final = cache.http_dir(f"{files.url}/m/tiny.gguf") / "tiny.gguf"
+    assert final.read_bytes() == WEIGHTS  # another source's verified download stays
+    assert len(gets(files, "/m/tiny.gguf")) == 1

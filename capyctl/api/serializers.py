@@ -60,6 +60,10 @@ class DeploymentOut(_Report):
     observed_state = serializers.CharField()
     parked_mode = serializers.CharField(allow_null=True)
     state_reason = serializers.CharField()
+    download = serializers.DictField(
+        allow_null=True, help_text="the source's last fetch: done/total bytes, rate, ETA, outcome"
+    )
+    source_bytes = serializers.IntegerField(allow_null=True, help_text="weights size at the source")
     last_request_at = serializers.DateTimeField(allow_null=True)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import cast
+from typing import Any, cast
 
 from django.conf import settings
 
@@ -358,7 +358,7 @@ def deployment_action(args: argparse.Namespace) -> int:
         )
         return 0
     timeout = args.timeout or default_timeout(deployment)
-    op = wait_for(op, timeout)
+    op = _wait_showing_downloads(op, deployment.pk, timeout, wait_for)
     if op.status == Operation.Status.DONE:
         print(f"{op.message} ({seconds_taken(op):.1f}s)")
         return 0
@@ -371,6 +371,52 @@ def deployment_action(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+def _wait_showing_downloads(op: Any, deployment_id: int, timeout: float, wait_for: Any) -> Any:
+    """Wait for the operation; while its model downloads, draw a progress bar on stderr
+    (a line per quarter when stderr is not a terminal). Download time does not count
+    against the timeout."""
+    import time
+
+    from capyctl.deployments.models import Deployment
+    from capyctl.scheduler.fetching import describe
+    from hostagent.sources import FetchStatus
+
+    deadline = time.monotonic() + timeout
+    tty = sys.stderr.isatty()
+    shown, quarter = False, -1
+    while True:
+        op = wait_for(op, min(0.5, max(deadline - time.monotonic(), 0)))
+        if op.status in ("done", "failed") or time.monotonic() >= deadline:
+            break
+        row = Deployment.objects.filter(pk=deployment_id).values("observed_state", "download")
+        current: dict[str, Any] = dict(row.first() or {})
+        if current.get("observed_state") != "downloading" or not current.get("download"):
+            continue
+        deadline = time.monotonic() + timeout  # downloading: the clock waits
+        status = FetchStatus.from_dict(current["download"])
+        if not status.done_bytes and not status.total_bytes:
+            continue  # not started yet: nothing to draw
+        share = status.done_bytes / status.total_bytes if status.total_bytes else 0.0
+        if tty:
+            bar = "#" * int(share * 30)
+            print(f"\rdownloading [{bar:<30}] {share:4.0%} {describe(status)}   ",
+                  end="", file=sys.stderr, flush=True)  # fmt: skip
+            shown = True
+        elif int(share * 4) > quarter:
+            quarter = int(share * 4)
+            print(f"downloading: {describe(status)}", file=sys.stderr, flush=True)
+    if shown or quarter >= 0:
+        final = Deployment.objects.filter(pk=deployment_id).values_list("download", flat=True)
+        data = final.first()
+        if data and data.get("state") == "done":
+            done = FetchStatus.from_dict(data)
+            prefix = "\rdownloading [" + "#" * 30 + "] 100% " if tty else ""
+            print(f"{prefix}downloaded {describe(done)}", file=sys.stderr, flush=True)
+        elif shown:
+            print(file=sys.stderr)
+    return op
 
 
 def _event_row(event: object) -> dict[str, object]:
@@ -475,4 +521,65 @@ def host_remove(args: argparse.Namespace) -> int:
     prepare()
     remove_host(args.name)
     print(f"host {args.name} removed")
+    return 0
+
+
+# --- the model cache ----------------------------------------------------------------------
+
+
+def _cache_hosts(name: str | None) -> list[Any]:
+    from capyctl.hosts.models import Host
+    from capyctl.hosts.services import get_host
+
+    if name:
+        return [get_host(name)]
+    return list(Host.objects.order_by("name"))
+
+
+def _cache_call(host: Any, call: str, *args: Any) -> list[dict[str, object]]:
+    """``downloads`` or ``prune`` on a host: the local cache directly, another through
+    its agent."""
+    from pathlib import Path
+
+    from capyctl.hosts.agents import RemoteHostDriver
+    from hostagent.sources import SourceCache
+
+    if host.is_local:  # this data dir's cache, read directly (no engines involved)
+        cache = SourceCache(Path(settings.DATA_DIR) / "models")
+        return cache.listing() if call == "downloads" else cache.prune_listing(*args)
+    return list(getattr(RemoteHostDriver(host), call)(*args))
+
+
+def cache_list(args: argparse.Namespace) -> int:
+    prepare()
+    rows: list[dict[str, object]] = []
+    for host in _cache_hosts(args.host):
+        rows += [{"host": host.name, **d} for d in _cache_call(host, "downloads")]
+    if args.json:
+        print_json(rows)
+    else:
+        table = [[r["host"], r["source"], format_size(cast("int", r["bytes"])), r["path"]]
+                 for r in rows]  # fmt: skip
+        print_table(["host", "source", "size", "path"], table, empty="no downloads")
+    return 0
+
+
+def cache_prune(args: argparse.Namespace) -> int:
+    """Remove downloads that no deployment names; a local path is never a download."""
+    from capyctl.deployments.models import Deployment
+
+    prepare()
+    keep = list(Deployment.objects.values_list("source", flat=True))
+    rows: list[dict[str, object]] = []
+    for host in _cache_hosts(args.host):
+        rows += [{"host": host.name, **d} for d in _cache_call(host, "prune", keep, args.dry_run)]
+    if args.json:
+        print_json(rows)
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for row in rows:
+        size = format_size(cast("int", row["bytes"]))
+        print(f"{verb} {row['source']} on {row['host']}: {size} at {row['path']}")
+    total = format_size(sum(cast("int", r["bytes"]) for r in rows))
+    print(f"{verb} {len(rows)} download(s), {total}" if rows else "nothing to remove")
     return 0

@@ -81,6 +81,7 @@ def build_parser() -> Parser:
     _build_key(commands)
     _build_user(commands)
     _build_host(commands)
+    _build_cache(commands)
 
     status = _sub(commands, "status", "hosts, pools, deployments and the ledger", "status")
     _add_json(status)
@@ -161,6 +162,20 @@ def _build_host(commands: Any) -> None:
     _add_json(_sub(sub, "list", "list hosts", "host_list"))
     remove = _sub(sub, "remove", "forget a host (nothing may use it)", "host_remove")
     remove.add_argument("name")
+
+
+def _build_cache(commands: Any) -> None:
+    cache = _sub(commands, "cache", "model downloads kept on the hosts")
+    sub = cache.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
+    listing = _sub(sub, "list", "list the downloads on each host", "cache_list")
+    listing.add_argument("--host", help="only this host")
+    _add_json(listing)
+    prune = _sub(
+        sub, "prune", "remove downloads no deployment uses (never your own files)", "cache_prune"
+    )
+    prune.add_argument("--host", help="only this host")
+    prune.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
+    _add_json(prune)
 
 
 def _build_engine(commands: Any) -> None:
