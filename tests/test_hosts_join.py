@@ -1,6 +1,7 @@
 """Hosts join by token and then speak mutual TLS only: the real agent program, the real
 enrolment listener, and every refusal the issue lists."""
 
+import hashlib
 import json
 import signal
 import socket
@@ -393,3 +394,38 @@ def test_host_commands_refuse_mistakes_in_one_line(program_env):
                             str(Path(program_env["CAPYCTL_DATA_DIR"]) / "agent"))  # fmt: skip
     assert bad_token.code == 2
     assert "damaged" in bad_token.err
+
+
+def test_a_remote_host_downloads_its_models_weights_itself(joined):
+    """An http(s) source is fetched by the agent into its own cache, then started there;
+    `capyctl cache` lists and prunes it through the agent."""
+    from tests.fakes import FileServer
+
+    env, _, _, agent_dir, _, base_url = joined
+    wait_online(env, "gpu1")
+    weights = b"w" * 3_000_000
+    files = FileServer({"/tiny.gguf": weights})
+    try:
+        run = lambda *argv: run_program(env, *argv)  # noqa: E731
+        url = f"{files.url}/tiny.gguf"
+        digest = hashlib.sha256(weights).hexdigest()
+        assert run("engine", "add", "sim", "--kind", "vllm", "--command",
+                   f"{sys.executable} -m hostagent.sim vllm").code == 0  # fmt: skip
+        assert run("deployment", "add", "d", "--engine", "sim", "--host", "gpu1", "--source",
+                   f"{url}#sha256={digest}", "--gpu-memory", "8GiB").code == 0  # fmt: skip
+        started = run("deployment", "start", "d")
+        assert started.code == 0, started.err
+        cached = list((agent_dir / "models" / "http").rglob("tiny.gguf"))
+        assert [p.read_bytes() == weights for p in cached] == [True]
+        listed = run("cache", "list", "--host", "gpu1", "--json")
+        assert [(r["host"], r["source"]) for r in json.loads(listed.out)] == [("gpu1", url)]
+        row = json.loads(run("deployment", "list", "--json").out)[0]
+        assert (row["observed_state"], row["source_bytes"]) == ("ready", len(weights))
+        assert run("deployment", "stop", "d").code == 0
+        assert run("deployment", "remove", "d").code == 0
+        assert cached[0].exists()  # removing a deployment keeps its files
+        pruned = run("cache", "prune", "--host", "gpu1")
+        assert pruned.out.splitlines()[-1] == "removed 1 download(s), 2.9 MiB"
+        assert not cached[0].exists()
+    finally:
+        files.close()
