@@ -220,7 +220,9 @@ def test_a_model_with_an_http_source_downloads_then_starts(gpu24, files):
     path = Path(instance.request.source)
     assert path.read_bytes() == WEIGHTS
     assert path.is_relative_to(gpu24.sources.root)
-    assert estimates.weights_bytes(Deployment.objects.get(pk=model.pk), 10**12) >= 0
+    row = Deployment.objects.get(pk=model.pk)
+    assert row.measured_weights_bytes is None  # nothing measured yet: the source's size
+    assert estimates.weights_bytes(row, 10**12) == len(WEIGHTS)
     # Stopped and removed: the file stays, and a second deployment reuses it.
     operations.stop(model.pk)
     remove_deployment("tiny")
@@ -250,7 +252,8 @@ def test_a_missing_local_source_fails_clearly_and_a_present_one_is_left_alone(gp
     present = deployment("present", source=str(weights))
     ready = operations.ensure_ready(present.pk)
     assert ready.source_bytes == 1234
-    assert estimates.weights_bytes(ready, 10**12) == 1234 or ready.measured_weights_bytes
+    assert ready.measured_weights_bytes is None
+    assert estimates.weights_bytes(ready, 10**12) == 1234
     operations.stop(present.pk)
     remove_deployment("present")
     assert weights.read_bytes() == b"x" * 1234
