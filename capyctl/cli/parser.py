@@ -206,7 +206,12 @@ def _build_deployment(commands: Any) -> None:
     add = _sub(sub, "add", "add a deployment", "deployment_add")
     add.add_argument("name")
     add.add_argument("--engine", required=True)
-    add.add_argument("--source", required=True, help="local path, hf://ORG/NAME or URL")
+    add.add_argument(
+        "--source",
+        required=True,
+        help="a local path, hf://ORG/NAME[@REV], https://…/FILE[#sha256=HEX], "
+        "or a name the engine resolves",
+    )
     add.add_argument("--alias", action="append", default=[], help="another name (repeatable)")
     add.add_argument("--host", help="pin to this host (default: placed where it fits)")
     add.add_argument(
