@@ -5,6 +5,7 @@ pruning that removes downloads only."""
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 import threading
 from pathlib import Path
@@ -314,3 +315,33 @@ def test_a_cached_file_is_checked_against_each_sources_checksum(files, tmp_path)
     final = cache.http_dir(f"{files.url}/m/tiny.gguf") / "tiny.gguf"
     assert final.read_bytes() == WEIGHTS  # another source's verified download stays
     assert len(gets(files, "/m/tiny.gguf")) == 1
+
+
+@pytest.mark.e2e
+def test_a_server_downloads_from_the_hub_its_hf_endpoint_names(program_env):
+    """HF_ENDPOINT in the server's environment is where hf:// sources come from."""
+    from tests.conftest import run_program, start_server, stop_server
+
+    hub = FakeHub({"acme/tiny": {"config.json": b"{}", "model.safetensors": WEIGHTS}})
+    program_env["HF_ENDPOINT"] = hub.url
+    run = lambda *argv: run_program(program_env, *argv)  # noqa: E731
+    try:
+        assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
+        for name, source in (("tiny", "hf://acme/tiny"), ("ghost", "hf://acme/ghost")):
+            added = run("deployment", "add", name, "--engine", "sim", "--source", source,
+                        "--gpus", "0")  # fmt: skip
+            assert added.code == 0, added.err
+        server = start_server(program_env)
+        try:
+            started = run("deployment", "start", "tiny")
+            assert started.code == 0, started.err
+            assert any("/acme/tiny/resolve/" in path for path, _ in hub.requests)
+            row = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
+            assert row["tiny"]["source_bytes"] == len(WEIGHTS)
+            missing = run("deployment", "start", "ghost")
+            assert missing.code == 1
+            assert f"hf://acme/ghost: no such repository at {hub.url}" in missing.err
+        finally:
+            stop_server(server, signal.SIGTERM)
+    finally:
+        hub.close()
