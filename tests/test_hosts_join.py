@@ -401,7 +401,7 @@ def test_a_remote_host_downloads_its_models_weights_itself(joined):
     `capyctl cache` lists and prunes it through the agent."""
     from tests.fakes import FileServer
 
-    env, _, _, agent_dir, _, base_url = joined
+    env, _, _, agent_dir, _, _ = joined
     wait_online(env, "gpu1")
     weights = b"w" * 3_000_000
     files = FileServer({"/tiny.gguf": weights})

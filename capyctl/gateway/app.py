@@ -16,13 +16,13 @@ import time
 from collections import OrderedDict
 from typing import Any, cast
 
-import aiohttp
 from django.conf import settings
 from django.db import connection
 
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
 from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.routing import Route, RoutingTable, list_models
+from capyctl.gateway.upstream import UpstreamError, UpstreamPool
 from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
 from capyctl.scheduler import inflight, operations
 from capyctl.web import metrics
@@ -46,7 +46,7 @@ class Gateway:
     def __init__(self) -> None:
         self.keys = KeyCache()
         self.routes = RoutingTable()
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamPool | None = None
         self._wakes: dict[int, asyncio.Future[None]] = {}
         self._waiting: dict[int, int] = {}
         self._touched: dict[int, float] = {}
@@ -276,20 +276,16 @@ class Gateway:
 
     async def close(self) -> None:
         """Close the connections to engines (at shutdown)."""
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.close()
         await self.limits.close()
         await self.keys.close()
         await self.routes.close()
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=False),
-                auto_decompress=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-            )
-        return self._session
+    def _client(self) -> UpstreamPool:
+        if self._upstream is None or self._upstream.closed:
+            self._upstream = UpstreamPool()
+        return self._upstream
 
     async def _forward(
         self,
@@ -305,12 +301,8 @@ class Gateway:
         waited_ms: float,
         outcome: _Outcome,
     ) -> None:
-        upstream_headers = {
-            k.decode("latin-1"): v.decode("latin-1")
-            for k, v in headers.items()
-            if k not in _HOP_BY_HOP
-        }
-        upstream_headers["Authorization"] = f"Bearer {route.launch_key}"
+        upstream_headers = [(k, v) for k, v in headers.items() if k not in _HOP_BY_HOP]
+        upstream_headers.append((b"authorization", f"Bearer {route.launch_key}".encode()))
         url = f"{route.base_url}{scope['path']}"
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
@@ -354,7 +346,7 @@ class Gateway:
         tls_name: str | None,
         tap: UsageTap,
         outcome: _Outcome,
-        headers: dict[str, str],
+        headers: list[tuple[bytes, bytes]],
         body: bytes,
         send: Any,
         started: float,
@@ -362,11 +354,14 @@ class Gateway:
     ) -> None:
         sent_headers = False
         try:
-            extra: dict[str, Any] = {}
-            if tls_name is not None:  # a remote host's relay: mutual TLS, checked by its name
-                extra = {"ssl": self._agent_tls(), "server_hostname": tls_name}
-            request = self._client().request(method, url, data=body, headers=headers, **extra)
-            async with request as upstream:
+            # A remote host's relay: mutual TLS, its certificate checked for its name.
+            tls = self._agent_tls() if tls_name is not None else None
+            upstream = await self._client().request(
+                method, url, headers, body, ssl_context=tls, server_hostname=tls_name
+            )
+            # Closed before its end (an error, a client gone), its connection is closed,
+            # so the engine stops generating; ended cleanly, it is kept for the next.
+            async with upstream:
                 out = [(k, v) for k, v in upstream.raw_headers if k.lower() not in _HOP_BY_HOP]
                 outcome.status = upstream.status
                 outcome.headers_at = time.perf_counter()
@@ -392,11 +387,11 @@ class Gateway:
                     {"type": "http.response.start", "status": upstream.status, "headers": out}
                 )
                 sent_headers = True
-                async for chunk in upstream.content.iter_any():
+                async for chunk in upstream.iter_chunks():
                     tap.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             message = f"the engine did not answer: {type(exc).__name__}: {exc}"
             if not sent_headers:
                 raise GatewayError(502, "engine_failed", message, "server_error") from exc
@@ -453,6 +448,8 @@ def _scheduler_error(code: str, message: str) -> GatewayError:
         return GatewayError(503, "model_stopped", message, "server_error", False)
     if code == "engine_failed":
         return GatewayError(502, "engine_failed", message, "server_error")
+    if code == "source_failed":  # weights missing or their download failed: no retry helps
+        return GatewayError(502, "source_failed", message, "server_error", False)
     return GatewayError(503, "unavailable", message, "server_error")
 
 
