@@ -10,6 +10,7 @@ import signal
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from capyctl.deployments.models import Deployment
@@ -341,6 +342,18 @@ def test_a_server_downloads_from_the_hub_its_hf_endpoint_names(program_env):
             missing = run("deployment", "start", "ghost")
             assert missing.code == 1
             assert f"hf://acme/ghost: no such repository at {hub.url}" in missing.err
+            # On /v1 a model whose weights cannot be had says so, and not to retry.
+            key = run("key", "create", "--user", "admin").out.strip()
+            asked = httpx.post(
+                f"{server.base_url}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": "ghost", "messages": [{"role": "user", "content": "hi"}]},
+                timeout=60,
+            )
+            assert asked.status_code == 502
+            assert asked.json()["error"]["code"] == "source_failed"
+            assert "no such repository" in asked.json()["error"]["message"]
+            assert asked.headers["x-should-retry"] == "false"
         finally:
             stop_server(server, signal.SIGTERM)
     finally:
