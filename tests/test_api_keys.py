@@ -16,8 +16,8 @@ from capyctl.errors import UserError
 @pytest.fixture
 def models(db):
     add_engine("v1", kind="vllm", command="/opt/vllm/bin/vllm")
-    add_deployment(DeploymentSpec(name="a", engine="v1", source="models/a"))
-    add_deployment(DeploymentSpec(name="b", engine="v1", source="models/b"))
+    add_deployment(DeploymentSpec(name="a", engine="v1", source="/models/a"))
+    add_deployment(DeploymentSpec(name="b", engine="v1", source="/models/b"))
 
 
 def test_only_an_hmac_of_the_secret_is_stored(bob):

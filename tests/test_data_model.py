@@ -25,7 +25,7 @@ def host(db, tmp_path):
 @pytest.fixture
 def chat(host):
     add_engine("v1", kind="vllm", command="vllm")
-    return add_deployment(DeploymentSpec(name="chat", engine="v1", source="m", host="local"))
+    return add_deployment(DeploymentSpec(name="chat", engine="v1", source="/m", host="local"))
 
 
 def test_a_deployment_has_at_most_one_live_engine_process(chat, host):

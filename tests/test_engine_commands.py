@@ -73,7 +73,7 @@ def test_tensorfold():
 def test_custom_template_fills_each_argument_alone():
     template = "my-server --listen {host}:{port} --key {api_key} --model {source} --name {model}"
     launch = get_kind("custom").build_launch(
-        spec(template, source="models/a b; rm -rf /", extra_args=["--fast"], gpu_indices=[3])
+        spec(template, source="/models/a b; rm -rf /", extra_args=["--fast"], gpu_indices=[3])
     )
     assert launch.argv == [
         "my-server", "--listen", "127.0.0.1:41000", "--key", "launch-key",

@@ -273,7 +273,7 @@ def test_on_unified_memory_a_ram_park_frees_nothing_of_the_pool(tmp_path):
     probe = SimulatedProbe(SimSpec(unified=True, sizes=[64 * GIB]), tmp_path / "sim")
     runtime = EngineRuntime(probe, tmp_path / "logs", release_timeout=2.0)
     request = InstanceRequest(
-        instance_id="unified", kind="vllm", command=f"{SIM} vllm", source="m",
+        instance_id="unified", kind="vllm", command=f"{SIM} vllm", source="/m",
         served_name="u", gpu_indices=[0], env=MEMORY,
     )  # fmt: skip
     instance = runtime.launch(request)
