@@ -358,3 +358,29 @@ def test_a_server_downloads_from_the_hub_its_hf_endpoint_names(program_env):
             stop_server(server, signal.SIGTERM)
     finally:
         hub.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_download_nobody_watches_any_more_is_failed_by_reconcile(gpu24):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from capyctl.engines.services import add_engine
+    from capyctl.hosts.models import Host
+    from capyctl.scheduler.reconcile import reconcile
+
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    local = Host.objects.get(name="local")
+    old = (timezone.now() - timedelta(minutes=10)).isoformat()
+    fresh = timezone.now().isoformat()
+    for name, seen in (("orphan", old), ("busy", fresh)):
+        row = deployment(name, source=f"https://example.com/{name}.gguf")
+        Deployment.objects.filter(pk=row.pk).update(
+            observed_state="downloading", host=local, download={"updated_at": seen}
+        )
+    reconcile(local.pk)
+    orphan = Deployment.objects.get(name="orphan")
+    assert orphan.observed_state == "failed"
+    assert "stopped being watched" in orphan.state_reason
+    assert Deployment.objects.get(name="busy").observed_state == "downloading"

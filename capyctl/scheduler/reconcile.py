@@ -121,6 +121,7 @@ def reconcile(host_id: int) -> None:
     now = timezone.now()
     _update_foreign(host, driver)
     _end_orphans(host, driver)
+    _release_orphaned_downloads(host, now)
     deployments = Deployment.objects.filter(host=host, observed_state__in=LIVE).select_related(
         "engine", "host"
     )
@@ -158,6 +159,39 @@ def reconcile(host_id: int) -> None:
                 operations.park(deployment.pk, actor="system", reason=f"after {idle}s idle")
             except operations.SchedulerError as exc:
                 logger.warning("idle park of %s did not happen: %s", deployment.name, exc)
+
+
+DOWNLOAD_WATCH_SECONDS = 120  # a download's asker writes its progress every 0.5 s
+
+
+def _release_orphaned_downloads(host: Host, now: datetime) -> None:
+    """A deployment left ``downloading`` by a process that ended (a killed worker or a
+    restarted server) is failed, so it does not look busy forever; the next request or
+    start fetches again (the host's cache keeps what was already downloaded)."""
+    for deployment in Deployment.objects.filter(host=host, observed_state=S.DOWNLOADING):
+        seen = _parse_time((deployment.download or {}).get("updated_at"))
+        seen = seen or deployment.state_changed_at
+        if seen is None or (now - seen).total_seconds() < DOWNLOAD_WATCH_SECONDS:
+            continue
+        reason = (
+            f"its download of {deployment.source} stopped being watched (the process that "
+            "ran it ended); the next start fetches again"
+        )
+        claimed = Deployment.objects.filter(pk=deployment.pk, observed_state=S.DOWNLOADING).update(
+            observed_state=S.FAILED, state_changed_at=now, state_reason=reason
+        )
+        if claimed:
+            message = f"{deployment.name} failed: {reason}"
+            operations.record(deployment, "deployment.failed", message, level=Event.Level.WARNING)
+
+
+def _parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
 
 
 def _should_run(deployment: Deployment, instance: Instance) -> bool:
