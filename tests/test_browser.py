@@ -133,6 +133,8 @@ def test_admin_keys_and_a_live_dashboard_in_a_browser(server_env, browser, tmp_p
 
 
 def test_schemathesis_finds_no_server_error_in_the_rest_api(server_env):
+    """A fixed seed keeps CI reproducible; set CAPYCTL_SCHEMATHESIS_SEED to explore more
+    (two 500s found that way are regression tests in test_api.py)."""
     made = run_program(server_env, "key", "create", "--user", "alice", "--admin")
     assert made.code == 0, made.err
     key = made.out.strip().splitlines()[-1]
@@ -141,7 +143,8 @@ def test_schemathesis_finds_no_server_error_in_the_rest_api(server_env):
         done = subprocess.run(
             [str(Path(sys.executable).parent / "schemathesis"), "run",
              f"{server.base_url}/api/schema/", "-H", f"Authorization: Bearer {key}",
-             "--checks", "not_a_server_error", "--max-examples", "15", "--no-color"],
+             "--checks", "not_a_server_error", "--max-examples", "15", "--no-color",
+             "--seed", os.environ.get("CAPYCTL_SCHEMATHESIS_SEED", "20261129")],
             check=False, capture_output=True, text=True, timeout=600,
             cwd=server_env["CAPYCTL_DATA_DIR"].rsplit("/", 1)[0],
         )  # fmt: skip
