@@ -159,7 +159,7 @@ class AgentApp:
         if (method, path) == ("POST", "/instances"):
             return 200, (await run(host.launch, wire.request_from_json(body))).as_dict()
         if (method, path) == ("POST", "/sources/fetch"):
-            return 200, host.fetch_start(str(body["source"])).as_dict()
+            return 200, (await run(host.fetch_start, str(body["source"]))).as_dict()
         if (method, path) == ("POST", "/sources/status"):
             job = host.fetch_status(str(body["source"]))
             return 200, {"status": job.as_dict() if job is not None else None}

@@ -14,8 +14,10 @@ HOP_BY_HOP = frozenset(
         b"content-length",
         b"connection",
         b"keep-alive",
+        b"proxy-connection",
         b"transfer-encoding",
         b"te",
+        b"trailer",
         b"upgrade",
         b"proxy-authorization",
     }

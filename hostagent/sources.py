@@ -172,11 +172,17 @@ class SourceCache:
 
     def start(self, source: str) -> FetchStatus:
         """Begin fetching ``source`` unless a fetch of it is under way; return its status.
-        A finished or failed earlier fetch is started afresh (files may have changed)."""
+        A finished or failed earlier fetch is started afresh (files may have changed).
+        A local path or a bare name needs no download: it is settled before this returns,
+        so a start does not wait a polling interval for it."""
+        if classify(source) in ("local", "engine"):
+            settled = FetchStatus(source=source)
+            self._run(settled)
+            return settled
         with self._lock:
-            job = self._jobs.get(source)
-            if job is not None and job.state == "running":
-                return job
+            under_way = self._jobs.get(source)
+            if under_way is not None and under_way.state == "running":
+                return under_way
             job = self._jobs[source] = FetchStatus(source=source)
         threading.Thread(target=self._run, args=(job,), name="fetch", daemon=True).start()
         return job

@@ -83,7 +83,7 @@ class EngineFilter(filters.FilterSet):
         summary="Remove an engine (not while deployments use it)", responses={204: None}
     ),
 )
-class EngineViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+class EngineViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
     permission_classes = (IsAdmin,)
     queryset = Engine.objects.select_related("host").order_by("name")
     lookup_field = "name"
@@ -91,10 +91,6 @@ class EngineViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
     filterset_class = EngineFilter
     serializer_class = s.EngineOut
     http_method_names = ("get", "post", "patch", "delete", "head", "options")
-
-    def list(self, request: Request) -> Response:
-        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
-        return self.get_paginated_response(s.EngineOut(page, many=True).data)
 
     def retrieve(self, request: Request, name: str) -> Response:
         return Response(s.EngineOut(engines.get_engine(name)).data)
@@ -173,7 +169,7 @@ def _spec(
     ),
     destroy=extend_schema(summary="Remove a stopped deployment", responses={204: None}),
 )
-class DeploymentViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+class DeploymentViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
     permission_classes = (IsAdmin,)
     queryset = (
         Deployment.objects.select_related("engine", "host")
@@ -185,10 +181,6 @@ class DeploymentViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
     filterset_class = DeploymentFilter
     serializer_class = s.DeploymentOut
     http_method_names = ("get", "post", "patch", "delete", "head", "options")
-
-    def list(self, request: Request) -> Response:
-        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
-        return self.get_paginated_response(s.DeploymentOut(page, many=True).data)
 
     def retrieve(self, request: Request, name: str) -> Response:
         return Response(s.DeploymentOut(deployments.get_deployment(name)).data)
@@ -268,7 +260,7 @@ class DeploymentViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
     ),
     destroy=extend_schema(summary="Forget a host (not while used)", responses={204: None}),
 )
-class HostViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
     permission_classes = (IsAdmin,)
     queryset = Host.objects.order_by("name")
     lookup_field = "name"
@@ -276,10 +268,6 @@ class HostViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
     filterset_fields = ("state",)
     serializer_class = s.HostOut
     http_method_names = ("get", "post", "patch", "delete", "head", "options")
-
-    def list(self, request: Request) -> Response:
-        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
-        return self.get_paginated_response(s.HostOut(page, many=True).data)
 
     def retrieve(self, request: Request, name: str) -> Response:
         return Response(s.HostOut(hosts.get_host(name)).data)
@@ -332,7 +320,7 @@ class HostViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
         summary="Revoke a key (within a second on every process)", responses={204: None}
     ),
 )
-class KeyViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
     permission_classes = (IsSignedIn,)
     lookup_field = "key_id"
     lookup_value_regex = "[^/]+"
@@ -353,10 +341,6 @@ class KeyViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
         if key is None:
             raise exceptions.NotFound(f"no API key with id {key_id!r}")
         return key
-
-    def list(self, request: Request) -> Response:
-        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
-        return self.get_paginated_response(s.KeyOut(page, many=True).data)
 
     def retrieve(self, request: Request, key_id: str) -> Response:
         return Response(s.KeyOut(self._mine(key_id)).data)
@@ -408,7 +392,7 @@ class KeyViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
     ),
     destroy=extend_schema(summary="Remove a user and their keys", responses={204: None}),
 )
-class UserViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+class UserViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
     permission_classes = (IsAdmin,)
     queryset = User.objects.order_by("username")
     lookup_field = "username"
@@ -419,10 +403,6 @@ class UserViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
     )
     serializer_class = s.UserOut
     http_method_names = ("get", "post", "patch", "delete", "head", "options")
-
-    def list(self, request: Request) -> Response:
-        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
-        return self.get_paginated_response(s.UserOut(page, many=True).data)
 
     def retrieve(self, request: Request, username: str) -> Response:
         return Response(s.UserOut(access.get_user(username)).data)

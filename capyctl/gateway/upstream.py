@@ -29,26 +29,15 @@ from urllib.parse import quote, urlsplit
 
 import httptools
 
+# Never sent as given: Host and Content-Length are this client's own, the rest belong to
+# one connection.
+from hostagent.asgi import HOP_BY_HOP
+
 CONNECT_TIMEOUT = 10.0
 IDLE_SECONDS = 30.0
 MAX_IDLE_PER_KEY = 256
 HIGH_WATER = 1024 * 1024  # unread answer bytes past which the socket is not read
 
-# Never sent as given: this client writes its own Host and Content-Length, and the rest
-# belong to one connection.
-HOP_BY_HOP = frozenset(
-    {
-        b"host",
-        b"content-length",
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"transfer-encoding",
-        b"te",
-        b"trailer",
-        b"upgrade",
-    }
-)
 # Anything but printable ASCII (and '#', which would end the path) is percent-encoded.
 _UNSAFE_TARGET = re.compile(r"[^\x21-\x22\x24-\x7e]")
 _SAFE_TARGET = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")

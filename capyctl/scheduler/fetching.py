@@ -55,9 +55,12 @@ def fetch_source(deployment: Deployment, host: Host, actor: str) -> str | None:
     """
     from capyctl.scheduler import operations
 
+    kind = classify(deployment.source)
+    if kind == "engine":
+        return deployment.source  # a name the engine resolves: nothing to check or fetch
     driver = driver_for(host)
-    status = driver.fetch_start(deployment.source)
-    remote = classify(deployment.source) in ("hf", "http")
+    status = driver.fetch_start(deployment.source)  # a local path is settled at once
+    remote = kind in ("hf", "http")
     started = time.monotonic()
     announced = False
     quarter = 0
