@@ -290,3 +290,20 @@ def test_no_command_prints_help_and_exits_2(cli):
     result = cli()
     assert result.code == 2
     assert "usage: capyctl" in result.err
+
+
+def test_figures_past_what_the_database_holds_are_refused_in_one_line(cli):
+    """The bounds live in the services, so the CLI, REST and admin all refuse them."""
+    assert cli("engine", "add", "v1", "--kind", "vllm", "--command", "/opt/vllm/bin/vllm").code == 0
+    before = table_counts()
+    for flag, words in [
+        ("--idle-park-seconds", "invalid idle park seconds 99999999999999999999: use 0 to"),
+        ("--max-waiting", "invalid max waiting 99999999999999999999: use 1 to"),
+        ("--priority", "invalid priority 99999999999999999999: use -1000 to 1000"),
+    ]:
+        result = cli("deployment", "add", "x", "--engine", "v1", "--source", "m",
+                     flag, "99999999999999999999")  # fmt: skip
+        assert result.code != 0
+        assert words in result.err
+        assert "Traceback" not in result.err
+    assert table_counts() == before

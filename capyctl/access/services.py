@@ -28,6 +28,7 @@ from capyctl.validation import validate_name
 KEY_PREFIX = "capy_"
 _KEY_ID_ALPHABET = string.ascii_lowercase + string.digits
 _KEY_ID_LENGTH = 10
+MAX_RATE = 2**31 - 1  # requests per minute; the column is 32-bit
 
 
 @functools.lru_cache(maxsize=4)
@@ -97,8 +98,8 @@ def issue_api_key(
             f"user {username!r} is not staff, so their keys cannot have the admin scope",
             field="admin",
         )
-    if requests_per_minute is not None and requests_per_minute < 1:
-        raise UserError("requests per minute must be at least 1", field="requests_per_minute")
+    if requests_per_minute is not None and not 1 <= requests_per_minute <= MAX_RATE:
+        raise UserError(f"requests per minute must be 1 to {MAX_RATE}", field="requests_per_minute")
     if len(name) > 100:
         raise UserError("a key name is at most 100 characters", field="name")
     key_id = "".join(secrets.choice(_KEY_ID_ALPHABET) for _ in range(_KEY_ID_LENGTH))
@@ -185,9 +186,11 @@ def update_api_key(
         changed.append("name")
     if requests_per_minute is not UNCHANGED:
         if requests_per_minute is not None and (
-            not isinstance(requests_per_minute, int) or requests_per_minute < 1
+            not isinstance(requests_per_minute, int) or not 1 <= requests_per_minute <= MAX_RATE
         ):
-            raise UserError("requests per minute must be at least 1", field="requests_per_minute")
+            raise UserError(
+                f"requests per minute must be 1 to {MAX_RATE}", field="requests_per_minute"
+            )
         key.requests_per_minute = requests_per_minute
         changed.append("requests per minute")
     deployments = [get_deployment(model) for model in models] if models is not None else None

@@ -10,6 +10,8 @@ from rest_framework import serializers
 
 from capyctl import reports
 from capyctl.deployments.models import ParkPolicy
+from capyctl.deployments.services import MAX_COUNT, MAX_PRIORITY, MAX_SECONDS
+from capyctl.validation import MAX_SIZE_BYTES
 
 # -- output ---------------------------------------------------------------------------------
 
@@ -177,10 +179,6 @@ class OperationOut(serializers.Serializer):  # type: ignore[type-arg]
 
 # -- input ----------------------------------------------------------------------------------
 
-MAX_BYTES = 2**62  # fits the database's 64-bit integers with room to add
-MAX_SECONDS = 10**9  # about 31 years; fits a 32-bit column
-MAX_COUNT = 2**31 - 1
-
 
 class EngineIn(serializers.Serializer):  # type: ignore[type-arg]
     name = serializers.CharField(max_length=63)
@@ -207,7 +205,9 @@ class DeploymentIn(serializers.Serializer):  # type: ignore[type-arg]
     gpus = serializers.IntegerField(required=False, min_value=0, max_value=64)
     park = serializers.ChoiceField(choices=ParkPolicy.choices, required=False)
     pinned = serializers.BooleanField(required=False)
-    priority = serializers.IntegerField(required=False, min_value=-1000, max_value=1000)
+    priority = serializers.IntegerField(
+        required=False, min_value=-MAX_PRIORITY, max_value=MAX_PRIORITY
+    )
     idle_park_seconds = serializers.IntegerField(
         required=False, allow_null=True, min_value=0, max_value=MAX_SECONDS
     )
@@ -249,10 +249,10 @@ class HostIn(serializers.Serializer):  # type: ignore[type-arg]
 class HostChange(serializers.Serializer):  # type: ignore[type-arg]
     address = serializers.CharField(max_length=255, required=False)
     gpu_reserve_bytes = serializers.IntegerField(
-        required=False, allow_null=True, min_value=0, max_value=MAX_BYTES
+        required=False, allow_null=True, min_value=0, max_value=MAX_SIZE_BYTES
     )
     ram_reserve_bytes = serializers.IntegerField(
-        required=False, allow_null=True, min_value=0, max_value=MAX_BYTES
+        required=False, allow_null=True, min_value=0, max_value=MAX_SIZE_BYTES
     )
 
 

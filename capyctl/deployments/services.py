@@ -30,6 +30,9 @@ from hostagent.sources import SourceError, check_syntax
 from hostagent.units import format_size
 
 MAX_GPUS = 64
+MAX_SECONDS = 10**9  # about 31 years, within the 32-bit columns that hold them
+MAX_COUNT = 2**31 - 1
+MAX_PRIORITY = 1000
 
 
 @dataclass
@@ -136,11 +139,18 @@ def _check_figures(spec: DeploymentSpec) -> None:
         "drain_timeout_seconds",
     ):
         value = getattr(spec, name)
-        if value is not None and value < 0:
-            raise UserError(f"invalid {name.replace('_', ' ')} {value}: must be >= 0", field=name)
-    if spec.max_waiting is not None and spec.max_waiting < 1:
+        if value is not None and not 0 <= value <= MAX_SECONDS:
+            raise UserError(
+                f"invalid {name.replace('_', ' ')} {value}: use 0 to {MAX_SECONDS}", field=name
+            )
+    if spec.max_waiting is not None and not 1 <= spec.max_waiting <= MAX_COUNT:
         raise UserError(
-            f"invalid max waiting {spec.max_waiting}: must be >= 1", field="max_waiting"
+            f"invalid max waiting {spec.max_waiting}: use 1 to {MAX_COUNT}", field="max_waiting"
+        )
+    if not -MAX_PRIORITY <= spec.priority <= MAX_PRIORITY:
+        raise UserError(
+            f"invalid priority {spec.priority}: use {-MAX_PRIORITY} to {MAX_PRIORITY}",
+            field="priority",
         )
     if not spec.source.strip():
         raise UserError(

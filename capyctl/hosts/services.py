@@ -13,7 +13,7 @@ from django.utils import timezone
 from capyctl.errors import NotFoundError, UserError
 from capyctl.events.services import record_event
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
-from capyctl.validation import validate_name
+from capyctl.validation import MAX_SIZE_BYTES, validate_name
 from hostagent import tls
 from hostagent.probe import Inventory
 from hostagent.tls import JoinToken
@@ -186,8 +186,8 @@ def update_host(
         host.address = address
         changed.append("address")
     for field_name, value in (reserves or {}).items():
-        if value is not None and value < 0:
-            raise UserError(f"{field_name} cannot be negative", field=field_name)
+        if value is not None and not 0 <= value <= MAX_SIZE_BYTES:
+            raise UserError(f"{field_name} must be 0 to {MAX_SIZE_BYTES}", field=field_name)
         setattr(host, field_name, value)
         changed.append(field_name)
     host.save()
