@@ -342,7 +342,7 @@ def status(args: argparse.Namespace) -> int:
 def deployment_action(args: argparse.Namespace) -> int:
     """start/stop/park/wake: saved as an operation, carried out by the running server."""
     from capyctl.deployments.services import get_deployment
-    from capyctl.scheduler.actions import default_timeout, request_action, seconds_taken, wait_for
+    from capyctl.scheduler.actions import default_timeout, request_action, seconds_taken
     from capyctl.scheduler.models import Operation
 
     prepare()
@@ -358,7 +358,7 @@ def deployment_action(args: argparse.Namespace) -> int:
         )
         return 0
     timeout = args.timeout or default_timeout(deployment)
-    op = _wait_showing_downloads(op, deployment.pk, timeout, wait_for)
+    op = _wait_showing_downloads(op, deployment.pk, timeout)
     if op.status == Operation.Status.DONE:
         print(f"{op.message} ({seconds_taken(op):.1f}s)")
         return 0
@@ -373,13 +373,14 @@ def deployment_action(args: argparse.Namespace) -> int:
     return 1
 
 
-def _wait_showing_downloads(op: Any, deployment_id: int, timeout: float, wait_for: Any) -> Any:
+def _wait_showing_downloads(op: Any, deployment_id: int, timeout: float) -> Any:
     """Wait for the operation; while its model downloads, draw a progress bar on stderr
     (a line per quarter when stderr is not a terminal). Download time does not count
     against the timeout."""
     import time
 
     from capyctl.deployments.models import Deployment
+    from capyctl.scheduler.actions import wait_for
     from capyctl.scheduler.fetching import describe
     from hostagent.sources import FetchStatus
 
