@@ -34,7 +34,14 @@ from urllib.parse import unquote, urlsplit
 
 logger = logging.getLogger("hostagent.sources")
 
-_HF_RE = re.compile(r"^hf://([A-Za-z0-9][\w.-]*)/([\w.-]+)(?:@([\w./-]+))?$")
+_HF_RE = re.compile(r"hf://([^/@]+)/([^/@]+)(?:@(.+))?", re.DOTALL)
+# What the Hub itself accepts in an owner or repository name; ``..`` and ``--`` are out,
+# since the cache folder is made from the name.
+_HF_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+# A branch, tag, commit or ``refs/pr/N``: segments that never start with a dot.
+_HF_REVISION_RE = re.compile(r"[A-Za-z0-9_][\w.+-]*(?:/[A-Za-z0-9_][\w.+-]*)*", re.ASCII)
+# A downloaded file's name, as it lands in the cache: no separators, no leading dot or dash.
+_FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=,@~-]{0,199}")
 _SHA_RE = re.compile(r"^sha256=([0-9a-fA-F]{64})$")
 _CHUNK = 1024 * 1024
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf")
@@ -60,13 +67,29 @@ def classify(source: str) -> str:
 
 def parse_hf(source: str) -> tuple[str, str | None]:
     """``hf://ORG/NAME[@REVISION]`` -> (``ORG/NAME``, revision or None)."""
-    match = _HF_RE.match(source)
+    match = _HF_RE.fullmatch(source)
     if match is None:
         raise SourceError(
             f"invalid source {source!r}: a Hugging Face source is hf://ORG/NAME or "
             "hf://ORG/NAME@REVISION"
         )
-    return f"{match[1]}/{match[2]}", match[3]
+    for part in (match[1], match[2]):
+        if not _HF_NAME_RE.fullmatch(part) or ".." in part or "--" in part:
+            raise SourceError(
+                f"invalid source {source!r}: {part!r} is not a repository owner or name "
+                "(letters, digits, '_', '-' and '.', not starting with '.' or '-', no '..' "
+                "or '--')"
+            )
+    revision = match[3]
+    if revision is not None and (
+        not _HF_REVISION_RE.fullmatch(revision) or ".." in revision or len(revision) > 200
+    ):
+        raise SourceError(
+            f"invalid source {source!r}: {revision!r} is not a revision (a branch, tag or "
+            "commit: letters, digits, '_', '-', '.', '+' and '/' between parts, no part "
+            "starting with '.', no '..')"
+        )
+    return f"{match[1]}/{match[2]}", revision
 
 
 def parse_http(source: str) -> tuple[str, str | None]:
@@ -75,8 +98,14 @@ def parse_http(source: str) -> tuple[str, str | None]:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise SourceError(f"invalid source {source!r}: not an http(s) URL with a host")
-    if not _file_name(url):
+    name = _file_name(url)
+    if not name:
         raise SourceError(f"invalid source {source!r}: the URL must name a file")
+    if not _FILE_NAME_RE.fullmatch(name):
+        raise SourceError(
+            f"invalid source {source!r}: the file name {name!r} cannot be kept in the cache "
+            "(use letters, digits and '_.+=,@~-', not starting with '.' or '-')"
+        )
     checksum = None
     if fragment:
         match = _SHA_RE.match(fragment)
@@ -241,13 +270,21 @@ class SourceCache:
     def http_dir(self, url: str) -> Path:
         return self.root / "http" / hashlib.sha256(url.encode()).hexdigest()[:20]
 
+    def inside(self, path: Path) -> Path:
+        """``path`` if it lies under the cache once resolved (links included), else a
+        :class:`SourceError`: a download never writes anywhere else."""
+        root = self.root.resolve()
+        if not path.resolve().is_relative_to(root):
+            raise SourceError(f"{path} would lie outside this host's cache ({root})")
+        return path
+
     def _fetch_http(self, job: FetchStatus) -> Path:
         import httpx
 
         url, checksum = parse_http(job.source)
         directory = self.http_dir(url)
-        final = directory / _file_name(url)
-        part = final.with_name(final.name + ".part")
+        final = self.inside(directory / _file_name(url))
+        part = self.inside(final.with_name(final.name + ".part"))
         with self._locked(directory):
             (directory / ".source").write_text(url + "\n")  # the file, whatever checksum
             if final.exists():
@@ -324,7 +361,7 @@ class SourceCache:
 
         repo, revision = parse_hf(job.source)
         cache = self.root / "hf"
-        folder = cache / f"models--{repo.replace('/', '--')}"
+        folder = self.inside(cache / f"models--{repo.replace('/', '--')}")
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
         disable_progress_bars()  # progress goes to the status, not to stderr
         try:
