@@ -36,6 +36,10 @@ class StartTimeoutError(EngineError):
         self.log_tail = log_tail
 
 
+class EngineExposedError(EngineError):
+    """The engine listened beyond loopback, so it was stopped."""
+
+
 class MemoryNotReleasedError(EngineError):
     """A park call answered success but the probe still sees the GPU memory held."""
 

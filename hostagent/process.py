@@ -4,6 +4,7 @@ waited on, stopped with SIGTERM then SIGKILL, and always reaped."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import shutil
@@ -23,6 +24,23 @@ logger = logging.getLogger("hostagent.process")
 
 DEFAULT_LOG_MAX_BYTES = 8 * 1024 * 1024
 
+# What an engine inherits from this process's environment; nothing else does (a database
+# password or a token meant for the server stays here). CAPYCTL_SIM_ reaches the simulated
+# engines' knobs. The kind's variables and the engine's own env are added on top.
+INHERITED_NAMES = frozenset({"PATH", "HOME", "LANG", "TMPDIR"})
+INHERITED_PREFIXES = (
+    "LC_", "CUDA_", "NVIDIA_", "HF_", "VLLM_", "SGLANG_", "LLAMA_", "CAPYCTL_SIM_",
+)  # fmt: skip
+
+
+def inherited_env() -> dict[str, str]:
+    """The allowlisted part of this process's environment, for an engine."""
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)
+    }
+
 
 class CappedLog:
     """An instance's log file; past ``max_bytes`` it rolls over to ``path.1`` (copy, then
@@ -37,7 +55,7 @@ class CappedLog:
         self.path = path
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def _roll_over(self, incoming: int) -> None:
         try:
@@ -45,13 +63,15 @@ class CappedLog:
         except FileNotFoundError:
             return
         if size and size + incoming > self.max_bytes:
-            shutil.copyfile(self.path, self.path.with_name(self.path.name + ".1"))
+            rolled = self.path.with_name(self.path.name + ".1")
+            shutil.copyfile(self.path, rolled)
+            rolled.chmod(0o600)
             os.truncate(self.path, 0)  # the engine's O_APPEND writes go on from the start
 
     def write(self, data: bytes) -> None:
         with self._lock:
             self._roll_over(len(data))
-            with self.path.open("ab") as handle:
+            with os.fdopen(self.open_for_child(), "ab") as handle:
                 handle.write(data)
 
     def enforce(self) -> None:
@@ -60,7 +80,7 @@ class CappedLog:
             self._roll_over(0)
 
     def open_for_child(self) -> int:
-        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def watch(self, alive: Callable[[], bool], every: float = 1.0) -> threading.Thread:
         """Keep the cap while ``alive()`` (a daemon thread)."""
@@ -165,7 +185,8 @@ def start_process(
 ) -> EngineProcess:
     """Start ``argv`` (never through a shell) in a new session and process group.
 
-    ``env`` is added to this process's environment. Output and errors go to the capped log.
+    The engine's environment is :func:`inherited_env` plus ``env``. Output and errors go
+    to the capped log (0600: it may hold prompts and paths).
     """
     log = CappedLog(log_path, log_max_bytes)
     log.write(f"--- capyctl: starting {argv[0]} ---\n".encode())
@@ -173,7 +194,7 @@ def start_process(
     try:
         popen = subprocess.Popen(
             argv,
-            env={**os.environ, **env},
+            env={**inherited_env(), **env},
             stdin=subprocess.DEVNULL,
             stdout=output,
             stderr=subprocess.STDOUT,
@@ -218,6 +239,42 @@ def wait_ready(
                 f"{what} was not ready after {timeout:.0f}s", process.log_tail()
             )
         time.sleep(interval)
+
+
+def _loopback(ip: str) -> bool:
+    try:
+        address = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool((mapped or address).is_loopback)
+
+
+def exposed_listeners(pid: int, port: int) -> list[str]:
+    """Where the engine ``pid`` listens beyond loopback: any TCP socket of the program
+    itself (the one that serves HTTP), and ``port`` anywhere in its process tree.
+
+    Its workers' own rendezvous sockets (torch.distributed stores, NCCL) are not counted:
+    the engines bind those to every interface themselves, and they serve no HTTP.
+    """
+    try:
+        leader = psutil.Process(pid)
+        tree = [leader, *leader.children(recursive=True)]
+    except psutil.Error:
+        return []
+    found: list[str] = []
+    for process in tree:
+        try:
+            sockets = process.net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        for sock in sockets:
+            if sock.status != psutil.CONN_LISTEN or not sock.laddr or _loopback(sock.laddr.ip):
+                continue
+            if process.pid == pid or sock.laddr.port == port:
+                ip = f"[{sock.laddr.ip}]" if ":" in sock.laddr.ip else sock.laddr.ip
+                found.append(f"{ip}:{sock.laddr.port}")
+    return sorted(set(found))
 
 
 def stop_process(process: EngineProcess, *, grace_seconds: float = 10.0) -> int:

@@ -17,13 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hostagent.errors import EngineCallError, EngineExitedError, MemoryNotReleasedError
+from hostagent.errors import (
+    EngineCallError,
+    EngineExitedError,
+    EngineExposedError,
+    MemoryNotReleasedError,
+)
 from hostagent.kinds import EngineClient, EngineKind, LaunchSpec, get_kind
 from hostagent.probe import Probe, ProcessUsage, SimulatedProbe
 from hostagent.process import (
     DEFAULT_LOG_MAX_BYTES,
     EngineProcess,
     adopt_process,
+    exposed_listeners,
     start_process,
     stop_process,
     wait_ready,
@@ -182,8 +188,21 @@ class EngineRuntime:
             timeout=timeout,
             what=what,
         )
+        self._check_loopback(instance, what)
         self._call(instance, lambda: instance.kind.warm_up(instance.client, instance.spec))
         return time.monotonic() - started
+
+    def _check_loopback(self, instance: Instance, what: str) -> None:
+        """An engine that listens beyond loopback exposes routes no key guards (vLLM's
+        ``/sleep``): it is stopped at once, and the start fails saying where it listened."""
+        exposed = exposed_listeners(instance.pid, instance.port)
+        if not exposed:
+            return
+        stop_process(instance.process, grace_seconds=2.0)
+        raise EngineExposedError(
+            f"{what} listens on {', '.join(exposed)}, not on 127.0.0.1 and ::1 only, so "
+            "it was stopped (does its command or args set another address?)"
+        )
 
     def usage(self, instance: Instance) -> ProcessUsage:
         """What the probe sees the instance's process tree hold now."""

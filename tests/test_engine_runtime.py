@@ -251,7 +251,7 @@ def test_an_engine_ignoring_sigterm_is_killed_with_its_children(runtime, launche
         "print('child', child.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
-    instance = launched("custom", command=f"{sys.executable} {script} --port {{port}}")
+    instance = launched("custom", command=f"{sys.executable} {script} {{host}} {{port}}")
     deadline = time.monotonic() + 10
     while "child" not in instance.process.log_tail() and time.monotonic() < deadline:
         time.sleep(0.05)

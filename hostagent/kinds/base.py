@@ -179,13 +179,31 @@ def split_command(command: str) -> list[str]:
 RESERVED_FLAGS = ("--host", "--port", "--api-key")
 
 
+def reserved_flag_in(arg: str, reserved: tuple[str, ...]) -> str | None:
+    """The reserved flag ``arg`` would set, or None. Beyond the exact flag this catches
+    ``--flag=value``, ``_`` for ``-`` (vLLM reads both) and the unique prefixes argparse
+    accepts (``--ho`` for ``--host``)."""
+    name = arg.split("=", 1)[0]
+    if name in reserved:
+        return name
+    if not name.startswith("--") or len(name) < 3:
+        return None
+    name = "--" + name[2:].replace("_", "-")
+    for flag in reserved:
+        if flag.startswith("--") and flag.startswith(name):
+            return flag
+    return None
+
+
 def check_reserved_flags(kind: str, args: list[str], reserved: tuple[str, ...]) -> None:
     for arg in args:
-        flag = arg.split("=", 1)[0]
-        if flag in reserved:
+        flag = reserved_flag_in(arg, reserved)
+        if flag is not None:
+            given = arg.split("=", 1)[0]
+            also = f" ({given} would be read as {flag})" if given != flag else ""
             raise KindError(
-                f"engine args may not set {flag}: CapyCTL sets it for every {kind} launch "
-                "(engines listen on 127.0.0.1 only, on a port and key CapyCTL picks)"
+                f"engine args may not set {flag}{also}: CapyCTL sets it for every {kind} "
+                "launch (engines listen on 127.0.0.1 only, on a port and key CapyCTL picks)"
             )
 
 

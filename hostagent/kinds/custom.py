@@ -1,7 +1,8 @@
 """A custom OpenAI-compatible server, described by a command template and options.
 
-The template says where CapyCTL's values go: ``{port}`` (required), ``{api_key}``,
-``{model}``, ``{source}``, ``{host}``. It is split with shlex and each argument is filled
+The template says where CapyCTL's values go: ``{host}`` and ``{port}`` (both required:
+the server must listen on loopback, where CapyCTL expects it), ``{api_key}``, ``{model}``,
+``{source}``. It is split with shlex and each argument is filled
 in separately, so a value can never become a second argument or command.
 
 Options (all optional)::
@@ -85,6 +86,11 @@ class CustomKind:
             raise KindError(
                 f"invalid command template {command!r}: it must contain {{port}} so the "
                 "server listens where CapyCTL expects"
+            )
+        if "host" not in used:
+            raise KindError(
+                f"invalid command template {command!r}: it must contain {{host}} so the "
+                f"server listens on {LOOPBACK} only"
             )
         return argv
 
