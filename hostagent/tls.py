@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import os
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,11 +113,60 @@ def server_context(cert: Path, key: Path, ca: Path, *, require_client: bool) -> 
     return context
 
 
-def client_context(ca: Path, cert: Path | None = None, key: Path | None = None) -> ssl.SSLContext:
-    """For calls out: the peer must chain to ``ca`` and carry the name we expect."""
+def client_context(
+    ca: Path,
+    cert: Path | None = None,
+    key: Path | None = None,
+    *,
+    pins: Mapping[str, str] | None = None,
+) -> ssl.SSLContext:
+    """For calls out: the peer must chain to ``ca`` and carry the name we expect. With
+    ``pins`` (peer name → SHA-256 of its certificate), it must also be exactly the
+    certificate pinned for that name, checked after each handshake: a certificate that was
+    replaced or revoked is refused although the CA signed it."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_verify_locations(ca)
     if cert is not None and key is not None:
         context.load_cert_chain(cert, key)
+    if pins is not None:
+        context.capyctl_pins = pins  # type: ignore[attr-defined]
+        context.sslsocket_class = _PinnedSocket  # blocking sockets (httpx)
+        context.sslobject_class = _PinnedObject  # asyncio and uvloop transports
     return context
+
+
+class PinMismatchError(ssl.SSLCertVerificationError):
+    """The peer's certificate is valid but not the one pinned for its name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "certificate does not match its pin"
+
+
+def check_pin(pins: Mapping[str, str], name: str | None, der: bytes | None) -> None:
+    """Raise PinMismatchError unless ``der`` is the certificate pinned for ``name``."""
+    expected = pins.get(name or "")
+    if not expected:
+        raise PinMismatchError(
+            f"host {name}: no certificate is trusted for it (revoked; it must join again)"
+        )
+    seen = hashlib.sha256(der or b"").hexdigest()
+    if not hmac.compare_digest(seen, expected):
+        raise PinMismatchError(
+            f"host {name}: its certificate ({seen[:16]}…) is not the one it joined with "
+            f"({expected[:16]}…): revoked or replaced"
+        )
+
+
+class _PinnedSocket(ssl.SSLSocket):
+    def do_handshake(self, block: bool = False) -> None:
+        super().do_handshake(block)
+        check_pin(self.context.capyctl_pins, self.server_hostname,  # type: ignore[attr-defined]
+                  self.getpeercert(binary_form=True))  # fmt: skip
+
+
+class _PinnedObject(ssl.SSLObject):
+    def do_handshake(self) -> None:
+        super().do_handshake()
+        check_pin(self.context.capyctl_pins, self.server_hostname,  # type: ignore[attr-defined]
+                  self.getpeercert(binary_form=True))  # fmt: skip

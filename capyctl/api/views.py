@@ -301,6 +301,16 @@ class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
             raise UserError(f"{name!r} is the in-process host; it does not join", field="name")
         return Response(s.HostAdded((host, hosts.new_join_token(host))).data)
 
+    @extend_schema(
+        summary="Stop trusting the host's certificate at once (it must join again)",
+        request=None,
+        responses=s.HostOut,
+    )
+    @action(detail=True, methods=["post"])
+    def revoke(self, request: Request, name: str) -> Response:
+        host = hosts.revoke_host(name, actor=_actor(request))
+        return Response(s.HostOut(host).data)
+
 
 # -- keys -----------------------------------------------------------------------------------
 

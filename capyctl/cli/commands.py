@@ -525,6 +525,16 @@ def host_remove(args: argparse.Namespace) -> int:
     return 0
 
 
+def host_revoke(args: argparse.Namespace) -> int:
+    from capyctl.hosts.services import revoke_host
+
+    prepare()
+    host = revoke_host(args.name, actor="cli")
+    print(f"host {host.name}: certificate revoked; calls to its agent are refused from now on")
+    print(f"  to let it join again: capyctl host token {host.name}")
+    return 0
+
+
 # --- the model cache ----------------------------------------------------------------------
 
 
@@ -542,13 +552,16 @@ def _cache_call(host: Any, call: str, *args: Any) -> list[dict[str, object]]:
     its agent."""
     from pathlib import Path
 
-    from capyctl.hosts.agents import RemoteHostDriver
+    from capyctl.hosts.agents import AgentUnreachableError, RemoteHostDriver
     from hostagent.sources import SourceCache
 
     if host.is_local:  # this data dir's cache, read directly (no engines involved)
         cache = SourceCache(Path(settings.DATA_DIR) / "models")
         return cache.listing() if call == "downloads" else cache.prune_listing(*args)
-    return list(getattr(RemoteHostDriver(host), call)(*args))
+    try:
+        return list(getattr(RemoteHostDriver(host), call)(*args))
+    except AgentUnreachableError as exc:
+        raise UserError(str(exc), field="host") from None
 
 
 def cache_list(args: argparse.Namespace) -> int:

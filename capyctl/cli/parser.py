@@ -162,6 +162,8 @@ def _build_host(commands: Any) -> None:
     _add_json(_sub(sub, "list", "list hosts", "host_list"))
     remove = _sub(sub, "remove", "forget a host (nothing may use it)", "host_remove")
     remove.add_argument("name")
+    revoke = _sub(sub, "revoke", "stop trusting a host's certificate, at once", "host_revoke")
+    revoke.add_argument("name")
 
 
 def _build_cache(commands: Any) -> None:

@@ -267,11 +267,14 @@ class Gateway:
 
     def _agent_tls(self) -> ssl.SSLContext:
         if self._tls is None:
+            from capyctl.hosts.agents import AGENT_PINS
             from capyctl.hosts.pki import pki
             from hostagent import tls
 
             where = pki()
-            self._tls = tls.client_context(where.ca_cert, where.server_cert, where.server_key)
+            self._tls = tls.client_context(
+                where.ca_cert, where.server_cert, where.server_key, pins=AGENT_PINS
+            )
         return self._tls
 
     async def close(self) -> None:

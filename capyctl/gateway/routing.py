@@ -12,6 +12,7 @@ from django.db.models import Q
 
 from capyctl.deployments.models import Deployment, Instance
 from capyctl.gateway.cache import WarmCache
+from capyctl.hosts.agents import AGENT_PINS
 from capyctl.scheduler.operations import instance_key
 
 SOFT_TTL_SECONDS = 0.25  # names in use are re-read this often, in the background
@@ -54,6 +55,8 @@ def _fetch_many(names: list[str]) -> dict[str, Route]:
         host = deployment.host
         remote = host is not None and not host.is_local
         base_url = None
+        if remote and host is not None:
+            AGENT_PINS[host.name] = host.cert_fingerprint  # checked at each TLS handshake
         if instance is not None and instance.port:
             base_url = (
                 f"https://{host.address}/relay/{instance_key(instance)}"

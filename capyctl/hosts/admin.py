@@ -14,7 +14,13 @@ from django.template.response import TemplateResponse
 from capyctl.admin_utils import attach_user_error
 from capyctl.errors import UserError
 from capyctl.hosts.models import Host
-from capyctl.hosts.services import add_host, new_join_token, parse_address, remove_host
+from capyctl.hosts.services import (
+    add_host,
+    new_join_token,
+    parse_address,
+    remove_host,
+    revoke_host,
+)
 from capyctl.validation import validate_name
 
 
@@ -40,7 +46,7 @@ class HostAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     search_fields = ("name", "address")
     readonly_fields = ("is_local", "state", "inventory", "last_seen_at", "created_at", "updated_at")
     fields = ("name", "address", "gpu_reserve_bytes", "ram_reserve_bytes", *readonly_fields)
-    actions = ("new_token", "remove")
+    actions = ("new_token", "revoke", "remove")
 
     def get_form(
         self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
@@ -97,6 +103,18 @@ class HostAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             self.message_user(request, "Select one remote host.", messages.ERROR)
             return None
         return self._token_page(request, hosts[0], new_join_token(hosts[0]))
+
+    @admin.action(
+        description="Revoke the certificates of the selected hosts (they must join again)"
+    )
+    def revoke(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
+        for host in queryset:
+            try:
+                revoke_host(host.name, actor=request.user.get_username())
+            except UserError as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+            else:
+                self.message_user(request, f"Revoked host {host.name}.", messages.SUCCESS)
 
     @admin.action(description="Remove the selected hosts (not while used)")
     def remove(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:

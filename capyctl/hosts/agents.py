@@ -1,9 +1,12 @@
 """Calls from the server to host agents, over mutual TLS.
 
 The server presents its own certificate (the only one the CA makes for client
-authentication) and trusts an agent only if its certificate chains to the CA AND carries
-the name the host was registered with: the TLS name check runs against the host's name,
-not its address, so a valid certificate of another host is refused.
+authentication) and trusts an agent only if its certificate chains to the CA, carries the
+name the host was registered with (the TLS name check runs against the host's name, not
+its address, so a valid certificate of another host is refused) AND is the very
+certificate the host joined with: its SHA-256 is compared with the host row's after every
+handshake. Revoking or re-joining a host changes that row, so the old certificate is
+refused from the next call on.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ from hostagent.sources import FetchStatus
 
 logger = logging.getLogger("capyctl.hosts")
 UNREACHABLE_NOTE = "its host does not answer"
-_clients: dict[str, httpx.Client] = {}
+_clients: dict[tuple[str, str], tuple[str, httpx.Client]] = {}
 _clients_lock = threading.Lock()
+# Host name → pinned certificate fingerprint, for connections that the gateway makes to
+# agents' relays (its route reads refresh it); "" or absent: no certificate is trusted.
+AGENT_PINS: dict[str, str] = {}
 
 
 class AgentUnreachableError(EngineCallError):
@@ -38,30 +44,51 @@ class AgentUnreachableError(EngineCallError):
     scheduler it is a failed engine call: what it cannot confirm stays counted."""
 
 
-def _client() -> httpx.Client:
+def _client(host: Host) -> httpx.Client:
+    """A client (a connection pool) for ``host`` that trusts only the certificate pinned
+    in its row now: one primary-key read a call, so a revocation counts at once. When the
+    pin changes, the old pool and its open connections are closed."""
+    pin = Host.objects.filter(pk=host.pk).values_list("cert_fingerprint", flat=True).first()
+    pin = pin or ""
     where = pki()
+    slot = (str(where.directory), host.name)
     with _clients_lock:
-        client = _clients.get(str(where.directory))
-        if client is None:
-            context = tls.client_context(where.ca_cert, where.server_cert, where.server_key)
-            client = httpx.Client(
-                verify=context, timeout=httpx.Timeout(10.0, connect=3.0), http2=False
-            )
-            _clients[str(where.directory)] = client
+        found = _clients.get(slot)
+        if found is not None and found[0] == pin:
+            return found[1]
+        if found is not None:
+            found[1].close()
+        context = tls.client_context(
+            where.ca_cert, where.server_cert, where.server_key, pins={host.name: pin}
+        )
+        client = httpx.Client(verify=context, timeout=httpx.Timeout(10.0, connect=3.0))
+        _clients[slot] = (pin, client)
         return client
+
+
+def _refusal(host: Host, exc: httpx.HTTPError) -> str:
+    """Why a call failed, in one line; a pin mismatch says so plainly."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, tls.PinMismatchError):
+            return f"certificate revoked or does not match: {cause}"
+        cause = cause.__cause__ or cause.__context__
+    return str(exc)
 
 
 def agent_call(host: Host, method: str, path: str, **kwargs: Any) -> Any:
     """One JSON call to ``host``'s agent; its answer, or AgentUnreachableError."""
     try:
-        answer = _client().request(
+        answer = _client(host).request(
             method,
             f"https://{host.address}{path}",
             extensions={"sni_hostname": host.name},
             **kwargs,
         )
     except httpx.HTTPError as exc:
-        raise AgentUnreachableError(f"host {host.name} ({host.address}): {exc}") from None
+        raise AgentUnreachableError(
+            f"host {host.name} ({host.address}): {_refusal(host, exc)}"
+        ) from None
     if answer.status_code >= 400:
         raise AgentUnreachableError(
             f"host {host.name} answered {answer.status_code}: {answer.text[:200]}"
@@ -76,16 +103,7 @@ def poll_hosts() -> None:
         try:
             inventory = agent_call(host, "GET", "/inventory")
         except AgentUnreachableError as exc:
-            if host.state != Host.State.UNREACHABLE:
-                Host.objects.filter(pk=host.pk).update(state=Host.State.UNREACHABLE)
-                # What its models hold stays counted, as memory nobody can confirm now.
-                LedgerEntry.objects.filter(
-                    host=host,
-                    deployment__isnull=False,
-                    status__in=[LedgerEntry.Status.HELD, LedgerEntry.Status.PROMISED],
-                ).update(status=LedgerEntry.Status.UNCONFIRMED, note=UNREACHABLE_NOTE)
-                record_event("host.unreachable", str(exc), subject=host.name, host_id=host.pk,
-                             level="warning")  # fmt: skip
+            mark_unreachable(host, str(exc))
             continue
         Host.objects.filter(pk=host.pk).update(
             state=Host.State.ONLINE, inventory=inventory, last_seen_at=timezone.now()
@@ -102,6 +120,21 @@ def poll_hosts() -> None:
                          host_id=host.pk)  # fmt: skip
 
 
+def mark_unreachable(host: Host, reason: str) -> None:
+    """Say ``host`` is unreachable (an event when that is news); what its models hold stays
+    counted, as memory nobody can confirm now."""
+    if host.state == Host.State.UNREACHABLE:
+        return
+    Host.objects.filter(pk=host.pk).update(state=Host.State.UNREACHABLE)
+    LedgerEntry.objects.filter(
+        host=host,
+        deployment__isnull=False,
+        status__in=[LedgerEntry.Status.HELD, LedgerEntry.Status.PROMISED],
+    ).update(status=LedgerEntry.Status.UNCONFIRMED, note=UNREACHABLE_NOTE)
+    record_event("host.unreachable", reason, subject=host.name, host_id=host.pk,
+                 level="warning")  # fmt: skip
+
+
 class RemoteHostDriver:
     """A remote host's engines, through its agent: the same calls as the local driver,
     as JSON over mutual TLS. Engine errors come back as the same error classes."""
@@ -111,7 +144,7 @@ class RemoteHostDriver:
 
     def _call(self, method: str, path: str, *, timeout: float = 10.0, **kwargs: Any) -> Any:
         try:
-            answer = _client().request(
+            answer = _client(self.host).request(
                 method,
                 f"https://{self.host.address}{path}",
                 extensions={"sni_hostname": self.host.name},
@@ -120,7 +153,8 @@ class RemoteHostDriver:
             )
         except httpx.HTTPError as exc:
             raise AgentUnreachableError(
-                f"host {self.host.name} ({self.host.address}) did not answer: {exc}"
+                f"host {self.host.name} ({self.host.address}) did not answer: "
+                f"{_refusal(self.host, exc)}"
             ) from None
         if answer.status_code == 409:
             raise wire.error_from_json(answer.json()["error"])

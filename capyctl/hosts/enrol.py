@@ -62,7 +62,8 @@ async def _enrol_request(receive: Any, send: Any) -> None:
     try:
         cert, ca = await sync_to_async(_enrol, thread_sensitive=False)(host, secret, csr)
     except EnrolError as exc:
-        logger.warning("refused an enrolment for host %s: %s", host, exc)
+        reason = getattr(exc, "reason", str(exc))  # the log says why; the answer does not
+        logger.warning("refused an enrolment for host %r: %s", host[:80], reason)
         await send_json(send, 403, {"error": str(exc)})
         return
     await send_json(send, 200, {"certificate": cert.decode(), "ca": ca.decode()})

@@ -114,20 +114,9 @@ def enrol(host_name: str, secret: str, csr_pem: bytes) -> tuple[bytes, bytes]:
             name=host_name, join_secret_hmac=hash_secret(secret), join_expires_at__gt=now
         ).update(join_secret_hmac="", join_expires_at=None)
         if spent != 1:
-            host = Host.objects.filter(name=host_name).first()
-            if host is None:
-                raise EnrolError(f"no host named {host_name!r} is registered on the server")
-            if not host.join_secret_hmac:
-                raise EnrolError(
-                    "this join token was already used; "
-                    f"make a new one on the server: capyctl host token {host_name}"
-                )
-            if host.join_expires_at is not None and host.join_expires_at <= now:
-                raise EnrolError(
-                    "this join token has expired; "
-                    f"make a new one on the server: capyctl host token {host_name}"
-                )
-            raise EnrolError("this join token is not the host's current one")
+            # One answer for every reason, so a caller cannot learn which host names
+            # exist; the log says which it was.
+            raise _refused_token(host_name)
         try:
             cert = sign_request(where, csr_pem, host_name)
         except ValueError as exc:
@@ -148,6 +137,61 @@ def enrol(host_name: str, secret: str, csr_pem: bytes) -> tuple[bytes, bytes]:
             host_id=host.pk,
         )
     return cert, where.ca_cert.read_bytes()
+
+
+REFUSED_JOIN = (
+    "this join token is not valid (unknown, already used, replaced or expired); "
+    "make a new one on the server: capyctl host token NAME"
+)
+
+
+class RefusedTokenError(EnrolError):
+    """A join token that does not open any enrolment; ``reason`` is for the log only."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(REFUSED_JOIN)
+        self.reason = reason
+
+
+def _refused_token(host_name: str) -> RefusedTokenError:
+    host = Host.objects.filter(name=host_name).first()
+    if host is None:
+        return RefusedTokenError("no such host")
+    if not host.join_secret_hmac:
+        return RefusedTokenError("no unused token (already used, or revoked)")
+    if host.join_expires_at is not None and host.join_expires_at <= timezone.now():
+        return RefusedTokenError("the token expired")
+    return RefusedTokenError("not the host's current token")
+
+
+def revoke_host(name: str, *, actor: str = "") -> Host:
+    """Stop trusting a host's certificate at once: every call to its agent is refused
+    (the pin is cleared), so are its pending join tokens; it shows unreachable and what
+    its models hold stays counted as unconfirmed. It comes back by joining again with a
+    new token (``capyctl host token NAME``)."""
+    from capyctl.hosts.agents import mark_unreachable
+
+    host = get_host(name)
+    if host.is_local:
+        raise UserError(f"{name!r} is the in-process host; it has no certificate", field="name")
+    if not host.cert_fingerprint:
+        raise UserError(f"host {name} has no certificate to revoke", field="name")
+    with transaction.atomic():
+        Host.objects.filter(pk=host.pk).update(
+            cert_fingerprint="", cert_expires_at=None, join_secret_hmac="", join_expires_at=None
+        )
+        record_event(
+            "host.revoked",
+            f"host {name}: certificate {host.cert_fingerprint[:16]}… revoked; it must join "
+            f"again (capyctl host token {name})",
+            subject=name,
+            host_id=host.pk,
+            actor=actor,
+            level="warning",
+        )
+        mark_unreachable(host, f"host {name}: its certificate was revoked")
+    host.refresh_from_db()
+    return host
 
 
 def remove_host(name: str) -> None:
