@@ -12,6 +12,8 @@ from django.core.management import call_command
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
+from hostagent.datadir import make_private_dir
+
 # Databases this process has already brought up to date.
 _migrated: set[str] = set()
 
@@ -64,7 +66,7 @@ def ensure_first_admin() -> AdminAccount:
     user_model.objects.create_superuser(username="admin", email="", password=password)
     written: Path | None = None
     if not given:
-        password_file.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(password_file.parent)
         fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
             handle.write(password + "\n")

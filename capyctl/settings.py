@@ -42,7 +42,7 @@ def _secret_key() -> str:
         return given
     path = DATA_DIR / "secret_key"
     if not path.exists():
-        DATA_DIR.mkdir(parents=True, exist_ok=True)
+        DATA_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)  # it holds secrets
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
@@ -122,7 +122,7 @@ def _database() -> dict[str, Any]:
     engine = config.get("ENGINE", "")
     if engine == "django.db.backends.sqlite3":
         if config["NAME"] != ":memory:":
-            Path(config["NAME"]).parent.mkdir(parents=True, exist_ok=True)
+            Path(config["NAME"]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         config["OPTIONS"] = {
             # Every transaction takes the write lock at BEGIN, so the ledger's admission
             # check and its write cannot interleave with another writer's.

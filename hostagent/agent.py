@@ -24,6 +24,7 @@ import httpx
 
 from hostagent import tls, wire
 from hostagent.asgi import HOP_BY_HOP, cancel_on_disconnect, lifespan, send_json, tls_server
+from hostagent.datadir import make_private_dir
 from hostagent.errors import EngineError
 from hostagent.host import HostRuntime
 from hostagent.probe import Probe, make_probe
@@ -86,8 +87,8 @@ def join(token_text: str, files: AgentFiles) -> str:
             f"the server at {token.url} shows a CA with fingerprint {seen[:16]}…, not the "
             f"{token.fingerprint[:16]}… the token pins: refusing to trust it"
         )
-    files.directory.mkdir(parents=True, exist_ok=True)
-    files.ca.write_bytes(ca_pem)
+    make_private_dir(files.directory)
+    tls.write_private(files.ca, ca_pem)
     key = tls.make_key()
     body = {
         "host": token.host,
@@ -108,8 +109,9 @@ def join(token_text: str, files: AgentFiles) -> str:
             reason = f"HTTP {answer.status_code}"
         raise AgentError(f"the server refused to enrol {token.host}: {reason}")
     tls.write_private(files.key, tls.key_pem(key))
-    files.cert.write_text(answer.json()["certificate"])
-    files.identity.write_text(json.dumps({"host": token.host, "server": token.url}) + "\n")
+    tls.write_private(files.cert, str(answer.json()["certificate"]).encode())
+    identity = json.dumps({"host": token.host, "server": token.url}) + "\n"
+    tls.write_private(files.identity, identity.encode())
     return token.host
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from capyctl.cli.parser import build_parser
+from hostagent.datadir import PRIVATE_UMASK
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -77,6 +78,8 @@ def _run_with_django(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
+    # What the program writes (data dir, database, keys, engine logs) is its owner's only.
+    os.umask(PRIVATE_UMASK)
     try:
         status = run(argv)
     except KeyboardInterrupt:

@@ -15,6 +15,7 @@ from typing import Any
 from django.conf import settings
 
 from capyctl.errors import UserError
+from hostagent.datadir import open_to_others
 from hostagent.units import format_size
 
 logger = logging.getLogger("capyctl.start")
@@ -60,6 +61,12 @@ def _url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
+def _warn_if_open(data_dir: Path) -> None:
+    warning = open_to_others(data_dir)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
+
+
 def _describe_database() -> str:
     db = settings.DATABASES["default"]
     if db["ENGINE"].endswith("sqlite3"):
@@ -73,6 +80,7 @@ def start_standalone(args: argparse.Namespace) -> int:
 
     host, port = parse_listen(args.listen)
     _check_port_free(host, port)
+    _warn_if_open(Path(settings.DATA_DIR))
     prepare_standalone()
     admin = ensure_first_admin()
     local = Host.objects.get(name=LOCAL_HOST_NAME)
@@ -150,6 +158,7 @@ def start_host(args: argparse.Namespace) -> int:
     data_dir = Path(getattr(args, "data_dir", None) or os.environ.get("CAPYCTL_DATA_DIR")
                     or Path.cwd() / ".capyctl-host")  # fmt: skip
     files = AgentFiles(data_dir)
+    _warn_if_open(data_dir)
     try:
         host, port = parse_listen(args.listen)
         if args.join:
@@ -232,6 +241,7 @@ def start_server(args: argparse.Namespace) -> int:
     host, port = parse_listen(args.listen)
     _check_server_mode()
     _check_port_free(host, port)
+    _warn_if_open(Path(settings.DATA_DIR))
     migrate_database()
     admin = ensure_first_admin()
     base = _url(host, port)

@@ -22,6 +22,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from django.conf import settings
 
 from hostagent import tls
+from hostagent.datadir import make_private_dir
 
 SERVER_NAME = tls.SERVER_NAME
 CA_DAYS = 3650
@@ -58,6 +59,7 @@ def pki(directory: Path | None = None) -> Pki:
     found = Pki(directory or Path(settings.DATA_DIR) / "pki")
     with _lock:
         if not found.ca_cert.exists():
+            make_private_dir(found.directory)
             _make_ca(found)
     return found
 
