@@ -130,6 +130,19 @@ def env_list(name: str, default: list[str], environ: Mapping[str, str] | None = 
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+def env_secret(
+    name: str, *, min_length: int, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """A secret such as a bearer token, or ``None`` when unset; a short one is refused
+    (the message names the variable, never the value)."""
+    value = _raw(name, environ)
+    if not value:
+        return None
+    if len(value) < min_length:
+        raise ConfigError(f"{name} must be at least {min_length} characters long")
+    return value
+
+
 def parse_sim_gpus(name: str, value: str | None) -> SimSpec | None:
     """Parse ``CAPYCTL_SIM_GPUS`` (``24GiB``, ``2x80GiB``, ``unified:128GiB``), or ``None``."""
     if value is None or value.strip() == "":

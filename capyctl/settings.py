@@ -19,10 +19,12 @@ from capyctl.conf import (
     ConfigError,
     env_bool,
     env_choice,
+    env_float,
     env_int,
     env_list,
     env_optional_str,
     env_path,
+    env_secret,
     env_size,
     env_str,
     parse_sim_gpus,
@@ -58,8 +60,28 @@ def _secret_key() -> str:
 
 SECRET_KEY = _secret_key()
 DEBUG = env_bool("CAPYCTL_DEBUG", False)
-ALLOWED_HOSTS = env_list("CAPYCTL_ALLOWED_HOSTS", ["*"])
+# Loopback names only unless configured; `capyctl start` adds the address it listens on
+# (see capyctl.cli.start). The dashboard's WebSocket origin check uses the same list.
+LOCAL_HOSTS = ["localhost", "127.0.0.1", "[::1]", "::1"]
+ALLOWED_HOSTS_SET = bool(os.environ.get("CAPYCTL_ALLOWED_HOSTS", "").strip())
+ALLOWED_HOSTS = env_list("CAPYCTL_ALLOWED_HOSTS", LOCAL_HOSTS)
 CSRF_TRUSTED_ORIGINS = env_list("CAPYCTL_CSRF_TRUSTED_ORIGINS", [])
+
+# Behind a TLS proxy: cookies only over HTTPS, and the proxy's X-Forwarded-Proto says
+# whether a request came over HTTPS (the proxy must set it, overwriting the client's).
+BEHIND_TLS = env_bool("CAPYCTL_BEHIND_TLS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env_bool("CAPYCTL_SECURE_COOKIES", BEHIND_TLS)
+if BEHIND_TLS:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+
+# /metrics: a scraper sends this as a bearer token (or a staff user's session is used).
+METRICS_TOKEN = env_secret("CAPYCTL_METRICS_TOKEN", min_length=16)
+# Failed logins per user name and client address before a lockout, and its length.
+LOGIN_MAX_FAILURES = env_int("CAPYCTL_LOGIN_MAX_FAILURES", 5, minimum=1)
+LOGIN_LOCKOUT_SECONDS = env_int("CAPYCTL_LOGIN_LOCKOUT_SECONDS", 900, minimum=1)
+AUTHENTICATION_BACKENDS = ["capyctl.web.login.ThrottledModelBackend"]
 
 INSTALLED_APPS = [
     "daphne",
@@ -221,6 +243,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    # The schema and its docs page are for staff (a session or an admin-scope key).
+    "SERVE_PERMISSIONS": ["capyctl.api.auth.IsAdmin"],
 }
 
 LOG_LEVEL = env_choice(
@@ -258,4 +282,12 @@ CAPYCTL: dict[str, Any] = {
     # into join tokens. The listener itself is `capyctl start … --enrol-listen`.
     "ENROL_ADDRESS": env_str("CAPYCTL_ENROL_ADDRESS", f"{socket.getfqdn()}:7443"),
     "JOIN_TOKEN_SECONDS": env_int("CAPYCTL_JOIN_TOKEN_SECONDS", 3600, minimum=60),
+    # The HTTP server's bounds, so slow or idle clients cannot hold it: a request's head
+    # must arrive within HEADER_TIMEOUT seconds and in at most MAX_HEADER_BYTES; an idle
+    # kept-alive connection closes after KEEPALIVE_TIMEOUT; past MAX_CONNECTIONS open
+    # connections (or requests), new requests get 503.
+    "HTTP_HEADER_TIMEOUT": env_float("CAPYCTL_HTTP_HEADER_TIMEOUT", 10.0, minimum=0.1),
+    "HTTP_MAX_HEADER_BYTES": env_size("CAPYCTL_HTTP_MAX_HEADER_BYTES", 64 * 1024),
+    "HTTP_KEEPALIVE_TIMEOUT": env_int("CAPYCTL_HTTP_KEEPALIVE_TIMEOUT", 5, minimum=1),
+    "HTTP_MAX_CONNECTIONS": env_int("CAPYCTL_HTTP_MAX_CONNECTIONS", 4096, minimum=16),
 }

@@ -4,12 +4,13 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from capyctl.web import keys, views
+from capyctl.web import keys, login, views
 from capyctl.web.dashboard import dashboard
 
 admin.site.site_header = "CapyCTL"
 admin.site.site_title = "CapyCTL admin"
 admin.site.index_title = "Models, engines, hosts and keys"
+admin.site.login_form = login.ThrottledAdminLoginForm
 
 urlpatterns = [
     path("", dashboard, name="dashboard"),
@@ -17,7 +18,7 @@ urlpatterns = [
     path("api/", include("capyctl.api.urls")),
     path("keys/", keys.keys_page, name="keys"),
     path("keys/<str:key_id>/revoke/", keys.revoke_key, name="revoke-key"),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", login.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),

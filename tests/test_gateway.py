@@ -15,12 +15,15 @@ pytestmark = pytest.mark.e2e
 
 SIM = f"{sys.executable} -m hostagent.sim"
 
+METRICS_TOKEN = "scrape-token-0123456789"
+
 
 @pytest.fixture
 def served(program_env):
     program_env["CAPYCTL_SIM_GPUS"] = "24GiB"
     program_env["CAPYCTL_MIN_READY_SECONDS"] = "0"
     program_env["CAPYCTL_MAX_BODY_BYTES"] = "64KiB"
+    program_env["CAPYCTL_METRICS_TOKEN"] = METRICS_TOKEN
     run = lambda *argv: run_program(program_env, *argv)  # noqa: E731
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
     slow = ["--env", "CAPYCTL_SIM_LOAD_SECONDS=2"]
@@ -263,7 +266,9 @@ def test_metrics_parse_and_show_a_switch(served):
     assert chat(server, key, "b").status_code == 200  # a is parked to make room
     assert chat(server, key, "ghost").status_code == 404
     assert chat(server, "capy_nope_nope", "a").status_code == 401
-    text = httpx.get(f"{server.base_url}/metrics").text
+    assert httpx.get(f"{server.base_url}/metrics").status_code == 401  # no token
+    scraper = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    text = httpx.get(f"{server.base_url}/metrics", headers=scraper).text
     assert "capy_" not in text  # no key, not even a refused one, in any label
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value

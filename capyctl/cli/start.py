@@ -67,6 +67,41 @@ def _warn_if_open(data_dir: Path) -> None:
         print(warning, file=sys.stderr, flush=True)
 
 
+def mask_url(url: str) -> str:
+    """``scheme://user:secret@host/...`` → ``scheme://user:***@host/...``, for printing."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(not shown: not a URL)"
+    if parts.password is None:
+        return url
+    userinfo, _, hostinfo = parts.netloc.rpartition("@")
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostinfo}"))
+
+
+def allow_listen_host(host: str) -> None:
+    """Unless ``CAPYCTL_ALLOWED_HOSTS`` is set, answer to the names of the address we
+    listen on as well as to loopback: on every interface, this machine's names and
+    addresses. Any other ``Host`` (a DNS-rebinding name) is refused, and so is a
+    dashboard WebSocket from any other origin."""
+    if settings.ALLOWED_HOSTS_SET:
+        return
+    names = [host, f"[{host}]"] if ":" in host else [host]
+    if host in ("0.0.0.0", "::", ""):  # noqa: S104 - comparing, not binding
+        import psutil
+
+        names = [socket.gethostname(), socket.getfqdn()]
+        for addresses in psutil.net_if_addrs().values():
+            for address in addresses:
+                if address.family in (socket.AF_INET, socket.AF_INET6):
+                    ip = address.address.split("%", 1)[0]
+                    names += [ip, f"[{ip}]"] if ":" in ip else [ip]
+    settings.ALLOWED_HOSTS = list(dict.fromkeys([*settings.ALLOWED_HOSTS, *names]))
+
+
 def _describe_database() -> str:
     db = settings.DATABASES["default"]
     if db["ENGINE"].endswith("sqlite3"):
@@ -80,6 +115,7 @@ def start_standalone(args: argparse.Namespace) -> int:
 
     host, port = parse_listen(args.listen)
     _check_port_free(host, port)
+    allow_listen_host(host)
     _warn_if_open(Path(settings.DATA_DIR))
     prepare_standalone()
     admin = ensure_first_admin()
@@ -195,7 +231,8 @@ def _check_server_mode() -> None:
     try:
         redis.Redis.from_url(settings.REDIS_URL or "", socket_timeout=3).ping()
     except redis.RedisError as exc:
-        raise UserError(f"Redis does not answer at {settings.REDIS_URL}: {exc}") from None
+        where = mask_url(settings.REDIS_URL or "")
+        raise UserError(f"Redis does not answer at {where}: {exc}") from None
 
 
 def start_api(args: argparse.Namespace) -> int:
@@ -206,6 +243,7 @@ def start_api(args: argparse.Namespace) -> int:
     host, port = parse_listen(args.listen)
     _check_server_mode()
     _check_port_free(host, port)
+    allow_listen_host(host)
     migrate_database()
     enrolment = _serve_enrolment(args.enrol_listen) if args.enrol_listen else None
     print(f"CapyCTL {_version()} api, serving on {_url(host, port)}", flush=True)
@@ -247,7 +285,7 @@ def start_server(args: argparse.Namespace) -> int:
     base = _url(host, port)
     print(f"CapyCTL {_version()} server, serving on {base}", flush=True)
     print(f"  database:  {_describe_database()}", flush=True)
-    print(f"  redis:     {settings.REDIS_URL}", flush=True)
+    print(f"  redis:     {mask_url(settings.REDIS_URL or '')}", flush=True)
     print(f"  workers:   {args.workers} process(es)", flush=True)
     if admin.created and admin.password_file is not None:
         print(f"  log in as: {admin.username} / {admin.password}", flush=True)
@@ -316,12 +354,18 @@ def _version() -> str:
 def _serve_uvicorn(host: str, port: int) -> int:
     import uvicorn
 
+    from capyctl.cli.httpguard import guarded_protocol
+
+    bounds = settings.CAPYCTL
     config = uvicorn.Config(
         "capyctl.asgi:application",
         host=host,
         port=port,
         loop="uvloop",
-        http="httptools",
+        http=guarded_protocol(bounds["HTTP_HEADER_TIMEOUT"], bounds["HTTP_MAX_HEADER_BYTES"]),
+        limit_concurrency=bounds["HTTP_MAX_CONNECTIONS"],
+        timeout_keep_alive=bounds["HTTP_KEEPALIVE_TIMEOUT"],
+        backlog=2048,
         lifespan="on",
         access_log=False,
         proxy_headers=False,  # one ASGI layer less a request; CapyCTL logs no client address

@@ -1,15 +1,20 @@
 """``/metrics`` for Prometheus: what the gateway saw in this process, and what the
 database says now (the ledger, states, switches). Labels carry model, host, pool and
 status names only: never a key or a secret.
+
+A scrape must send ``Authorization: Bearer <CAPYCTL_METRICS_TOKEN>`` or come with a staff
+user's session; anything else gets 401 before any query runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
+from django.conf import settings
 from django.db import close_old_connections
 from django.db.models import Count, Sum
 from prometheus_client import CollectorRegistry, generate_latest
@@ -159,8 +164,64 @@ def _scrape() -> bytes:
         close_old_connections()
 
 
+def _header(scope: dict[str, Any], name: bytes) -> bytes:
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return bytes(value)
+    return b""
+
+
+def _token_ok(scope: dict[str, Any]) -> bool:
+    expected = settings.METRICS_TOKEN
+    scheme, _, given = _header(scope, b"authorization").partition(b" ")
+    if not expected or scheme.lower() != b"bearer":
+        return False
+    return hmac.compare_digest(given.strip(), expected.encode())
+
+
+def _staff_session(cookie_header: bytes) -> bool:
+    """Whether the request's session cookie is a logged-in, active staff user's."""
+    from http.cookies import CookieError, SimpleCookie
+    from importlib import import_module
+
+    from django.contrib.auth import get_user
+    from django.http import HttpRequest
+
+    try:
+        cookies = SimpleCookie(cookie_header.decode("latin-1"))
+    except CookieError:
+        return False
+    morsel = cookies.get(settings.SESSION_COOKIE_NAME)
+    if morsel is None or not morsel.value:
+        return False
+    close_old_connections()
+    try:
+        request = HttpRequest()
+        request.session = import_module(settings.SESSION_ENGINE).SessionStore(morsel.value)
+        user = get_user(request)
+        return bool(user.is_authenticated and user.is_active and user.is_staff)
+    finally:
+        close_old_connections()
+
+
+async def _refuse(send: Any) -> None:
+    body = b"/metrics needs Authorization: Bearer <CAPYCTL_METRICS_TOKEN> or a staff login\n"
+    headers = [
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+        (b"www-authenticate", b'Bearer realm="capyctl-metrics"'),
+    ]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 async def metrics_application(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """``GET /metrics`` (the database is read on a worker thread, off the event loop)."""
+    if not _token_ok(scope):
+        cookie = _header(scope, b"cookie")
+        if not cookie or not await asyncio.to_thread(_staff_session, cookie):
+            await _refuse(send)
+            return
     body = await asyncio.to_thread(_scrape)
     headers = [
         (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
