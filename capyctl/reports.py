@@ -8,6 +8,7 @@ from typing import Any
 from django.conf import settings
 
 from capyctl.access.models import ApiKey
+from capyctl.access.services import ceilings_of
 from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
 from capyctl.events.models import Event
@@ -73,6 +74,7 @@ def key_data(key: ApiKey) -> dict[str, Any]:
         "models": [d.name for d in key.allowed_models.all()],
         "admin": key.is_admin,
         "requests_per_minute": key.requests_per_minute,
+        "max_concurrent": key.max_concurrent,
         "expires_at": _time(key.expires_at),
         "revoked": key.revoked_at is not None,
         "revoked_at": _time(key.revoked_at),
@@ -133,6 +135,19 @@ def user_data(user: Any) -> dict[str, Any]:
         "date_joined": _time(user.date_joined),
         "last_login": _time(user.last_login),
         "keys": user.api_keys.count(),
+        "limits": limits_data(user),
+    }
+
+
+def limits_data(user: Any) -> dict[str, Any]:
+    """A user's ceilings (None: none); ``models`` None means every model."""
+    ceilings = ceilings_of(user)
+    lifetime = ceilings.key_lifetime
+    return {
+        "models": sorted(ceilings.models) if ceilings.models is not None else None,
+        "requests_per_minute": ceilings.requests_per_minute,
+        "max_concurrent": ceilings.max_concurrent,
+        "key_lifetime_seconds": int(lifetime.total_seconds()) if lifetime else None,
     }
 
 

@@ -104,4 +104,7 @@ def test_users_are_added_with_a_password_shown_once(cli):
 
     assert authenticate(username="carol", password=password) is not None
     staff = json.loads(cli("user", "list", "--json").out)
-    assert {"name": "carol", "staff": False, "active": True, "keys": 0} in staff
+    no_ceilings = {"models": None, "requests_per_minute": None, "max_concurrent": None,
+                   "key_lifetime_seconds": None}  # fmt: skip
+    assert {"name": "carol", "staff": False, "active": True, "keys": 0,
+            "limits": no_ceilings} in staff  # fmt: skip

@@ -12,14 +12,22 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils import timezone
 
-from capyctl.access.models import ApiKey
-from capyctl.access.services import issue_api_key, revoke_api_key, update_api_key
+from capyctl.access.models import ApiKey, UserLimits
+from capyctl.access.services import (
+    issue_api_key,
+    revoke_api_key,
+    set_user_limits,
+    update_api_key,
+    within_ceilings,
+)
+from capyctl.errors import UserError
 
 
 class NewKeyForm(forms.ModelForm):  # type: ignore[type-arg]
     class Meta:
         model = ApiKey
-        fields = ("user", "name", "allowed_models", "is_admin", "requests_per_minute", "expires_at")
+        fields = ("user", "name", "allowed_models", "is_admin", "requests_per_minute",
+                  "max_concurrent", "expires_at")  # fmt: skip
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -32,6 +40,20 @@ class NewKeyForm(forms.ModelForm):  # type: ignore[type-arg]
                 "is_admin",
                 f"user {owner.username!r} is not staff, so their keys cannot have the admin scope",
             )
+        if owner is not None and not self.errors:
+            # The same ceilings as the service applies, shown on the field at fault.
+            made = self.instance.created_at if self.instance.pk else timezone.now()
+            try:
+                within_ceilings(
+                    owner, list(data.get("allowed_models") or []),
+                    data.get("requests_per_minute"), data.get("max_concurrent"),
+                    expires, since=made,
+                )  # fmt: skip
+            except UserError as exc:
+                field = {"models": "allowed_models", "expires": "expires_at"}.get(
+                    exc.field or "", exc.field
+                )
+                self.add_error(field if field in self.fields else None, exc.message)
         return data
 
 
@@ -64,6 +86,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "allowed_models",
         "is_admin",
         "requests_per_minute",
+        "max_concurrent",
         "expires_at",
         *readonly_fields,
     )
@@ -74,7 +97,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
     ) -> Any:
         kwargs["form"] = NewKeyForm
-        kwargs["fields"] = NewKeyForm.Meta.fields if obj is None else self.fields[:5]
+        kwargs["fields"] = NewKeyForm.Meta.fields if obj is None else self.fields[:6]
         return super().get_form(request, obj, change, **kwargs)
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
@@ -90,12 +113,11 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         if change:
             update_api_key(
                 obj.key_id, name=data.get("name", ""), models=models,
-                requests_per_minute=data.get("requests_per_minute"), actor=actor,
+                requests_per_minute=data.get("requests_per_minute"),
+                max_concurrent=data.get("max_concurrent"),
+                expires_at=data.get("expires_at"), actor=actor,
             )  # fmt: skip
-            ApiKey.objects.filter(pk=obj.pk).update(
-                is_admin=bool(data.get("is_admin")),
-                expires_at=data.get("expires_at"),
-            )
+            ApiKey.objects.filter(pk=obj.pk).update(is_admin=bool(data.get("is_admin")))
             return
         expires = data.get("expires_at")
         key, full = issue_api_key(
@@ -105,6 +127,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             expires_in=(expires - timezone.now()) if expires else None,
             admin=bool(data.get("is_admin")),
             requests_per_minute=data.get("requests_per_minute"),
+            max_concurrent=data.get("max_concurrent"),
             actor=actor,
         )
         obj.pk = key.pk
@@ -134,3 +157,35 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         for key in queryset:
             revoke_api_key(key.key_id, actor=request.user.get_username())
         self.message_user(request, f"Revoked {queryset.count()} key(s).", messages.SUCCESS)
+
+
+@admin.register(UserLimits)
+class UserLimitsAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """A user's ceilings, saved through the same service as REST and ``capyctl user``."""
+
+    list_display = ("user", "models_limited", "requests_per_minute", "max_concurrent",
+                    "key_lifetime")  # fmt: skip
+    search_fields = ("user__username",)
+    fields = ("user", "models_limited", "allowed_models", "requests_per_minute",
+              "max_concurrent", "key_lifetime")  # fmt: skip
+    filter_horizontal = ("allowed_models",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return () if obj is None else ("user",)
+
+    def save_model(self, request: HttpRequest, obj: UserLimits, form: Any, change: bool) -> None:
+        data = form.cleaned_data
+        limits = set_user_limits(
+            obj.user.get_username(),
+            models=[d.name for d in data.get("allowed_models") or []]
+            if data.get("models_limited")
+            else None,
+            requests_per_minute=data.get("requests_per_minute"),
+            max_concurrent=data.get("max_concurrent"),
+            key_lifetime=data.get("key_lifetime"),
+            actor=request.user.get_username(),
+        )
+        obj.pk = limits.pk
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        """The service set the allowed models already."""

@@ -26,6 +26,9 @@ class ApiKey(models.Model):
     )
     is_admin = models.BooleanField(default=False, help_text="may use the REST API as admin")
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent = models.PositiveIntegerField(
+        null=True, blank=True, help_text="requests it may have in flight at once"
+    )
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
@@ -51,3 +54,37 @@ class ApiKey(models.Model):
         if self.revoked_at is not None:
             return False
         return self.expires_at is None or self.expires_at > moment  # type: ignore[operator]
+
+
+class UserLimits(models.Model):
+    """Ceilings that staff set for a user. Each of the user's keys can only narrow them,
+    and the gateway applies them to every key at request time, so narrowing a user
+    narrows the keys they already have. The rate and concurrency ceilings count the
+    user's keys together. No row, or a field left empty, means no ceiling; for models,
+    ``models_limited`` off means every model (on with none chosen means none)."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="limits"
+    )
+    models_limited = models.BooleanField(
+        default=False, help_text="only the models chosen below (none chosen: no model)"
+    )
+    allowed_models = models.ManyToManyField(
+        "deployments.Deployment", blank=True, related_name="user_limits"
+    )
+    requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="across all of the user's keys"
+    )
+    max_concurrent = models.PositiveIntegerField(
+        null=True, blank=True, help_text="requests in flight at once, across all their keys"
+    )
+    key_lifetime = models.DurationField(
+        null=True, blank=True, help_text="longest a key may live, from when it is made"
+    )
+
+    class Meta:
+        verbose_name = "user limits"
+        verbose_name_plural = "user limits"
+
+    def __str__(self) -> str:
+        return f"limits of {self.user}"

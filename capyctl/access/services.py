@@ -10,16 +10,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import re
 import secrets
 import string
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, cast
 
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
-from capyctl.access.models import ApiKey
+from capyctl.access.models import ApiKey, UserLimits
+from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import get_deployment
 from capyctl.errors import NotFoundError, UserError
 from capyctl.events.services import record_event
@@ -28,7 +32,11 @@ from capyctl.validation import validate_name
 KEY_PREFIX = "capy_"
 _KEY_ID_ALPHABET = string.ascii_lowercase + string.digits
 _KEY_ID_LENGTH = 10
+_SECRET_BYTES = 32
+# Exactly what issue_api_key makes: anything else is refused before any lookup.
+_KEY_FORM = re.compile(r"capy_([a-z0-9]{10})_([A-Za-z0-9_-]{43})")
 MAX_RATE = 2**31 - 1  # requests per minute; the column is 32-bit
+MAX_LIFETIME = timedelta(days=100 * 365)
 
 
 @functools.lru_cache(maxsize=4)
@@ -43,13 +51,10 @@ def hash_secret(secret: str) -> str:
 
 
 def split_key(full_key: str) -> tuple[str, str] | None:
-    """``capy_<id>_<secret>`` → ``(id, secret)``, or ``None`` if it is not of that form."""
-    if not full_key.startswith(KEY_PREFIX):
-        return None
-    key_id, sep, secret = full_key[len(KEY_PREFIX) :].partition("_")
-    if not sep or len(key_id) != _KEY_ID_LENGTH or not secret:
-        return None
-    return key_id, secret
+    """``capy_<id>_<secret>`` → ``(id, secret)``, or ``None`` unless it has exactly the
+    alphabet and lengths of a key this server makes."""
+    match = _KEY_FORM.fullmatch(full_key)
+    return None if match is None else (match[1], match[2])
 
 
 def get_user(username: str) -> User:
@@ -61,9 +66,15 @@ def get_user(username: str) -> User:
 
 @transaction.atomic
 def add_user(
-    username: str, *, password: str | None = None, staff: bool = False, actor: str = ""
+    username: str,
+    *,
+    password: str | None = None,
+    staff: bool = False,
+    limits: dict[str, Any] | None = None,
+    actor: str = "",
 ) -> User:
-    """Create a user. Without a password the account cannot log in until one is set."""
+    """Create a user, with ``limits`` for :func:`set_user_limits` if given (all or
+    nothing). Without a password the account cannot log in until one is set."""
     validate_name(username, what="user name", field="username")
     if User.objects.filter(username=username).exists():
         raise UserError(f"a user named {username!r} already exists", field="username")
@@ -76,7 +87,123 @@ def add_user(
         subject=username,
         actor=actor,
     )
+    if limits:
+        set_user_limits(username, actor=actor, **limits)
     return user
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """A user's ceilings (None: no ceiling). ``models``: the names they may use."""
+
+    models: frozenset[str] | None = None
+    requests_per_minute: int | None = None
+    max_concurrent: int | None = None
+    key_lifetime: timedelta | None = None
+
+
+def ceilings_of(user: User) -> Ceilings:
+    limits = UserLimits.objects.filter(user=user).first()
+    if limits is None:
+        return Ceilings()
+    return Ceilings(
+        models=frozenset(d.name for d in limits.allowed_models.all())
+        if limits.models_limited
+        else None,
+        requests_per_minute=limits.requests_per_minute,
+        max_concurrent=limits.max_concurrent,
+        key_lifetime=limits.key_lifetime,
+    )
+
+
+def _check_count(value: object, field: str, what: str) -> None:
+    if value is not None and (not isinstance(value, int) or not 1 <= value <= MAX_RATE):
+        raise UserError(f"{what} must be 1 to {MAX_RATE}", field=field)
+
+
+def _narrow(
+    value: int | None, ceiling: int | None, *, username: str, field: str, what: str
+) -> int | None:
+    """A key's count limit under its user's ceiling: none given takes the ceiling."""
+    if ceiling is None:
+        return value
+    if value is None:
+        return ceiling
+    if value > ceiling:
+        raise UserError(
+            f"{username} may have at most {ceiling} {what}; a key cannot allow more",
+            field=field,
+        )
+    return value
+
+
+def _within_models(
+    deployments: list[Deployment], ceilings: Ceilings, username: str
+) -> list[Deployment]:
+    """A key's models under its user's ceiling: none chosen means all the user may use."""
+    if ceilings.models is None:
+        return deployments
+    if not deployments:
+        return list(Deployment.objects.filter(name__in=ceilings.models).order_by("name"))
+    outside = sorted(d.name for d in deployments if d.name not in ceilings.models)
+    if outside:
+        allowed = ", ".join(sorted(ceilings.models)) or "none"
+        raise UserError(
+            f"{username} may use only these models: {allowed}; not {', '.join(outside)}",
+            field="models",
+        )
+    return deployments
+
+
+def _within_lifetime(
+    expires_at: datetime | None, ceilings: Ceilings, username: str, *, since: datetime
+) -> datetime | None:
+    """A key's expiry under its user's longest key lifetime (counted from ``since``)."""
+    if ceilings.key_lifetime is None:
+        return expires_at
+    latest = since + ceilings.key_lifetime
+    if expires_at is None:
+        return latest
+    if expires_at > latest + timedelta(seconds=1):  # a second's grace for the clock's tick
+        raise UserError(
+            f"{username}'s keys may live at most {span_text(ceilings.key_lifetime)}; "
+            "choose an earlier expiry",
+            field="expires",
+        )
+    return expires_at
+
+
+def span_text(span: timedelta) -> str:
+    """30d, 12h, 45m or 90s: the largest unit that divides it."""
+    seconds = int(span.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def within_ceilings(
+    user: User,
+    deployments: list[Deployment],
+    requests_per_minute: int | None,
+    max_concurrent: int | None,
+    expires_at: datetime | None,
+    *,
+    since: datetime,
+) -> tuple[list[Deployment], int | None, int | None, datetime | None]:
+    """A key's models, limits and expiry, narrowed to ``user``'s ceilings: a limit left
+    out takes the ceiling, one beyond it raises a :class:`UserError` naming the field.
+    ``since``: when the key was made (its lifetime counts from then)."""
+    username = user.get_username()
+    ceilings = ceilings_of(user)
+    return (
+        _within_models(deployments, ceilings, username),
+        _narrow(requests_per_minute, ceilings.requests_per_minute, username=username,
+                field="requests_per_minute", what="requests per minute"),
+        _narrow(max_concurrent, ceilings.max_concurrent, username=username,
+                field="max_concurrent", what="concurrent requests"),
+        _within_lifetime(expires_at, ceilings, username, since=since),
+    )  # fmt: skip
 
 
 @transaction.atomic
@@ -88,9 +215,13 @@ def issue_api_key(
     expires_in: timedelta | None = None,
     admin: bool = False,
     requests_per_minute: int | None = None,
+    max_concurrent: int | None = None,
     actor: str = "",
 ) -> tuple[ApiKey, str]:
-    """Make a key for ``username``. Returns the row and the full key, which is shown once."""
+    """Make a key for ``username``. Returns the row and the full key, which is shown once.
+
+    The key's limits can only narrow its user's ceilings, whoever issues it: a limit left
+    out takes the ceiling, one beyond it is refused."""
     user = get_user(username)
     deployments = [get_deployment(model) for model in models or []]
     if admin and not user.is_staff:
@@ -98,14 +229,19 @@ def issue_api_key(
             f"user {username!r} is not staff, so their keys cannot have the admin scope",
             field="admin",
         )
-    if requests_per_minute is not None and not 1 <= requests_per_minute <= MAX_RATE:
-        raise UserError(f"requests per minute must be 1 to {MAX_RATE}", field="requests_per_minute")
+    _check_count(requests_per_minute, "requests_per_minute", "requests per minute")
+    _check_count(max_concurrent, "max_concurrent", "concurrent requests")
     if len(name) > 100:
         raise UserError("a key name is at most 100 characters", field="name")
+    now = timezone.now()
+    deployments, requests_per_minute, max_concurrent, expires_at = within_ceilings(
+        user, deployments, requests_per_minute, max_concurrent,
+        now + expires_in if expires_in else None, since=now,
+    )  # fmt: skip
     key_id = "".join(secrets.choice(_KEY_ID_ALPHABET) for _ in range(_KEY_ID_LENGTH))
     while ApiKey.objects.filter(key_id=key_id).exists():  # pragma: no cover - 36^10 space
         key_id = "".join(secrets.choice(_KEY_ID_ALPHABET) for _ in range(_KEY_ID_LENGTH))
-    secret = secrets.token_urlsafe(32)
+    secret = secrets.token_urlsafe(_SECRET_BYTES)
     key = ApiKey.objects.create(
         key_id=key_id,
         secret_hmac=hash_secret(secret),
@@ -113,7 +249,8 @@ def issue_api_key(
         name=name,
         is_admin=admin,
         requests_per_minute=requests_per_minute,
-        expires_at=timezone.now() + expires_in if expires_in else None,
+        max_concurrent=max_concurrent,
+        expires_at=expires_at,
     )
     key.allowed_models.set(deployments)
     record_event(
@@ -174,10 +311,15 @@ def update_api_key(
     name: str | None = None,
     models: list[str] | None = None,
     requests_per_minute: int | object | None = UNCHANGED,
+    max_concurrent: int | object | None = UNCHANGED,
+    expires_at: datetime | object | None = UNCHANGED,
     actor: str = "",
 ) -> ApiKey:
-    """Change a key's label, allowed models or rate limit (its secret never changes)."""
+    """Change a key's label, allowed models, limits or expiry (its secret never changes).
+    The new limits can only narrow its user's ceilings, as when it was made."""
     key = get_api_key(ident)
+    username = key.user.get_username()
+    ceilings = ceilings_of(key.user)
     changed = []
     if name is not None:
         if len(name) > 100:
@@ -185,15 +327,29 @@ def update_api_key(
         key.name = name
         changed.append("name")
     if requests_per_minute is not UNCHANGED:
-        if requests_per_minute is not None and (
-            not isinstance(requests_per_minute, int) or not 1 <= requests_per_minute <= MAX_RATE
-        ):
-            raise UserError(
-                f"requests per minute must be 1 to {MAX_RATE}", field="requests_per_minute"
-            )
-        key.requests_per_minute = requests_per_minute
+        _check_count(requests_per_minute, "requests_per_minute", "requests per minute")
+        key.requests_per_minute = _narrow(
+            cast("int | None", requests_per_minute), ceilings.requests_per_minute,
+            username=username, field="requests_per_minute", what="requests per minute",
+        )  # fmt: skip
         changed.append("requests per minute")
-    deployments = [get_deployment(model) for model in models] if models is not None else None
+    if max_concurrent is not UNCHANGED:
+        _check_count(max_concurrent, "max_concurrent", "concurrent requests")
+        key.max_concurrent = _narrow(
+            cast("int | None", max_concurrent), ceilings.max_concurrent,
+            username=username, field="max_concurrent", what="concurrent requests",
+        )  # fmt: skip
+        changed.append("concurrent requests")
+    if expires_at is not UNCHANGED:
+        if expires_at is not None and cast("datetime", expires_at) <= timezone.now():
+            raise UserError("the expiry must be in the future", field="expires")
+        key.expires_at = _within_lifetime(
+            cast("datetime | None", expires_at), ceilings, username, since=key.created_at
+        )
+        changed.append("expiry")
+    deployments = None
+    if models is not None:
+        deployments = _within_models([get_deployment(m) for m in models], ceilings, username)
     key.save()
     if deployments is not None:
         key.allowed_models.set(deployments)
@@ -205,6 +361,57 @@ def update_api_key(
         actor=actor,
     )
     return key
+
+
+@transaction.atomic
+def set_user_limits(
+    username: str,
+    *,
+    models: list[str] | object | None = UNCHANGED,
+    requests_per_minute: int | object | None = UNCHANGED,
+    max_concurrent: int | object | None = UNCHANGED,
+    key_lifetime: timedelta | object | None = UNCHANGED,
+    actor: str = "",
+) -> UserLimits:
+    """Set a user's ceilings (None: no ceiling; ``models`` None: every model). Their
+    existing keys are narrowed at request time; new keys are checked when made."""
+    user = get_user(username)
+    _check_count(requests_per_minute if requests_per_minute is not UNCHANGED else None,
+                 "requests_per_minute", "requests per minute")  # fmt: skip
+    _check_count(max_concurrent if max_concurrent is not UNCHANGED else None,
+                 "max_concurrent", "concurrent requests")  # fmt: skip
+    if key_lifetime not in (UNCHANGED, None) and not (
+        isinstance(key_lifetime, timedelta) and timedelta(0) < key_lifetime <= MAX_LIFETIME
+    ):
+        raise UserError("a key lifetime must be more than 0 and at most 100 years",
+                        field="key_lifetime")  # fmt: skip
+    deployments = None
+    if models is not UNCHANGED and models is not None:
+        deployments = [get_deployment(m) for m in cast("list[str]", models)]
+    limits, _ = UserLimits.objects.select_for_update().get_or_create(user=user)
+    changed = []
+    if models is not UNCHANGED:
+        limits.models_limited = deployments is not None
+        changed.append("models")
+    if requests_per_minute is not UNCHANGED:
+        limits.requests_per_minute = cast("int | None", requests_per_minute)
+        changed.append("requests per minute")
+    if max_concurrent is not UNCHANGED:
+        limits.max_concurrent = cast("int | None", max_concurrent)
+        changed.append("concurrent requests")
+    if key_lifetime is not UNCHANGED:
+        limits.key_lifetime = cast("timedelta | None", key_lifetime)
+        changed.append("key lifetime")
+    limits.save()
+    if models is not UNCHANGED:
+        limits.allowed_models.set(deployments or [])
+    record_event(
+        "user.limits",
+        f"user {username} limits changed: {', '.join(changed) or 'nothing'}",
+        subject=username,
+        actor=actor,
+    )
+    return limits
 
 
 @transaction.atomic

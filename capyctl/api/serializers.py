@@ -112,6 +112,7 @@ class KeyOut(_Report):
     models = serializers.ListField(child=serializers.CharField())
     admin = serializers.BooleanField()
     requests_per_minute = serializers.IntegerField(allow_null=True)
+    max_concurrent = serializers.IntegerField(allow_null=True)
     expires_at = serializers.DateTimeField(allow_null=True)
     revoked = serializers.BooleanField()
     revoked_at = serializers.DateTimeField(allow_null=True)
@@ -131,6 +132,15 @@ class KeyCreated(KeyOut):
         return {**reports.key_data(key), "key": full}
 
 
+class LimitsOut(serializers.Serializer):  # type: ignore[type-arg]
+    models = serializers.ListField(
+        child=serializers.CharField(), allow_null=True, help_text="null: every model"
+    )
+    requests_per_minute = serializers.IntegerField(allow_null=True)
+    max_concurrent = serializers.IntegerField(allow_null=True)
+    key_lifetime_seconds = serializers.IntegerField(allow_null=True)
+
+
 class UserOut(_Report):
     report = staticmethod(reports.user_data)
     username = serializers.CharField()
@@ -139,6 +149,7 @@ class UserOut(_Report):
     date_joined = serializers.DateTimeField()
     last_login = serializers.DateTimeField(allow_null=True)
     keys = serializers.IntegerField()
+    limits = LimitsOut()
 
 
 class LedgerOut(serializers.Serializer):  # type: ignore[type-arg]
@@ -272,6 +283,9 @@ class KeyIn(serializers.Serializer):  # type: ignore[type-arg]
     requests_per_minute = serializers.IntegerField(
         required=False, allow_null=True, min_value=1, max_value=MAX_COUNT
     )
+    max_concurrent = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=MAX_COUNT
+    )
 
 
 class KeyChange(serializers.Serializer):  # type: ignore[type-arg]
@@ -280,15 +294,41 @@ class KeyChange(serializers.Serializer):  # type: ignore[type-arg]
     requests_per_minute = serializers.IntegerField(
         required=False, allow_null=True, min_value=1, max_value=MAX_COUNT
     )
+    max_concurrent = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=MAX_COUNT
+    )
 
 
-class UserIn(serializers.Serializer):  # type: ignore[type-arg]
+class LimitsIn(serializers.Serializer):  # type: ignore[type-arg]
+    """A user's ceilings, set by staff; each of their keys can only narrow them."""
+
+    models = serializers.ListField(
+        child=serializers.CharField(max_length=200), required=False, allow_null=True,
+        help_text="the models they may use (null: every model)",
+    )  # fmt: skip
+    requests_per_minute = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=MAX_COUNT,
+        help_text="across all of their keys (null: no ceiling)",
+    )  # fmt: skip
+    max_concurrent = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=MAX_COUNT,
+        help_text="requests in flight at once, across all of their keys (null: no ceiling)",
+    )  # fmt: skip
+    key_lifetime = serializers.CharField(
+        required=False, allow_null=True, max_length=16,
+        help_text="longest a key may live, e.g. 30d (null: no ceiling)",
+    )  # fmt: skip
+
+    LIMIT_FIELDS = ("models", "requests_per_minute", "max_concurrent", "key_lifetime")
+
+
+class UserIn(LimitsIn):
     username = serializers.CharField(max_length=150)
     password = serializers.CharField(required=False, write_only=True, max_length=256)
     staff = serializers.BooleanField(required=False, default=False)
 
 
-class UserChange(serializers.Serializer):  # type: ignore[type-arg]
+class UserChange(LimitsIn):
     password = serializers.CharField(required=False, write_only=True, max_length=256)
     staff = serializers.BooleanField(required=False)
     active = serializers.BooleanField(required=False)

@@ -8,6 +8,7 @@ import datetime as dt
 from typing import Any, ClassVar
 
 from django.contrib.auth.models import User
+from django.db import transaction
 from django.db.models import QuerySet
 from django_filters import rest_framework as filters
 from drf_spectacular.utils import extend_schema, extend_schema_view
@@ -368,6 +369,7 @@ class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignor
             expires_in=parse_duration(expires, field="expires") if expires else None,
             admin=data["admin"],
             requests_per_minute=data.get("requests_per_minute"),
+            max_concurrent=data.get("max_concurrent"),
             actor=_actor(request),
         )
         return Response(s.KeyCreated((key, full)).data, status=status.HTTP_201_CREATED)
@@ -380,6 +382,7 @@ class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignor
             name=data.get("name"),
             models=data.get("models"),
             requests_per_minute=data.get("requests_per_minute", access.UNCHANGED),
+            max_concurrent=data.get("max_concurrent", access.UNCHANGED),
             actor=_actor(request),
         )
         return Response(s.KeyOut(key).data)
@@ -398,7 +401,9 @@ class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignor
     retrieve=extend_schema(summary="One user", responses=s.UserOut),
     create=extend_schema(summary="Add a user", request=s.UserIn, responses={201: s.UserOut}),
     partial_update=extend_schema(
-        summary="Set a password, staff or active", request=s.UserChange, responses=s.UserOut
+        summary="Set a password, staff, active or ceilings",
+        request=s.UserChange,
+        responses=s.UserOut,
     ),
     destroy=extend_schema(summary="Remove a user and their keys", responses={204: None}),
 )
@@ -423,18 +428,30 @@ class UserViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
             raise UserError("a password is at least 8 characters", field="password")
         user = access.add_user(
             data["username"], password=data.get("password"), staff=data["staff"],
-            actor=_actor(request),
+            limits=_limits(data), actor=_actor(request),
         )  # fmt: skip
         return Response(s.UserOut(user).data, status=status.HTTP_201_CREATED)
 
     def partial_update(self, request: Request, username: str) -> Response:
         data = _valid(s.UserChange, request)
-        user = access.update_user(username, actor=_actor(request), **data)
+        limits = _limits(data)
+        with transaction.atomic():  # all of it or none
+            user = access.update_user(username, actor=_actor(request), **data)
+            if limits:
+                access.set_user_limits(username, actor=_actor(request), **limits)
         return Response(s.UserOut(user).data)
 
     def destroy(self, request: Request, username: str) -> Response:
         access.remove_user(username, actor=_actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+def _limits(data: dict[str, Any]) -> dict[str, Any]:
+    """Take the ceilings out of ``data`` as :func:`access.set_user_limits` takes them."""
+    limits = {name: data.pop(name) for name in s.LimitsIn.LIMIT_FIELDS if name in data}
+    if limits.get("key_lifetime") is not None:
+        limits["key_lifetime"] = parse_duration(limits["key_lifetime"], field="key_lifetime")
+    return limits
 
 
 # -- read-only records ----------------------------------------------------------------------

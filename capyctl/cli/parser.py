@@ -36,13 +36,22 @@ def count_arg(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def limit_arg(text: str) -> int | None:
+    """A count of at least 1, or ``none`` for no limit."""
+    return None if text == "none" else count_arg(1)(text)
+
+
 def _handler(name: str) -> Callable[[argparse.Namespace], int]:
     """Resolve a handler lazily, so parsing never imports Django."""
 
     def call(args: argparse.Namespace) -> int:
-        from capyctl.cli import commands, start
+        from capyctl.cli import commands, people, start
 
-        module = start if name.startswith("start") else commands
+        module: Any = commands
+        if name.startswith("start"):
+            module = start
+        elif name.startswith(("key_", "user_")):
+            module = people
         result: int = getattr(module, name)(args)
         return result
 
@@ -263,11 +272,28 @@ def _build_key(commands: Any) -> None:
     create.add_argument("--expires", metavar="DURATION", help="e.g. 30d, 12h, 2w")
     create.add_argument("--admin", action="store_true", help="allow REST automation as admin")
     create.add_argument("--rpm", type=count_arg(1), metavar="N", help="requests per minute")
+    create.add_argument("--max-concurrent", type=count_arg(1), metavar="N",
+                        help="requests in flight at once")  # fmt: skip
+    update = _sub(sub, "update", "change a key's name, models or limits", "key_update")
+    update.add_argument("id", help="the key id or its capy_<id> prefix")
+    update.add_argument("--name", metavar="LABEL", default=argparse.SUPPRESS)
+    _limit_flags(update, "")
     listing = _sub(sub, "list", "list keys", "key_list")
     listing.add_argument("--user", help="only this user's keys")
     _add_json(listing)
     revoke = _sub(sub, "revoke", "revoke a key", "key_revoke")
     revoke.add_argument("id", help="the key id or its capy_<id> prefix")
+
+
+def _limit_flags(parser: Parser, scope: str) -> None:
+    """--models, --rpm and --max-concurrent, left out of the namespace when not given."""
+    unset = argparse.SUPPRESS
+    parser.add_argument("--models", metavar="A,B|all", default=unset,
+                        help=f"the models it may use{scope} ('all': every one)")  # fmt: skip
+    parser.add_argument("--rpm", type=limit_arg, metavar="N|none", default=unset,
+                        help=f"requests per minute{scope}")  # fmt: skip
+    parser.add_argument("--max-concurrent", type=limit_arg, metavar="N|none", default=unset,
+                        help=f"requests in flight at once{scope}")  # fmt: skip
 
 
 def _build_user(commands: Any) -> None:
@@ -279,5 +305,14 @@ def _build_user(commands: Any) -> None:
     add.add_argument(
         "--password-stdin", action="store_true", help="read the password from standard input"
     )
+    update = _sub(sub, "update", "set a user's ceilings (their keys can only narrow them)",
+                  "user_update")  # fmt: skip
+    update.add_argument("name")
+    for parser in (add, update):
+        _limit_flags(parser, " across all their keys")
+        parser.add_argument(
+            "--key-lifetime", metavar="DURATION|none", default=argparse.SUPPRESS,
+            help="longest a key of theirs may live, e.g. 30d",
+        )  # fmt: skip
     listing = _sub(sub, "list", "list users", "user_list")
     _add_json(listing)

@@ -67,6 +67,8 @@ class Gateway:
             outcome.status = error.status
             await _respond(send, error.status, error.body(), error.response_headers())
         finally:
+            if outcome.admitted is not None:
+                await self.limits.leave(*outcome.admitted)
             metrics.count(outcome.model, outcome.status, started, outcome.headers_at,
                           outcome.overhead)  # fmt: skip
 
@@ -74,18 +76,11 @@ class Gateway:
         self, scope: Scope, receive: Any, send: Any, started: float, outcome: _Outcome
     ) -> None:
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
-        key = await self.keys.check(_presented_key(headers))
+        key = await self.keys.check(_presented_key(headers), scope.get("client"))
         if key is None:
             raise invalid_key()
-        wait = await self.limits.retry_after(key.pk, key.requests_per_minute)
-        if wait is not None:
-            raise GatewayError(
-                429,
-                "rate_limited",
-                f"This key allows {key.requests_per_minute} requests per minute.",
-                "rate_limit_error",
-                headers=[(b"retry-after", str(int(wait + 0.999)).encode())],
-            )
+        # Per minute and in flight, the key's and its user's; released when __call__ ends.
+        outcome.admitted = (key, await self.limits.admit(key))
         path = str(scope["path"])
         listing = _MODELS_PATH.match(path) if scope["method"] == "GET" else None
         if listing is not None:
@@ -470,9 +465,10 @@ def path_is_responses(scope: Scope) -> bool:
 class _Outcome:
     """What one request came to, for the metrics."""
 
-    __slots__ = ("headers_at", "model", "overhead", "status")
+    __slots__ = ("admitted", "headers_at", "model", "overhead", "status")
 
     def __init__(self) -> None:
+        self.admitted: tuple[KeyInfo, str | None] | None = None  # a key and its in-flight token
         self.model = "-"  # no model label for requests refused before one was resolved
         self.status = 500
         self.headers_at = 0.0

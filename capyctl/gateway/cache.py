@@ -3,8 +3,14 @@
 Names (model names, key ids) used in the last ``KEEP_WARM_SECONDS`` are re-read together,
 in one batch, every ``soft`` seconds by one background task, so requests find fresh values
 and never wait on the database. A value older than ``hard`` is never used: the request
-waits for a read (one read per name, however many requests wait for it). That bounds how
-stale anything can be, e.g. how long a revoked key keeps working, on every process.
+waits for a read. Names that need a read at the same moment share one (one query per
+``CHUNK`` names, however many requests wait). That bounds how stale anything can be,
+e.g. how long a revoked key keeps working, on every process.
+
+What is kept is bounded, so names nobody can own (random key ids) cannot grow it: at most
+``max_names`` names are kept warm, the least recently used giving way; with
+``warm_missing`` off, a name found missing is only remembered as missing, for
+``miss_seconds``, in a bounded list of its own, and never re-read in the background.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -20,59 +27,144 @@ from asgiref.sync import sync_to_async
 logger = logging.getLogger("capyctl.gateway")
 T = TypeVar("T")
 KEEP_WARM_SECONDS = 60.0
+# Names per query: far below any database's limit on bound variables (SQLite's is 32,766).
+CHUNK = 500
 
 
 class WarmCache(Generic[T]):
     def __init__(
-        self, fetch_many: Callable[[list[str]], dict[str, T]], *, soft: float, hard: float
+        self,
+        fetch_many: Callable[[list[str]], dict[str, T]],
+        *,
+        soft: float,
+        hard: float,
+        max_names: int = 10_000,
+        warm_missing: bool = True,
+        miss_seconds: float = 5.0,
     ) -> None:
         self._fetch_many = fetch_many
         self.soft = soft
         self.hard = hard
+        self.max_names = max_names
+        self.warm_missing = warm_missing
+        self.miss_seconds = miss_seconds
         self._values: dict[str, T | None] = {}
         self._read_at: dict[str, float] = {}  # when the read that gave the value began
-        self._used_at: dict[str, float] = {}
+        self._used_at: dict[str, float] = {}  # in order of use: the least recent first
+        self._missing: OrderedDict[str, float] = OrderedDict()  # name → when found missing
         self._reading: dict[str, asyncio.Future[T | None]] = {}
+        self._batch: dict[str, asyncio.Future[T | None]] = {}
+        self._batch_task: asyncio.Future[None] | None = None
         self._warmer: asyncio.Task[None] | None = None
+
+    def peek(self, name: str) -> tuple[bool, T | None]:
+        """``(known, value)`` from memory alone: never reads, never keeps ``name``."""
+        now = time.monotonic()
+        missed = self._missing.get(name)
+        if missed is not None and now - missed <= self.miss_seconds:
+            return True, None
+        if now - self._read_at.get(name, -1e9) <= self.hard:
+            return True, self._values.get(name)
+        return False, None
 
     async def get(self, name: str, *, fresh: bool = False) -> T | None:
         """The value (None: there is none); ``fresh`` waits for a read begun now."""
         now = time.monotonic()
-        self._used_at[name] = now
+        if not fresh:
+            missed = self._missing.get(name)
+            if missed is not None and now - missed <= self.miss_seconds:
+                return None
+        self._use(name, now)
         if self._warmer is None or self._warmer.done():
             self._warmer = asyncio.ensure_future(self._keep_warm())
         if not fresh and now - self._read_at.get(name, -1e9) <= self.hard:
             return self._values[name]
         reading = self._reading.get(name)
-        if reading is None or fresh:
+        if fresh:
             reading = asyncio.ensure_future(self._read_one(name))
             self._reading[name] = reading
+        elif reading is None:
+            reading = self._queue(name)
         return await asyncio.shield(reading)
+
+    def _use(self, name: str, now: float) -> None:
+        used = self._used_at
+        used.pop(name, None)  # re-inserted at the end: the dict stays in order of use
+        used[name] = now
+        if len(used) > self.max_names:
+            self._forget(next(iter(used)))
+
+    def _forget(self, name: str) -> None:
+        for table in (self._used_at, self._values, self._read_at):
+            table.pop(name, None)
+
+    def _queue(self, name: str) -> asyncio.Future[T | None]:
+        """A future for ``name``'s value, read with every other name queued this turn."""
+        future: asyncio.Future[T | None] = asyncio.get_running_loop().create_future()
+        self._batch[name] = future
+        self._reading[name] = future
+        if len(self._batch) == 1:  # kept, so the task is not collected while it runs
+            self._batch_task = asyncio.ensure_future(self._read_batch())
+        return future
+
+    async def _read_batch(self) -> None:
+        await asyncio.sleep(0)  # let the requests of this turn join the batch
+        batch, self._batch = self._batch, {}
+        try:
+            found = await self._read(list(batch))
+        except Exception as exc:
+            for name, future in batch.items():
+                self._reading.pop(name, None)
+                if not future.done():
+                    future.set_exception(exc)
+                    future.exception()  # retrieved: whoever waits gets it, no stray warning
+            return
+        for name, future in batch.items():
+            self._reading.pop(name, None)
+            if not future.done():
+                future.set_result(found.get(name))
 
     async def _read_one(self, name: str) -> T | None:
         try:
-            await self._read([name])
-            return self._values[name]
+            return (await self._read([name])).get(name)
         finally:
             self._reading.pop(name, None)
 
-    async def _read(self, names: list[str]) -> None:
+    def _fetch_chunks(self, names: list[str]) -> dict[str, T]:
+        found: dict[str, T] = {}
+        for start in range(0, len(names), CHUNK):
+            found.update(self._fetch_many(names[start : start + CHUNK]))
+        return found
+
+    async def _read(self, names: list[str]) -> dict[str, T]:
         began = time.monotonic()
         # On the executor's threads, each of which keeps its database connection.
-        found = await sync_to_async(self._fetch_many, thread_sensitive=False)(names)
+        found = await sync_to_async(self._fetch_chunks, thread_sensitive=False)(names)
         for name in names:
-            if began >= self._read_at.get(name, -1e9):  # never replace a newer read
-                self._values[name] = found.get(name)
+            if began < self._read_at.get(name, -1e9):
+                continue  # never replace a newer read
+            value = found.get(name)
+            if value is None and not self.warm_missing:
+                self._forget(name)
+                self._missing[name] = began
+                self._missing.move_to_end(name)
+                if len(self._missing) > self.max_names:
+                    self._missing.popitem(last=False)
+            elif name in self._used_at:  # not let go meanwhile: what is kept stays bounded
+                self._values[name] = value
                 self._read_at[name] = began
+        return found
 
     async def _keep_warm(self) -> None:
         failing = False
         while self._used_at:
             await asyncio.sleep(self.soft)
             cutoff = time.monotonic() - KEEP_WARM_SECONDS
-            for name in [n for n, used in self._used_at.items() if used < cutoff]:
-                for table in (self._used_at, self._values, self._read_at):
-                    table.pop(name, None)
+            while self._used_at:  # in order of use: the stale ones are at the front
+                name, used = next(iter(self._used_at.items()))
+                if used >= cutoff:
+                    break
+                self._forget(name)
             names = list(self._used_at)
             if names:
                 try:

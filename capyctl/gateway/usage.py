@@ -1,6 +1,6 @@
 """Per-key accounting, off the request path: requests, tokens from the response's
-``usage`` (the final streamed chunk too), last use written at most once a minute, and
-the requests-per-minute limit."""
+``usage`` (the final streamed chunk too), last use written at most once a minute; and the
+limits on requests per minute and requests in flight, per key and per user."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from capyctl.access.models import ApiKey
+from capyctl.gateway.errors import GatewayError
+from capyctl.gateway.keys import KeyInfo
 
 LAST_USED_EVERY = timedelta(minutes=1)
 _TAIL_BYTES = 8192
@@ -101,73 +103,236 @@ def write_usage(pending: dict[int, list[int]]) -> None:
         connection.close()
 
 
+Bucket = tuple[str, int]  # ("key", pk) or ("user", id): what a limit counts
+
+
 class RateLimiter:
-    """A sliding one-minute window per key, in this process (standalone)."""
+    """Sliding one-minute windows per bucket, in this process (standalone)."""
 
     def __init__(self) -> None:
-        self._hits: dict[int, deque[float]] = {}
+        self._hits: dict[Bucket, deque[float]] = {}
 
     def retry_after(self, key_pk: int, limit: int | None) -> float | None:
         """Seconds to wait when the key is over its limit (and count this request if not)."""
-        if not limit:
-            return None
+        refused = self.admit([(("key", key_pk), limit)])
+        return None if refused is None else refused[1]
+
+    def admit(self, limits: list[tuple[Bucket, int | None]]) -> tuple[int, float] | None:
+        """Count this request in every window, or, when one is full, in none: then the
+        index of the full one and the seconds to wait."""
         now = time.monotonic()
-        hits = self._hits.setdefault(key_pk, deque())
-        while hits and now - hits[0] >= 60:
-            hits.popleft()
-        if len(hits) >= limit:
-            return max(60 - (now - hits[0]), 1.0)
-        hits.append(now)
+        counted = []
+        for at, (bucket, limit) in enumerate(limits):
+            if not limit:
+                continue
+            hits = self._hits.setdefault(bucket, deque())
+            while hits and now - hits[0] >= 60:
+                hits.popleft()
+            if len(hits) >= limit:
+                return at, max(60 - (now - hits[0]), 1.0)
+            counted.append(hits)
+        for hits in counted:
+            hits.append(now)
         return None
 
 
+class InFlight:
+    """Requests in flight per bucket, in this process (standalone)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[Bucket, int] = {}
+
+    def enter(self, limits: list[tuple[Bucket, int | None]]) -> int | None:
+        """Count one more request in every bucket, or, when one is full, in none and
+        return its index."""
+        for at, (bucket, limit) in enumerate(limits):
+            if limit and self._counts.get(bucket, 0) >= limit:
+                return at
+        for bucket, _ in limits:
+            self._counts[bucket] = self._counts.get(bucket, 0) + 1
+        return None
+
+    def leave(self, limits: list[tuple[Bucket, int | None]]) -> None:
+        for bucket, _ in limits:
+            left = self._counts.get(bucket, 0) - 1
+            if left > 0:
+                self._counts[bucket] = left
+            else:
+                self._counts.pop(bucket, None)
+
+
+# Every window is checked before any is counted, so a request refused by one counts in none.
 _LIMIT_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  return tostring(60 - (now - tonumber(oldest[2])))
+for i, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - 60)
+  if redis.call('ZCARD', key) >= tonumber(ARGV[i]) then
+    local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+    return {i, tostring(60 - (now - tonumber(oldest[2])))}
+  end
 end
-redis.call('ZADD', KEYS[1], now, ARGV[2])
-redis.call('EXPIRE', KEYS[1], 61)
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, now, ARGV[#KEYS + 1])
+  redis.call('EXPIRE', key, 61)
+end
 return false
 """
 
+# Requests in flight: one member each, dropped when it ends; one older than the lease
+# (a process that died mid-request) stops counting by itself.
+_ENTER_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local lease = tonumber(ARGV[#KEYS + 2])
+for i, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - lease)
+  if redis.call('ZCARD', key) >= tonumber(ARGV[i]) then
+    return i
+  end
+end
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, now, ARGV[#KEYS + 1])
+  redis.call('EXPIRE', key, math.ceil(lease))
+end
+return false
+"""
+IN_FLIGHT_LEASE_SECONDS = 3600
+
+
+def _redis_key(kind: str, bucket: Bucket) -> str:
+    return (
+        f"capyctl:{kind}:{bucket[1]}" if bucket[0] == "key" else f"capyctl:{kind}:user:{bucket[1]}"
+    )
+
 
 class RedisRateLimiter:
-    """The same sliding window, kept in Redis (server mode): every API process counts
-    against one window per key, by Redis's clock, in one atomic step a request."""
+    """The same windows and counts, kept in Redis (server mode): every API process counts
+    against one window per key and per user, by Redis's clock, in one atomic step."""
 
     def __init__(self, url: str) -> None:
         import redis.asyncio
 
         self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=2)
         self._script = self._redis.register_script(_LIMIT_SCRIPT)
+        self._enter = self._redis.register_script(_ENTER_SCRIPT)
 
     async def retry_after(self, key_pk: int, limit: int | None) -> float | None:
-        if not limit:
+        refused = await self.admit([(("key", key_pk), limit)])
+        return None if refused is None else refused[1]
+
+    async def admit(self, limits: list[tuple[Bucket, int | None]]) -> tuple[int, float] | None:
+        live = [(at, bucket, limit) for at, (bucket, limit) in enumerate(limits) if limit]
+        if not live:
             return None
         member = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-        wait = await self._script(keys=[f"capyctl:rpm:{key_pk}"], args=[limit, member])
-        return None if wait is None else max(float(wait), 1.0)
+        refused = await self._script(
+            keys=[_redis_key("rpm", bucket) for _, bucket, _ in live],
+            args=[*(limit for _, _, limit in live), member],
+        )
+        if refused is None:
+            return None
+        return live[int(refused[0]) - 1][0], max(float(refused[1]), 1.0)
+
+    async def enter(self, limits: list[tuple[Bucket, int | None]], member: str) -> int | None:
+        live = [(at, bucket, limit) for at, (bucket, limit) in enumerate(limits) if limit]
+        if not live:
+            return None
+        refused = await self._enter(
+            keys=[_redis_key("busy", bucket) for _, bucket, _ in live],
+            args=[*(limit for _, _, limit in live), member, IN_FLIGHT_LEASE_SECONDS],
+        )
+        return None if refused is None else live[int(refused) - 1][0]
+
+    async def leave(self, limits: list[tuple[Bucket, int | None]], member: str) -> None:
+        for bucket, limit in limits:
+            if limit:
+                await self._redis.zrem(_redis_key("busy", bucket), member)
 
     async def close(self) -> None:
         await self._redis.aclose()
 
 
 class LocalLimiter:
-    """:class:`RateLimiter` behind the same awaitable face as :class:`RedisRateLimiter`."""
+    """:class:`RateLimiter` and :class:`InFlight` behind the face of
+    :class:`RedisRateLimiter`."""
 
     def __init__(self) -> None:
         self._window = RateLimiter()
+        self._in_flight = InFlight()
 
     async def retry_after(self, key_pk: int, limit: int | None) -> float | None:
         return self._window.retry_after(key_pk, limit)
+
+    async def admit(self, limits: list[tuple[Bucket, int | None]]) -> tuple[int, float] | None:
+        return self._window.admit(limits)
+
+    async def enter(self, limits: list[tuple[Bucket, int | None]], member: str) -> int | None:
+        return self._in_flight.enter(limits)
+
+    async def leave(self, limits: list[tuple[Bucket, int | None]], member: str) -> None:
+        self._in_flight.leave(limits)
 
     async def close(self) -> None:
         return None
 
 
-def make_limiter(redis_url: str | None) -> LocalLimiter | RedisRateLimiter:
-    return RedisRateLimiter(redis_url) if redis_url else LocalLimiter()
+class Limits:
+    """A key's rate and concurrency limits, and its user's, which all their keys share
+    (so making more keys does not raise the ceiling)."""
+
+    def __init__(self, counter: LocalLimiter | RedisRateLimiter) -> None:
+        self.counter = counter
+
+    async def admit(self, key: KeyInfo) -> str | None:
+        """Count the request in its key's and user's limits; returns a token for
+        :meth:`leave` (None: no concurrency limit). Raises a 429 when a limit is full."""
+        rates = [(("key", key.pk), key.requests_per_minute),
+                 (("user", key.user_id), key.user_requests_per_minute)]  # fmt: skip
+        refused = await self.counter.admit(rates)
+        if refused is not None:
+            whose, wait = refused
+            limit = rates[whose][1]
+            raise GatewayError(
+                429,
+                "rate_limited",
+                f"This key allows {limit} requests per minute."
+                if whose == 0
+                else f"This key's user allows {limit} requests per minute across all keys.",
+                "rate_limit_error",
+                headers=[(b"retry-after", str(int(wait + 0.999)).encode())],
+            )
+        busy = _busy(key)
+        if not any(limit for _, limit in busy):
+            return None
+        member = uuid.uuid4().hex
+        full = await self.counter.enter(busy, member)
+        if full is not None:
+            limit = busy[full][1]
+            raise GatewayError(
+                429,
+                "concurrency_limited",
+                f"This key allows {limit} requests at once; wait for one to finish."
+                if full == 0
+                else f"This key's user allows {limit} requests at once across all keys; "
+                "wait for one to finish.",
+                "rate_limit_error",
+                headers=[(b"retry-after", b"1")],
+            )
+        return member
+
+    async def leave(self, key: KeyInfo, member: str | None) -> None:
+        """The request admitted with ``member`` has ended."""
+        if member is not None:
+            await self.counter.leave(_busy(key), member)
+
+    async def close(self) -> None:
+        await self.counter.close()
+
+
+def _busy(key: KeyInfo) -> list[tuple[Bucket, int | None]]:
+    return [(("key", key.pk), key.max_concurrent), (("user", key.user_id), key.user_max_concurrent)]
+
+
+def make_limiter(redis_url: str | None) -> Limits:
+    return Limits(RedisRateLimiter(redis_url) if redis_url else LocalLimiter())

@@ -1,6 +1,8 @@
 """``/keys/``: any logged-in user creates, lists and revokes their own API keys.
 
 A new key's full text is shown in the answer to the form that made it, and never again.
+The page offers only what the user's ceilings allow; the service checks it again (a
+forged form is refused with the same message as REST and the CLI give).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from capyctl.access.models import ApiKey
-from capyctl.access.services import issue_api_key, revoke_api_key
+from capyctl.access.services import ceilings_of, issue_api_key, revoke_api_key, span_text
 from capyctl.deployments.models import Deployment
 from capyctl.errors import UserError
 from capyctl.validation import parse_duration
@@ -28,11 +30,25 @@ def _page(request: HttpRequest, **extra: Any) -> HttpResponse:
         .prefetch_related("allowed_models")
         .order_by("revoked_at", "-created_at")
     )
+    ceilings = ceilings_of(request.user)  # type: ignore[arg-type]
+    models = Deployment.objects.order_by("name").values_list("name", flat=True)
+    expiry_choices = EXPIRY_CHOICES
+    if ceilings.models is not None:
+        models = models.filter(name__in=ceilings.models)
+    if ceilings.key_lifetime is not None:
+        longest = ceilings.key_lifetime
+        expiry_choices = [
+            (value, label)
+            for value, label in EXPIRY_CHOICES
+            if value and parse_duration(value, field="expires") <= longest
+        ]
     context = {
         "nav": "keys",
         "keys": keys,
-        "models": Deployment.objects.order_by("name").values_list("name", flat=True),
-        "expiry_choices": EXPIRY_CHOICES,
+        "models": models,
+        "expiry_choices": expiry_choices,
+        "ceilings": ceilings,
+        "lifetime": span_text(ceilings.key_lifetime) if ceilings.key_lifetime else None,
         **extra,
     }
     return render(request, "web/keys.html", context, status=400 if "error" in extra else 200)
@@ -55,11 +71,23 @@ def keys_page(request: HttpRequest) -> HttpResponse:
             name=name,
             models=models,
             expires_in=parse_duration(expires, field="expires") if expires else None,
+            requests_per_minute=_count(request, "requests_per_minute"),
+            max_concurrent=_count(request, "max_concurrent"),
             actor=request.user.get_username(),
         )
     except UserError as exc:
         return _page(request, error=exc.message, form_name=name)
     return _page(request, new_key=full, new_prefix=key.prefix)
+
+
+def _count(request: HttpRequest, field: str) -> int | None:
+    """An optional whole number from the form (blank: none)."""
+    text = request.POST.get(field, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or len(text) > 10:
+        raise UserError(f"{field.replace('_', ' ')} must be a whole number", field=field)
+    return int(text)
 
 
 @login_required

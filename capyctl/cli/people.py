@@ -1,0 +1,223 @@
+"""Handlers of ``capyctl key`` and ``capyctl user``: API keys and the people who own them,
+with the ceilings that bind every key of a user."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import timedelta
+from typing import Any
+
+from capyctl.cli.commands import _actor, prepare
+from capyctl.cli.output import print_json, print_table
+from capyctl.errors import UserError
+
+# --- keys --------------------------------------------------------------------------------
+
+
+def key_create(args: argparse.Namespace) -> int:
+    from capyctl.access.services import issue_api_key
+    from capyctl.validation import parse_duration
+
+    expires = parse_duration(args.expires, field="expires") if args.expires else None
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    prepare()
+    key, full_key = issue_api_key(
+        args.user,
+        name=args.name,
+        models=models,
+        expires_in=expires,
+        admin=args.admin,
+        requests_per_minute=args.rpm,
+        max_concurrent=args.max_concurrent,
+        actor=_actor(),
+    )
+    print(full_key)
+    details = [f"id {key.key_id}", f"user {args.user}"]
+    if models:
+        details.append(f"models {','.join(models)}")
+    if key.expires_at:
+        details.append(f"expires {key.expires_at:%Y-%m-%d %H:%M} UTC")
+    if key.requests_per_minute:
+        details.append(f"{key.requests_per_minute}/min")
+    if key.max_concurrent:
+        details.append(f"{key.max_concurrent} at once")
+    if key.is_admin:
+        details.append("admin scope")
+    print(f"capyctl: key created ({', '.join(details)}); it is shown only now", file=sys.stderr)
+    return 0
+
+
+def key_list(args: argparse.Namespace) -> int:
+    from capyctl.reports import all_keys, key_data
+
+    prepare()
+    keys = [key_data(k) for k in all_keys() if not args.user or k.user.username == args.user]
+    if args.json:
+        print_json(keys)
+        return 0
+    rows = [
+        [
+            k["id"],
+            k["user"],
+            k["name"],
+            ",".join(k["models"]) or "(all)",
+            "yes" if k["admin"] else "no",
+            _key_limits(k),
+            k["expires_at"][:16].replace("T", " ") if k["expires_at"] else "never",
+            "revoked" if k["revoked"] else ("active" if k["active"] else "expired"),
+            k["last_used_at"][:16].replace("T", " ") if k["last_used_at"] else "never",
+        ]
+        for k in keys
+    ]
+    headers = ["id", "user", "name", "models", "admin", "limits", "expires", "status",
+               "last used"]  # fmt: skip
+    print_table(headers, rows, empty="no keys")
+    return 0
+
+
+def _limit_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The limit flags that were given, as the services take them."""
+    changes: dict[str, Any] = {}
+    if hasattr(args, "models"):
+        names = [m.strip() for m in args.models.split(",") if m.strip()]
+        changes["models"] = None if names == ["all"] else names
+    if hasattr(args, "rpm"):
+        changes["requests_per_minute"] = args.rpm
+    if hasattr(args, "max_concurrent"):
+        changes["max_concurrent"] = args.max_concurrent
+    return changes
+
+
+def key_update(args: argparse.Namespace) -> int:
+    from capyctl.access.services import update_api_key
+
+    changes = _limit_changes(args)
+    if "models" in changes and changes["models"] is None:
+        changes["models"] = []  # a key's "all": every model its user may use
+    prepare()
+    key = update_api_key(args.id, name=getattr(args, "name", None), actor=_actor(), **changes)
+    print(f"key {key.prefix} changed")
+    return 0
+
+
+def _key_limits(key: dict[str, Any]) -> str:
+    limits = []
+    if key["requests_per_minute"]:
+        limits.append(f"{key['requests_per_minute']}/min")
+    if key["max_concurrent"]:
+        limits.append(f"{key['max_concurrent']} at once")
+    return ", ".join(limits) or "-"
+
+
+def key_revoke(args: argparse.Namespace) -> int:
+    from capyctl.access.services import revoke_api_key
+
+    prepare()
+    key = revoke_api_key(args.id, actor=_actor())
+    print(f"key {key.prefix} revoked")
+    return 0
+
+
+# --- users -------------------------------------------------------------------------------
+
+
+def user_add(args: argparse.Namespace) -> int:
+    import secrets
+
+    from capyctl.access.services import add_user
+
+    generated = not args.password_stdin
+    if args.password_stdin:
+        password = sys.stdin.readline().rstrip("\n")
+        if len(password) < 8:
+            raise UserError("the password from standard input is shorter than 8 characters")
+    else:
+        password = secrets.token_urlsafe(12)
+    limits = _ceilings(args)
+    prepare()
+    add_user(args.name, password=password, staff=args.staff, limits=limits, actor=_actor())
+    role = "staff user" if args.staff else "user"
+    print(f"{role} {args.name} added")
+    if generated:
+        print(f"password: {password}  (shown only now)")
+    return 0
+
+
+def _ceilings(args: argparse.Namespace) -> dict[str, Any]:
+    from capyctl.validation import parse_duration
+
+    limits = _limit_changes(args)
+    if hasattr(args, "key_lifetime"):
+        lifetime = args.key_lifetime
+        limits["key_lifetime"] = (
+            None if lifetime == "none" else parse_duration(lifetime, field="key_lifetime")
+        )
+    return limits
+
+
+def user_update(args: argparse.Namespace) -> int:
+    from capyctl.access.services import get_user, set_user_limits
+    from capyctl.reports import limits_data
+
+    limits = _ceilings(args)
+    if not limits:
+        raise UserError(
+            "nothing to change: give --models, --rpm, --max-concurrent or --key-lifetime"
+        )
+    prepare()
+    set_user_limits(args.name, actor=_actor(), **limits)
+    print(f"user {args.name}: {_describe_limits(limits_data(get_user(args.name)))}")
+    return 0
+
+
+def _describe_limits(limits: dict[str, Any]) -> str:
+    models = limits["models"]
+    lifetime = limits["key_lifetime_seconds"]
+    return ", ".join([
+        f"models {','.join(models) or '(none)'}" if models is not None else "models (all)",
+        f"{limits['requests_per_minute']}/min" if limits["requests_per_minute"] else "no rpm limit",
+        f"{limits['max_concurrent']} at once" if limits["max_concurrent"] else "no limit at once",
+        f"keys live at most {_span(lifetime)}" if lifetime else "keys may live forever",
+    ])  # fmt: skip
+
+
+def _span(seconds: int) -> str:
+    from capyctl.access.services import span_text
+
+    return span_text(timedelta(seconds=seconds))
+
+
+def user_list(args: argparse.Namespace) -> int:
+    from django.contrib.auth import get_user_model
+
+    from capyctl.reports import limits_data
+
+    prepare()
+    users: list[dict[str, Any]] = [
+        {
+            "name": u.get_username(),
+            "staff": u.is_staff,
+            "active": u.is_active,
+            "keys": u.api_keys.count(),
+            "limits": limits_data(u),
+        }
+        for u in get_user_model().objects.order_by("username")
+    ]
+    if args.json:
+        print_json(users)
+    else:
+        rows = []
+        for u in users:
+            limits = u["limits"]
+            lifetime = limits["key_lifetime_seconds"]
+            models = limits["models"]
+            rows.append([
+                u["name"], "yes" if u["staff"] else "no", u["keys"],
+                "(all)" if models is None else ",".join(models) or "(none)",
+                limits["requests_per_minute"] or "-", limits["max_concurrent"] or "-",
+                _span(lifetime) if lifetime else "-",
+            ])  # fmt: skip
+        headers = ["name", "staff", "keys", "models", "rpm", "at once", "key lifetime"]
+        print_table(headers, rows, empty="no users")
+    return 0
