@@ -18,11 +18,13 @@ import ssl
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import quote
 
 import aiohttp
 import httpx
+from yarl import URL
 
-from hostagent import tls, wire
+from hostagent import routes, tls, wire
 from hostagent.asgi import HOP_BY_HOP, cancel_on_disconnect, lifespan, send_json, tls_server
 from hostagent.datadir import make_private_dir
 from hostagent.errors import EngineError
@@ -31,6 +33,7 @@ from hostagent.probe import Probe, make_probe
 from hostagent.simgpu import parse_sim_gpus
 
 logger = logging.getLogger("hostagent.agent")
+_QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
 
 
 class AgentError(Exception):
@@ -203,7 +206,10 @@ class AgentApp:
 class Relay:
     """``/relay/{instance}/v1/...``: the server's ``/v1`` requests, streamed to the
     instance's loopback port and back unbuffered (the gateway's data-path rules: aiohttp,
-    no decompression, no retries; a server that hangs up cancels the engine's request)."""
+    no decompression, no retries; a server that hangs up cancels the engine's request).
+
+    The path is checked again against the OpenAI routes (:mod:`hostagent.routes`), so not
+    even the server, compromised or wrong, reaches an engine's other routes through it."""
 
     MAX_BODY = 64 * 1024 * 1024
 
@@ -221,27 +227,43 @@ class Relay:
         return self._session
 
     async def forward(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        parts = str(scope["path"]).split("/", 3)  # "", "relay", instance, "v1/..."
+        path = str(scope["path"])
+        raw = scope.get("raw_path") or path.encode()
+        raw_parts = raw.split(b"/", 3)  # "", "relay", instance, "v1/..."
+        parts = path.split("/", 3)
         ident = parts[2] if len(parts) > 2 else ""
-        rest = parts[3] if len(parts) > 3 else ""
+        try:
+            if len(raw_parts) < 4 or len(parts) < 4 or raw_parts[2] != ident.encode():
+                raise routes.RouteError(400, "invalid_path", "Not /relay/INSTANCE/v1/...")
+            target = routes.resolve(b"/" + raw_parts[3], "/" + parts[3])
+            if target.kind == "models":  # the server answers it; engines are not asked
+                message = f"`{routes.MODELS}` is the server's to answer: not relayed."
+                raise routes.RouteError(404, "unknown_route", message)
+        except routes.RouteError as refused:
+            await send_json(send, refused.status, refused.as_json())
+            return
         instance = self.host.instance(ident)
-        if instance is None or not rest.startswith("v1/"):
-            await send_json(send, 404, {"error": {"message": f"no instance {ident} here"}})
+        if instance is None:
+            error = routes.RouteError(404, "unknown_instance", f"No instance {ident} here.")
+            await send_json(send, 404, error.as_json())
             return
         body = b""
         while True:
             message = await receive()
             body += message.get("body", b"")
             if len(body) > self.MAX_BODY:
-                await send_json(send, 413, {"error": {"message": "the request is too large"}})
+                too_large = routes.RouteError(413, "request_too_large", "The body is too large.")
+                await send_json(send, 413, too_large.as_json())
                 return
             if not message.get("more_body"):
                 break
-        url = f"http://127.0.0.1:{instance.port}/{rest}"
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
+        # Built from the checked route, marked as encoded: aiohttp re-reads nothing.
+        query = quote(scope.get("query_string", b"").decode("latin-1"), safe=_QUERY_SAFE)
+        url = URL.build(scheme="http", host="127.0.0.1", port=instance.port,
+                        path=target.path, query_string=query, encoded=True)  # fmt: skip
+        given = {k.lower(): v for k, v in scope["headers"]}
         headers = [(k.decode("latin-1"), v.decode("latin-1"))
-                   for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]  # fmt: skip
+                   for k, v in routes.forwarded_headers(given)]  # fmt: skip
         this = cast("asyncio.Task[None]", asyncio.current_task())
         gone = asyncio.Event()
         watcher = asyncio.ensure_future(cancel_on_disconnect(receive, this, gone))
@@ -255,13 +277,17 @@ class Relay:
             watcher.cancel()
 
     async def _stream(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, send: Any
+        self, method: str, url: URL, headers: list[tuple[str, str]], body: bytes, send: Any
     ) -> None:
         try:
             request = self._client().request(method, url, data=body, headers=headers)
             upstream = await request.__aenter__()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            await send_json(send, 502, {"error": {"message": f"the engine did not answer: {exc}"}})
+            logger.warning("%s %s: the engine did not answer: %s", method, url, exc)
+            error = routes.RouteError(
+                502, "engine_failed", "The engine did not answer.", "server_error"
+            )
+            await send_json(send, 502, error.as_json())
             return
         try:
             out = [(k, v) for k, v in upstream.raw_headers if k.lower() not in HOP_BY_HOP]

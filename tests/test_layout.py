@@ -23,3 +23,37 @@ def test_hostagent_imports_no_django_and_nothing_from_capyctl():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == ""
+
+
+def test_the_v1_routes_are_listed_in_one_place():
+    """The OpenAI routes /v1 serves are named only in ``hostagent.routes``, which the
+    gateway and the agent's relay both use. The simulated engines play engines (they serve
+    routes, they do not let them through), and engine control sends its own warm-up."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    allowed = {("hostagent/kinds/base.py", "/v1/completions")}
+    found = []
+    for package in ("capyctl", "hostagent"):
+        for file in sorted((root / package).rglob("*.py")):
+            name = file.relative_to(root).as_posix()
+            if name == "hostagent/routes.py" or name.startswith("hostagent/sim/"):
+                continue
+            tree = ast.parse(file.read_text())
+            docstrings = {
+                id(node.value)
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            }
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Constant) or id(node) in docstrings:
+                    continue
+                value = (
+                    node.value.decode("latin-1") if isinstance(node.value, bytes) else node.value
+                )
+                if not isinstance(value, str) or not value.lstrip("^").startswith("/v1/"):
+                    continue
+                if value not in ("/v1/", "^/v1/") and (name, value) not in allowed:
+                    found.append(f"{name}:{node.lineno}: {value!r}")
+    assert found == []

@@ -1,8 +1,9 @@
 """The ``/v1`` ASGI app: authenticate, resolve, wait for a ready engine, forward.
 
-Order of events (DESIGN §4): key → body (bounded) → model → allowed? → desired state →
-ready, or wait in the model's bounded queue while ONE wake runs → forward with the launch
-key, streaming the answer back unbuffered. Every error is OpenAI-shaped.
+Order of events (DESIGN §4): route (one allowlist, ``hostagent.routes``) → key → body
+(bounded) → model → allowed? → desired state → ready, or wait in the model's bounded
+queue while ONE wake runs → forward with the launch key, streaming the answer back
+unbuffered. Every error is OpenAI-shaped.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from typing import Any, cast
 from django.conf import settings
 from django.db import connection
 
+from capyctl.errors import UserError
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
 from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.routing import Route, RoutingTable, list_models
 from capyctl.gateway.upstream import UpstreamError, UpstreamPool
 from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
 from capyctl.scheduler import inflight, operations
+from capyctl.validation import validate_alias
 from capyctl.web import metrics
+from hostagent import routes
 from hostagent.asgi import HOP_BY_HOP, cancel_on_disconnect
 
 logger = logging.getLogger("capyctl.gateway")
@@ -34,10 +38,9 @@ Scope = dict[str, Any]
 # The client's key never reaches an engine: the instance's launch key replaces it. The
 # engine's own date and server lines give way to the ones this server writes.
 _HOP_BY_HOP = HOP_BY_HOP | {b"authorization", b"x-api-key", b"date", b"server"}
+_NOT_FORWARDED = routes.NOT_FORWARDED | {b"authorization", b"x-api-key"}
 _WHOLE_BODY_BYTES = 1024 * 1024  # sized answers up to this are passed on in one piece
 _GATE_TRIES = 3  # waits for a wake when a drain closed the gate under a request
-_MODELS_PATH = re.compile(r"^/v1/models(?:/([^/]+))?/?$")
-_STORED_RESPONSE_PATH = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_-]+)(?:/[a-z_]+)?/?$")
 # The form's `model` part: its headers (non-empty lines) end at the first blank line.
 _MULTIPART_MODEL = re.compile(rb'name="model"\r\n(?:[^\r\n]+\r\n)*?\r\n([^\r\n]*)\r\n')
 
@@ -75,20 +78,25 @@ class Gateway:
     async def _handle(
         self, scope: Scope, receive: Any, send: Any, started: float, outcome: _Outcome
     ) -> None:
+        path = str(scope["path"])
+        try:  # before anything else: only the documented routes, well formed
+            target = routes.resolve(scope.get("raw_path") or path.encode(), path)
+        except routes.RouteError as refused:
+            raise GatewayError(refused.status, refused.code, refused.message, retry=False) from None
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         key = await self.keys.check(_presented_key(headers), scope.get("client"))
         if key is None:
             raise invalid_key()
         # Per minute and in flight, the key's and its user's; released when __call__ ends.
         outcome.admitted = (key, await self.limits.admit(key))
-        path = str(scope["path"])
-        listing = _MODELS_PATH.match(path) if scope["method"] == "GET" else None
-        if listing is not None:
-            await self._models(send, key, listing.group(1))
+        if target.kind == "models":
+            if scope["method"] != "GET":
+                raise GatewayError(405, "method_not_allowed", f"`{path}` answers GET only.")
+            await self._models(send, key, target.name)
             outcome.status = 200
             return
         body = await _read_body(receive, int(settings.CAPYCTL["MAX_BODY_BYTES"]))
-        name, parsed = self._model_named(path, headers, body)
+        name, parsed = self._model_named(target, key, headers, body)
         route = await self.routes.get(name)
         if route is None or not key.allows(route.deployment_id):
             raise model_not_found(name)
@@ -118,6 +126,7 @@ class Gateway:
                 headers=headers,
                 body=body,
                 route=route,
+                target=target,
                 started=started,
                 waited_ms=waited_ms,
                 outcome=outcome,
@@ -126,22 +135,27 @@ class Gateway:
             inflight.end(route.deployment_id)
 
     def _model_named(
-        self, path: str, headers: dict[bytes, bytes], body: bytes
+        self, target: routes.Target, key: KeyInfo, headers: dict[bytes, bytes], body: bytes
     ) -> tuple[str, dict[str, Any] | None]:
         """The model a request is for, and its parsed JSON body (when it has one)."""
-        stored = _STORED_RESPONSE_PATH.match(path)
-        if stored is None:
-            return _model_of(headers.get(b"content-type", b""), body)
-        # GET /v1/responses/{id}, …/cancel: no body names the model; its maker does.
-        name = self.stored_responses.get(stored.group(1))
-        if name is None:
+        if target.kind != "stored":
+            name, parsed = _model_of(headers.get(b"content-type", b""), body)
+            try:  # a name no deployment can have is not looked up
+                validate_alias(name)
+            except UserError:
+                raise model_not_found(name[:128]) from None
+            return name, parsed
+        # GET /v1/responses/{id}, …/cancel: no body names the model; its maker does. Only
+        # its maker's keys see it: another user gets the answer an unknown id gets.
+        maker = self.stored_responses.get(str(target.name), key.user_id)
+        if maker is None:
             raise GatewayError(
                 404,
                 "response_not_found",
-                f"No response `{stored.group(1)}` was made through this endpoint.",
+                f"No response `{target.name}` was made through this endpoint.",
                 retry=False,
             )
-        return name, None
+        return maker, None
 
     async def _admit(self, route: Route) -> tuple[Route, float]:
         """Count the request in flight on a ready engine, waiting for a wake if needed;
@@ -295,17 +309,20 @@ class Gateway:
         headers: dict[bytes, bytes],
         body: bytes,
         route: Route,
+        target: routes.Target,
         started: float,
         waited_ms: float,
         outcome: _Outcome,
     ) -> None:
-        upstream_headers = [(k, v) for k, v in headers.items() if k not in _HOP_BY_HOP]
+        upstream_headers = routes.forwarded_headers(headers, _NOT_FORWARDED)
         upstream_headers.append((b"authorization", f"Bearer {route.launch_key}".encode()))
-        url = f"{route.base_url}{scope['path']}"
+        # The route's own path, never the client's text: nothing for a parser to re-read.
+        url = f"{route.base_url}{target.path}"
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
         self._touch(route.deployment_id)
-        tap = UsageTap(want_response_id=scope["method"] == "POST" and path_is_responses(scope))
+        want_id = scope["method"] == "POST" and target.path == routes.RESPONSES
+        tap = UsageTap(want_response_id=want_id)
         # The answer streams in this task; a watcher cancels it if the client goes away, so
         # the engine stops generating for no one (one extra task a request, no more).
         this = cast("asyncio.Task[None]", asyncio.current_task())
@@ -331,7 +348,7 @@ class Gateway:
         finally:
             watcher.cancel()
             if tap.response_id is not None:
-                self.stored_responses.put(tap.response_id, route.name)
+                self.stored_responses.put(tap.response_id, route.name, key.user_id)
             prompt, completion = tap.tokens()
             self.usage.add(key.pk, prompt, completion)
             self._schedule_usage_flush()
@@ -390,7 +407,9 @@ class Gateway:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError as exc:
-            message = f"the engine did not answer: {type(exc).__name__}: {exc}"
+            # The log keeps where it failed; the client learns no internal address.
+            logger.warning("%s %s: the engine did not answer: %s", method, url, exc)
+            message = "The model's engine did not answer or broke off its answer."
             if not sent_headers:
                 raise GatewayError(502, "engine_failed", message, "server_error") from exc
             error = GatewayError(502, "engine_failed", message, "server_error")
@@ -458,10 +477,6 @@ def _touch_sync(deployment_id: int) -> None:
         connection.close()
 
 
-def path_is_responses(scope: Scope) -> bool:
-    return str(scope["path"]).rstrip("/") == "/v1/responses"
-
-
 class _Outcome:
     """What one request came to, for the metrics."""
 
@@ -476,22 +491,24 @@ class _Outcome:
 
 
 class StoredResponses:
-    """Which model made each stored response (``resp_…``), so that ``GET
-    /v1/responses/{id}`` and its sub-paths, which name no model, reach the same engine.
-    The newest ``limit`` ids are kept."""
+    """Which model made each stored response (``resp_…``), and for which user, so that
+    ``GET /v1/responses/{id}`` and its sub-paths, which name no model, reach the same
+    engine, for that user's keys only. The newest ``limit`` ids are kept."""
 
     def __init__(self, limit: int = 100_000) -> None:
         self.limit = limit
-        self._models: OrderedDict[str, str] = OrderedDict()
+        self._models: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
-    def put(self, response_id: str, model: str) -> None:
-        self._models[response_id] = model
+    def put(self, response_id: str, model: str, user_id: int) -> None:
+        self._models[response_id] = (model, user_id)
         self._models.move_to_end(response_id)
         while len(self._models) > self.limit:
             self._models.popitem(last=False)
 
-    def get(self, response_id: str) -> str | None:
-        return self._models.get(response_id)
+    def get(self, response_id: str, user_id: int) -> str | None:
+        """The model, if ``user_id`` made the response."""
+        found = self._models.get(response_id)
+        return found[0] if found is not None and found[1] == user_id else None
 
 
 def _presented_key(headers: dict[bytes, bytes]) -> str:
@@ -531,6 +548,10 @@ def _model_of(content_type: bytes, body: bytes) -> tuple[str, dict[str, Any] | N
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise GatewayError(
             400, "invalid_request_error", "The request body is not valid JSON."
+        ) from None
+    except RecursionError:  # the C parser's own bound on nesting
+        raise GatewayError(
+            400, "invalid_request_error", "The request body is nested too deeply."
         ) from None
     if not isinstance(data, dict) or not isinstance(data.get("model"), str):
         raise GatewayError(400, "invalid_request_error", "The request needs a `model` string.")

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+
+# What an internal address looks like in a message (a URL, an IP address or localhost,
+# with a port or not): the log keeps it, a client is not told it.
+_ADDRESS = re.compile(
+    r"\b[a-z][a-z0-9+.-]*://\S+|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"
+    r"|\[[0-9a-f:.]+\](?::\d+)?|\blocalhost(?::\d+)?\b",
+    re.IGNORECASE,
+)
 
 
 @dataclass
@@ -16,10 +25,12 @@ class GatewayError(Exception):
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
     def body(self) -> bytes:
+        # A server-side failure (an engine's, a host's) may quote where it happened.
+        message = self.message if self.status < 500 else _ADDRESS.sub("[internal]", self.message)
         return json.dumps(
             {
                 "error": {
-                    "message": self.message,
+                    "message": message,
                     "type": self.type,
                     "param": None,
                     "code": self.code,

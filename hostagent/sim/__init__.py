@@ -17,6 +17,7 @@ knobs for timing and switches for faults, read from the environment:
 ``CAPYCTL_SIM_HANG_ON_WAKE``    1: a wake never returns
 ``CAPYCTL_SIM_KEEP_MEMORY``     1: a park answers 200 but keeps the GPU memory
 ``CAPYCTL_SIM_DIE_MID_STREAM``  1: exit abruptly after the second streamed chunk
+``CAPYCTL_SIM_RECORD``          a file: one JSON line for each request received
 ==============================  ===================================================
 
 GPU memory is "allocated" in the simulated devices of ``CAPYCTL_SIM_GPUS`` (the GPUs in

@@ -8,6 +8,7 @@ import json
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -49,6 +50,24 @@ class SimEngine:
         self.responses: dict[str, dict[str, Any]] = {}
         self.created = int(time.time())
         self.ready = asyncio.Event()
+        record = os.environ.get("CAPYCTL_SIM_RECORD", "")
+        self._record = Path(record).open("a", buffering=1) if record else None  # noqa: SIM115
+
+    @web.middleware
+    async def _recorder(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """With ``CAPYCTL_SIM_RECORD``: each request's method, path as received, path as
+        routed and header names, one JSON line each, so tests see what reached the engine
+        (header values are left out: they carry the launch key)."""
+        if self._record is not None:
+            seen = {
+                "method": request.method,
+                "raw_path": request.raw_path,
+                "path": request.path,
+                "headers": sorted({name.lower() for name in request.headers}),
+            }
+            self._record.write(json.dumps(seen) + "\n")
+        response: web.StreamResponse = await handler(request)
+        return response
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -437,7 +456,8 @@ class SimEngine:
     # -- the app ---------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024**2)
+        middlewares = [self._recorder] if self._record is not None else []
+        app = web.Application(client_max_size=64 * 1024**2, middlewares=middlewares)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
