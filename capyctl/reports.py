@@ -72,6 +72,7 @@ def key_data(key: ApiKey) -> dict[str, Any]:
         "user": key.user.get_username(),
         "name": key.name,
         "models": [d.name for d in key.allowed_models.all()],
+        "all_models": not key.limit_models,  # else only ``models``: none left means none
         "admin": key.is_admin,
         "requests_per_minute": key.requests_per_minute,
         "max_concurrent": key.max_concurrent,

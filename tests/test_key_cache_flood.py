@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from django.db.backends import utils as db_utils
 
+from capyctl.access import guessing
 from capyctl.access.services import issue_api_key
 from capyctl.gateway import keys as gateway_keys
 from capyctl.gateway.app import Gateway
@@ -134,7 +135,7 @@ def test_a_burst_of_guessed_ids_from_many_addresses(bob, key_reads):
         cache = gateway.keys._infos
         assert len(cache._used_at) == 1
         assert len(cache._missing) <= gateway_keys.KEYS_KEPT
-        assert len(gateway.keys.failures) <= gateway_keys.ADDRESSES_KEPT
+        assert len(gateway.keys.failures) <= guessing.ADDRESSES_KEPT
 
     asyncio.run(scenario())
 
@@ -151,11 +152,11 @@ def test_an_address_that_keeps_failing_is_slowed_but_its_real_key_works(bob, key
             reads_before = key_reads.count
             answers = [await call(gateway, guessed_key(), here) for _ in range(2000)]
             statuses = [status for status, _ in answers]
-            allowed = gateway_keys.FAILURES_ALLOWED
+            allowed = guessing.FAILURES_ALLOWED
             assert statuses[:allowed] == [401] * allowed
             assert set(statuses[allowed + 1 :]) == {429}
             retry = int(answers[-1][1][b"retry-after"])
-            assert 1 <= retry <= gateway_keys.FAILURE_REFILL_SECONDS + 1
+            assert 1 <= retry <= guessing.FAILURE_REFILL_SECONDS + 1
             assert key_reads.count - reads_before <= allowed + 2
             # The real key, already in memory, still works from that address...
             assert (await call(gateway, real, here))[0] == 404

@@ -3,7 +3,7 @@ once on the page that answers the form (never stored, never put in a message coo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from django import forms
 from django.contrib import admin, messages
@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from capyctl.access.models import ApiKey, UserLimits
 from capyctl.access.services import (
+    check_limits,
     issue_api_key,
     revoke_api_key,
     set_user_limits,
@@ -23,14 +24,29 @@ from capyctl.access.services import (
 from capyctl.errors import UserError
 
 
+def _check_on_fields(form: forms.ModelForm, check: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[type-arg]
+    """Run a service check, its :class:`UserError` shown on the form's field at fault, so
+    the form comes back with the message instead of the save failing."""
+    try:
+        check(*args, **kwargs)
+    except UserError as exc:
+        field = {"models": "allowed_models", "expires": "expires_at"}.get(
+            exc.field or "", exc.field
+        )
+        form.add_error(field if field in form.fields else None, exc.message)
+
+
 class NewKeyForm(forms.ModelForm):  # type: ignore[type-arg]
     class Meta:
         model = ApiKey
         fields = ("user", "name", "allowed_models", "is_admin", "requests_per_minute",
                   "max_concurrent", "expires_at")  # fmt: skip
+        help_texts: ClassVar = {"allowed_models": "none chosen: every model its user may use"}
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
+        _check_on_fields(self, check_limits, data.get("requests_per_minute"),
+                         data.get("max_concurrent"))  # fmt: skip
         expires = data.get("expires_at")
         if expires is not None and expires <= timezone.now():
             self.add_error("expires_at", "the expiry must be in the future")
@@ -43,17 +59,11 @@ class NewKeyForm(forms.ModelForm):  # type: ignore[type-arg]
         if owner is not None and not self.errors:
             # The same ceilings as the service applies, shown on the field at fault.
             made = self.instance.created_at if self.instance.pk else timezone.now()
-            try:
-                within_ceilings(
-                    owner, list(data.get("allowed_models") or []),
-                    data.get("requests_per_minute"), data.get("max_concurrent"),
-                    expires, since=made,
-                )  # fmt: skip
-            except UserError as exc:
-                field = {"models": "allowed_models", "expires": "expires_at"}.get(
-                    exc.field or "", exc.field
-                )
-                self.add_error(field if field in self.fields else None, exc.message)
+            _check_on_fields(
+                self, within_ceilings, owner, list(data.get("allowed_models") or []),
+                data.get("requests_per_minute"), data.get("max_concurrent"),
+                expires, since=made,
+            )  # fmt: skip
         return data
 
 
@@ -74,6 +84,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     readonly_fields = (
         "key_id",
         "user",
+        "limit_models",
         "revoked_at",
         "last_used_at",
         "request_count",
@@ -112,7 +123,10 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         models = [d.name for d in data.get("allowed_models") or []]
         if change:
             update_api_key(
-                obj.key_id, name=data.get("name", ""), models=models,
+                obj.key_id, name=data.get("name", ""),
+                # Untouched, a limited key whose models were all removed stays limited to
+                # none (an empty choice would otherwise read as every model).
+                models=models if "allowed_models" in form.changed_data else None,
                 requests_per_minute=data.get("requests_per_minute"),
                 max_concurrent=data.get("max_concurrent"),
                 expires_at=data.get("expires_at"), actor=actor,
@@ -159,9 +173,25 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         self.message_user(request, f"Revoked {queryset.count()} key(s).", messages.SUCCESS)
 
 
+class UserLimitsForm(forms.ModelForm):  # type: ignore[type-arg]
+    class Meta:
+        model = UserLimits
+        fields = ("user", "models_limited", "allowed_models", "requests_per_minute",
+                  "max_concurrent", "key_lifetime")  # fmt: skip
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        _check_on_fields(self, check_limits, data.get("requests_per_minute"),
+                         data.get("max_concurrent"), data.get("key_lifetime"))  # fmt: skip
+        return data
+
+
 @admin.register(UserLimits)
 class UserLimitsAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """A user's ceilings, saved through the same service as REST and ``capyctl user``."""
+    """A user's ceilings, saved through the same service as REST and ``capyctl user``,
+    checked by it first so a bad value comes back on its field."""
+
+    form = UserLimitsForm
 
     list_display = ("user", "models_limited", "requests_per_minute", "max_concurrent",
                     "key_lifetime")  # fmt: skip

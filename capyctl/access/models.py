@@ -11,8 +11,10 @@ class ApiKey(models.Model):
     """A user's API key, ``capy_<key_id>_<secret>``.
 
     Only an HMAC-SHA256 of the secret is kept (keyed by a server secret), so a database
-    leak gives no usable keys; the full key is shown once, when it is made. ``allowed_models``
-    empty means every deployment. ``is_admin`` adds the REST automation scope.
+    leak gives no usable keys; the full key is shown once, when it is made. With
+    ``limit_models`` off the key may use every deployment; on, only ``allowed_models``, so
+    removing them all leaves it none (never every one). ``is_admin`` adds the REST
+    automation scope.
     """
 
     key_id = models.CharField(max_length=16, unique=True)
@@ -21,6 +23,9 @@ class ApiKey(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_keys"
     )
     name = models.CharField(max_length=100, blank=True)
+    limit_models = models.BooleanField(
+        default=False, help_text="only the models below (none left: no model)"
+    )
     allowed_models = models.ManyToManyField(
         "deployments.Deployment", blank=True, related_name="api_keys"
     )

@@ -13,6 +13,7 @@ import hmac
 import re
 import secrets
 import string
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
@@ -22,6 +23,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
+from capyctl.access.guessing import RecentMisses
 from capyctl.access.models import ApiKey, UserLimits
 from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import get_deployment
@@ -121,6 +123,22 @@ def _check_count(value: object, field: str, what: str) -> None:
         raise UserError(f"{what} must be 1 to {MAX_RATE}", field=field)
 
 
+def check_limits(
+    requests_per_minute: object = None,
+    max_concurrent: object = None,
+    key_lifetime: object = None,
+) -> None:
+    """Refuse a limit no key or user can have (None: no limit), naming the field: the
+    one check of REST, the CLI and the admin's forms."""
+    _check_count(requests_per_minute, "requests_per_minute", "requests per minute")
+    _check_count(max_concurrent, "max_concurrent", "concurrent requests")
+    if key_lifetime is not None and not (
+        isinstance(key_lifetime, timedelta) and timedelta(0) < key_lifetime <= MAX_LIFETIME
+    ):
+        raise UserError("a key lifetime must be more than 0 and at most 100 years",
+                        field="key_lifetime")  # fmt: skip
+
+
 def _narrow(
     value: int | None, ceiling: int | None, *, username: str, field: str, what: str
 ) -> int | None:
@@ -139,12 +157,15 @@ def _narrow(
 
 def _within_models(
     deployments: list[Deployment], ceilings: Ceilings, username: str
-) -> list[Deployment]:
-    """A key's models under its user's ceiling: none chosen means all the user may use."""
+) -> list[Deployment] | None:
+    """A key's models under its user's ceiling: none chosen means all the user may use,
+    which is every model (None) or exactly the ceiling's."""
+    if not deployments:
+        if ceilings.models is None:
+            return None
+        return list(Deployment.objects.filter(name__in=ceilings.models).order_by("name"))
     if ceilings.models is None:
         return deployments
-    if not deployments:
-        return list(Deployment.objects.filter(name__in=ceilings.models).order_by("name"))
     outside = sorted(d.name for d in deployments if d.name not in ceilings.models)
     if outside:
         allowed = ", ".join(sorted(ceilings.models)) or "none"
@@ -190,10 +211,11 @@ def within_ceilings(
     expires_at: datetime | None,
     *,
     since: datetime,
-) -> tuple[list[Deployment], int | None, int | None, datetime | None]:
-    """A key's models, limits and expiry, narrowed to ``user``'s ceilings: a limit left
-    out takes the ceiling, one beyond it raises a :class:`UserError` naming the field.
-    ``since``: when the key was made (its lifetime counts from then)."""
+) -> tuple[list[Deployment] | None, int | None, int | None, datetime | None]:
+    """A key's models (None: every model), limits and expiry, narrowed to ``user``'s
+    ceilings: a limit left out takes the ceiling, one beyond it raises a
+    :class:`UserError` naming the field. ``since``: when the key was made (its lifetime
+    counts from then)."""
     username = user.get_username()
     ceilings = ceilings_of(user)
     return (
@@ -229,12 +251,11 @@ def issue_api_key(
             f"user {username!r} is not staff, so their keys cannot have the admin scope",
             field="admin",
         )
-    _check_count(requests_per_minute, "requests_per_minute", "requests per minute")
-    _check_count(max_concurrent, "max_concurrent", "concurrent requests")
+    check_limits(requests_per_minute, max_concurrent)
     if len(name) > 100:
         raise UserError("a key name is at most 100 characters", field="name")
     now = timezone.now()
-    deployments, requests_per_minute, max_concurrent, expires_at = within_ceilings(
+    scope, requests_per_minute, max_concurrent, expires_at = within_ceilings(
         user, deployments, requests_per_minute, max_concurrent,
         now + expires_in if expires_in else None, since=now,
     )  # fmt: skip
@@ -248,28 +269,39 @@ def issue_api_key(
         user=user,
         name=name,
         is_admin=admin,
+        limit_models=scope is not None,
         requests_per_minute=requests_per_minute,
         max_concurrent=max_concurrent,
         expires_at=expires_at,
     )
-    key.allowed_models.set(deployments)
+    key.allowed_models.set(scope or [])
     record_event(
         "key.created",
         f"API key {key.prefix} created for {username}"
-        + (f" (models: {', '.join(d.name for d in deployments)})" if deployments else ""),
+        + (f" (models: {_names(scope)})" if scope is not None else ""),
         subject=key.prefix,
         actor=actor,
     )
     return key, f"{KEY_PREFIX}{key_id}_{secret}"
 
 
-def find_api_key(full_key: str) -> ApiKey | None:
-    """The active key matching ``full_key``, or ``None`` (unknown, revoked or expired)."""
+def _names(deployments: list[Deployment]) -> str:
+    return ", ".join(d.name for d in deployments) or "none"
+
+
+def find_api_key(full_key: str, *, misses: RecentMisses | None = None) -> ApiKey | None:
+    """The active key matching ``full_key``, or ``None`` (unknown, revoked or expired).
+    With ``misses``, an id found missing is remembered there and not looked up again."""
     parts = split_key(full_key)
     if parts is None:
         return None
     key_id, secret = parts
+    if misses is not None and key_id in misses:
+        return None
+    began = time.monotonic()
     key = ApiKey.objects.filter(key_id=key_id).select_related("user").first()
+    if key is None and misses is not None:
+        misses.add(key_id, began)
     if key is None or not hmac.compare_digest(key.secret_hmac, hash_secret(secret)):
         return None
     if not key.is_active() or not key.user.is_active:
@@ -315,8 +347,9 @@ def update_api_key(
     expires_at: datetime | object | None = UNCHANGED,
     actor: str = "",
 ) -> ApiKey:
-    """Change a key's label, allowed models, limits or expiry (its secret never changes).
-    The new limits can only narrow its user's ceilings, as when it was made."""
+    """Change a key's label, allowed models (none: every model its user may use), limits
+    or expiry (its secret never changes). The new limits can only narrow its user's
+    ceilings, as when it was made."""
     key = get_api_key(ident)
     username = key.user.get_username()
     ceilings = ceilings_of(key.user)
@@ -347,13 +380,12 @@ def update_api_key(
             cast("datetime | None", expires_at), ceilings, username, since=key.created_at
         )
         changed.append("expiry")
-    deployments = None
     if models is not None:
-        deployments = _within_models([get_deployment(m) for m in models], ceilings, username)
+        scope = _within_models([get_deployment(m) for m in models], ceilings, username)
+        key.limit_models = scope is not None
+        key.allowed_models.set(scope or [])
+        changed.append(f"models {_names(scope)}" if scope is not None else "all models")
     key.save()
-    if deployments is not None:
-        key.allowed_models.set(deployments)
-        changed.append("models")
     record_event(
         "key.changed",
         f"API key {key.prefix} changed: {', '.join(changed) or 'nothing'}",
@@ -376,15 +408,8 @@ def set_user_limits(
     """Set a user's ceilings (None: no ceiling; ``models`` None: every model). Their
     existing keys are narrowed at request time; new keys are checked when made."""
     user = get_user(username)
-    _check_count(requests_per_minute if requests_per_minute is not UNCHANGED else None,
-                 "requests_per_minute", "requests per minute")  # fmt: skip
-    _check_count(max_concurrent if max_concurrent is not UNCHANGED else None,
-                 "max_concurrent", "concurrent requests")  # fmt: skip
-    if key_lifetime not in (UNCHANGED, None) and not (
-        isinstance(key_lifetime, timedelta) and timedelta(0) < key_lifetime <= MAX_LIFETIME
-    ):
-        raise UserError("a key lifetime must be more than 0 and at most 100 years",
-                        field="key_lifetime")  # fmt: skip
+    check_limits(*(None if value is UNCHANGED else value
+                   for value in (requests_per_minute, max_concurrent, key_lifetime)))  # fmt: skip
     deployments = None
     if models is not UNCHANGED and models is not None:
         deployments = [get_deployment(m) for m in cast("list[str]", models)]

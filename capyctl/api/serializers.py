@@ -109,7 +109,12 @@ class KeyOut(_Report):
     prefix = serializers.CharField()
     user = serializers.CharField()
     name = serializers.CharField()
-    models = serializers.ListField(child=serializers.CharField())
+    models = serializers.ListField(
+        child=serializers.CharField(), help_text="the models it may use, if not all_models"
+    )
+    all_models = serializers.BooleanField(
+        help_text="true: every model (models is empty); false: only models, so none if empty"
+    )
     admin = serializers.BooleanField()
     requests_per_minute = serializers.IntegerField(allow_null=True)
     max_concurrent = serializers.IntegerField(allow_null=True)
@@ -274,7 +279,7 @@ class KeyIn(serializers.Serializer):  # type: ignore[type-arg]
     name = serializers.CharField(required=False, allow_blank=True, max_length=100)
     models = serializers.ListField(
         child=serializers.CharField(max_length=200), required=False,
-        help_text="deployments it may use (empty: all)",
+        help_text="deployments it may use (left out or empty: all its user may use)",
     )  # fmt: skip
     expires = serializers.CharField(
         required=False, allow_blank=True, max_length=16, help_text="e.g. 30d, 12h"
@@ -290,7 +295,10 @@ class KeyIn(serializers.Serializer):  # type: ignore[type-arg]
 
 class KeyChange(serializers.Serializer):  # type: ignore[type-arg]
     name = serializers.CharField(required=False, allow_blank=True, max_length=100)
-    models = serializers.ListField(child=serializers.CharField(max_length=200), required=False)
+    models = serializers.ListField(
+        child=serializers.CharField(max_length=200), required=False,
+        help_text="deployments it may use (empty: all its user may use)",
+    )  # fmt: skip
     requests_per_minute = serializers.IntegerField(
         required=False, allow_null=True, min_value=1, max_value=MAX_COUNT
     )

@@ -34,8 +34,8 @@ def key_create(args: argparse.Namespace) -> int:
     )
     print(full_key)
     details = [f"id {key.key_id}", f"user {args.user}"]
-    if models:
-        details.append(f"models {','.join(models)}")
+    if key.limit_models:
+        details.append(f"models {','.join(d.name for d in key.allowed_models.all()) or '(none)'}")
     if key.expires_at:
         details.append(f"expires {key.expires_at:%Y-%m-%d %H:%M} UTC")
     if key.requests_per_minute:
@@ -61,7 +61,7 @@ def key_list(args: argparse.Namespace) -> int:
             k["id"],
             k["user"],
             k["name"],
-            ",".join(k["models"]) or "(all)",
+            "(all)" if k["all_models"] else ",".join(k["models"]) or "(none)",
             "yes" if k["admin"] else "no",
             _key_limits(k),
             k["expires_at"][:16].replace("T", " ") if k["expires_at"] else "never",

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from asgiref.sync import sync_to_async
+
+from capyctl.access.guessing import RecentMisses
 
 logger = logging.getLogger("capyctl.gateway")
 T = TypeVar("T")
@@ -47,11 +48,10 @@ class WarmCache(Generic[T]):
         self.hard = hard
         self.max_names = max_names
         self.warm_missing = warm_missing
-        self.miss_seconds = miss_seconds
         self._values: dict[str, T | None] = {}
         self._read_at: dict[str, float] = {}  # when the read that gave the value began
         self._used_at: dict[str, float] = {}  # in order of use: the least recent first
-        self._missing: OrderedDict[str, float] = OrderedDict()  # name → when found missing
+        self._missing = RecentMisses(seconds=miss_seconds, kept=max_names)
         self._reading: dict[str, asyncio.Future[T | None]] = {}
         self._batch: dict[str, asyncio.Future[T | None]] = {}
         self._batch_task: asyncio.Future[None] | None = None
@@ -60,8 +60,7 @@ class WarmCache(Generic[T]):
     def peek(self, name: str) -> tuple[bool, T | None]:
         """``(known, value)`` from memory alone: never reads, never keeps ``name``."""
         now = time.monotonic()
-        missed = self._missing.get(name)
-        if missed is not None and now - missed <= self.miss_seconds:
+        if name in self._missing:
             return True, None
         if now - self._read_at.get(name, -1e9) <= self.hard:
             return True, self._values.get(name)
@@ -70,10 +69,8 @@ class WarmCache(Generic[T]):
     async def get(self, name: str, *, fresh: bool = False) -> T | None:
         """The value (None: there is none); ``fresh`` waits for a read begun now."""
         now = time.monotonic()
-        if not fresh:
-            missed = self._missing.get(name)
-            if missed is not None and now - missed <= self.miss_seconds:
-                return None
+        if not fresh and name in self._missing:
+            return None
         self._use(name, now)
         if self._warmer is None or self._warmer.done():
             self._warmer = asyncio.ensure_future(self._keep_warm())
@@ -146,10 +143,7 @@ class WarmCache(Generic[T]):
             value = found.get(name)
             if value is None and not self.warm_missing:
                 self._forget(name)
-                self._missing[name] = began
-                self._missing.move_to_end(name)
-                if len(self._missing) > self.max_names:
-                    self._missing.popitem(last=False)
+                self._missing.add(name, began)
             elif name in self._used_at:  # not let go meanwhile: what is kept stays bounded
                 self._values[name] = value
                 self._read_at[name] = began

@@ -15,14 +15,12 @@ share one query; and a client address whose checks keep failing is answered 429 
 from __future__ import annotations
 
 import hmac
-import ipaddress
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from django.utils import timezone
 
+from capyctl.access.guessing import MISS_SECONDS, FailureThrottle, address_key
 from capyctl.access.models import ApiKey
 from capyctl.access.services import hash_secret, split_key
 from capyctl.gateway.cache import WarmCache
@@ -33,12 +31,6 @@ from capyctl.gateway.errors import GatewayError
 SOFT_TTL_SECONDS = 0.4
 TTL_SECONDS = 1.0
 KEYS_KEPT = 10_000  # warm key ids, and ids remembered as missing, each at most
-MISS_SECONDS = 5.0
-# Each client address may fail FAILURES_ALLOWED checks at once, then one every
-# FAILURE_REFILL_SECONDS; ADDRESSES_KEPT addresses are remembered (the least recent go).
-FAILURES_ALLOWED = 20
-FAILURE_REFILL_SECONDS = 3.0
-ADDRESSES_KEPT = 16_384
 _DIGESTS_KEPT = 10_000
 
 
@@ -68,7 +60,9 @@ def _tighter(a: int | None, b: int | None) -> int | None:
 
 def _info(key: ApiKey, now: Any) -> KeyInfo:
     limits = getattr(key.user, "limits", None)  # no row: no ceilings
-    models: frozenset[int] | None = frozenset(m.pk for m in key.allowed_models.all()) or None
+    models: frozenset[int] | None = None  # every deployment, unless the key is limited
+    if key.limit_models:  # to these only: none left (all removed) means none
+        models = frozenset(m.pk for m in key.allowed_models.all())
     active = key.is_active(now) and key.user.is_active
     user_rpm = user_concurrent = None
     if limits is not None:
@@ -102,59 +96,9 @@ def _fetch_many(key_ids: list[str]) -> dict[str, KeyInfo]:
     return {key.key_id: _info(key, now) for key in keys}
 
 
-class FailureThrottle:
-    """Failed key checks per client address: a token bucket each, in a bounded LRU.
-
-    IPv6 addresses count by their /64, which one client usually holds whole."""
-
-    def __init__(
-        self,
-        *,
-        allowed: int = FAILURES_ALLOWED,
-        refill_seconds: float = FAILURE_REFILL_SECONDS,
-        kept: int = ADDRESSES_KEPT,
-    ) -> None:
-        self.allowed = allowed
-        self.refill_seconds = refill_seconds
-        self.kept = kept
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, when
-
-    def __len__(self) -> int:
-        return len(self._buckets)
-
-    def _tokens(self, address: str, now: float) -> float:
-        entry = self._buckets.get(address)
-        if entry is None:
-            return float(self.allowed)
-        tokens, at = entry
-        return min(float(self.allowed), tokens + (now - at) / self.refill_seconds)
-
-    def wait(self, address: str) -> float:
-        """Seconds until ``address`` may fail again (0: it may now)."""
-        if not self._buckets:
-            return 0.0
-        tokens = self._tokens(address, time.monotonic())
-        return 0.0 if tokens >= 1 else (1 - tokens) * self.refill_seconds
-
-    def failed(self, address: str) -> None:
-        now = time.monotonic()
-        self._buckets[address] = (self._tokens(address, now) - 1, now)
-        self._buckets.move_to_end(address)
-        if len(self._buckets) > self.kept:
-            self._buckets.popitem(last=False)
-
-
 def client_address(client: Any) -> str:
     """The ASGI scope's ``client`` as the throttle counts it ('' when unknown)."""
-    if not client:
-        return ""
-    host = str(client[0])
-    if ":" not in host:
-        return host
-    try:
-        return str(ipaddress.ip_network(f"{host}/64", strict=False))
-    except ValueError:
-        return host
+    return address_key(str(client[0])) if client else ""
 
 
 def too_many_failures(wait: float) -> GatewayError:

@@ -1,0 +1,259 @@
+"""A key's reach never grows behind its owner's back, and the ways in stay cheap to guard.
+
+- A key limited to some models stays limited when they are removed: it then allows none,
+  where an empty list used to read as "every model".
+- The admin's form for a user's ceilings refuses what the service refuses, on the field.
+- Guessed keys on the REST API cost a bounded number of database reads, as on ``/v1``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import string
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+from django.db import connection
+
+from capyctl.access import guessing
+from capyctl.access.models import ApiKey, UserLimits
+from capyctl.access.services import issue_api_key
+from tests.conftest import CliResult, Server, run_program, start_server, stop_server
+from tests.test_user_ceilings import log_in
+
+SIM = f"{sys.executable} -m hostagent.sim"
+BOB_PASSWORD = "bob-password-1"
+
+
+# --- removing a deployment never widens a key ----------------------------------------------
+
+
+@pytest.fixture
+def shop(program_env) -> Iterator[tuple[Server, Any]]:
+    """A standalone server with one model, chat (simulated vLLM, never started)."""
+    program_env["CAPYCTL_SIM_GPUS"] = "24GiB"
+
+    def run(*argv: str, stdin: str | None = None) -> CliResult:
+        return run_program(program_env, *argv, stdin=stdin)
+
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
+    added = run("deployment", "add", "chat", "--engine", "sim", "--source", "m/chat",
+                "--gpu-memory", "4GiB")  # fmt: skip
+    assert added.code == 0, added.err
+    assert run("user", "add", "bob", "--password-stdin", stdin=BOB_PASSWORD).code == 0
+    server = start_server(program_env)
+    try:
+        yield server, run
+    finally:
+        stop_server(server, signal.SIGTERM)
+
+
+def v1_models(server: Server, key: str) -> list[str]:
+    answer = httpx.get(f"{server.base_url}/v1/models", headers={"x-api-key": key}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return [m["id"] for m in answer.json()["data"]]
+
+
+def test_removing_a_keys_only_model_leaves_it_no_model(shop):
+    server, run = shop
+    made = run("key", "create", "--user", "bob", "--name", "narrow", "--models", "chat")
+    assert made.code == 0, made.err
+    bobs_key = made.out.strip()
+    everything = run("key", "create", "--user", "bob", "--name", "all").out.strip()
+    assert v1_models(server, bobs_key) == ["chat"]
+
+    assert run("deployment", "remove", "chat").code == 0
+    added = run("deployment", "add", "code", "--engine", "sim", "--source", "m/code",
+                "--gpu-memory", "4GiB", "--alias", "chat")  # fmt: skip
+    assert added.code == 0, added.err
+
+    # Within the key cache's refresh, on every surface.
+    assert v1_models(server, everything) == ["code"]
+    assert v1_models(server, bobs_key) == []
+    for model in ("code", "chat"):  # by its name, and by an alias taking the old name
+        answer = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {bobs_key}"},
+            json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+        assert answer.status_code == 404, answer.text
+        assert answer.json()["error"]["code"] == "model_not_found"
+
+    keys = {k["name"]: k for k in json.loads(run("key", "list", "--json").out)}
+    assert (keys["narrow"]["models"], keys["narrow"]["all_models"]) == ([], False)
+    assert (keys["all"]["models"], keys["all"]["all_models"]) == ([], True)
+    rows = {line.split()[2]: line.split()[3] for line in run("key", "list").out.splitlines()[1:]}
+    assert rows == {"narrow": "(none)", "all": "(all)"}
+
+    # Bob's REST view and keys page say the same.
+    browser = log_in(server, "bob", BOB_PASSWORD)
+    rest = {k["name"]: k for k in browser.get("/api/keys/").json()["results"]}
+    assert (rest["narrow"]["models"], rest["narrow"]["all_models"]) == ([], False)
+    assert (rest["all"]["models"], rest["all"]["all_models"]) == ([], True)
+    page = browser.get("/keys/").text
+    assert "no model" in page
+
+
+# --- the admin's form for a user's ceilings ------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("form", "field", "words"),
+    [
+        ({"key_lifetime": "0"}, "key_lifetime", "more than 0"),
+        ({"key_lifetime": "-1 00:00:00"}, "key_lifetime", "more than 0"),
+        ({"key_lifetime": "40000 00:00:00"}, "key_lifetime", "at most 100 years"),
+        ({"requests_per_minute": "0"}, "requests_per_minute", "requests per minute"),
+        ({"max_concurrent": "0"}, "max_concurrent", "concurrent requests"),
+        ({"requests_per_minute": str(2**31)}, "requests_per_minute", "requests per minute"),
+    ],
+)
+def test_the_admin_refuses_impossible_ceilings_on_the_field(admin_client, bob, form, field, words):
+    page = admin_client.post("/admin/access/userlimits/add/", {"user": bob.pk, **form})
+    assert page.status_code == 200  # the form again, not a 500
+    errors = page.context["adminform"].form.errors
+    assert field in errors, errors
+    assert words in errors[field][0]
+    assert not UserLimits.objects.exists()
+
+    limits = UserLimits.objects.create(user=bob, requests_per_minute=5)
+    page = admin_client.post(f"/admin/access/userlimits/{limits.pk}/change/", form)
+    assert page.status_code == 200
+    assert field in page.context["adminform"].form.errors
+    limits.refresh_from_db()
+    assert (limits.requests_per_minute, limits.key_lifetime) == (5, None)
+
+
+@pytest.mark.django_db
+def test_the_admin_key_form_refuses_a_zero_rate_on_the_field(admin_client, bob):
+    page = admin_client.post("/admin/access/apikey/add/", {"user": bob.pk, "max_concurrent": 0})
+    assert page.status_code == 200
+    assert "max_concurrent" in page.context["adminform"].form.errors
+    assert not ApiKey.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_fine_lifetime_is_saved_from_the_admin(admin_client, bob):
+    page = admin_client.post("/admin/access/userlimits/add/",
+                             {"user": bob.pk, "key_lifetime": "7 00:00:00"})  # fmt: skip
+    assert page.status_code == 302, page.context["adminform"].form.errors
+    assert UserLimits.objects.get(user=bob).key_lifetime == timedelta(days=7)
+
+
+# --- guessed keys on the REST API ----------------------------------------------------------
+
+
+class KeyReads:
+    """Counts the queries that read API keys (this test's connection)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if '"access_apikey"' in sql and sql.lstrip().upper().startswith("SELECT"):
+            with self._lock:
+                self.count += 1
+        return execute(sql, params, many, context)
+
+
+def guessed_key() -> str:
+    alphabet = string.ascii_lowercase + string.digits
+    key_id = "".join(secrets.choice(alphabet) for _ in range(10))
+    return f"capy_{key_id}_{secrets.token_urlsafe(32)}"
+
+
+@pytest.fixture
+def fresh_guards() -> Iterator[None]:
+    """The REST API's memory of failures starts empty for each test."""
+    from capyctl.api import auth
+
+    auth.reset_guards()
+    yield
+    auth.reset_guards()
+
+
+GUESSES = 2000
+
+
+@pytest.mark.django_db
+def test_guessed_admin_keys_on_rest_cost_bounded_reads(client, alice, fresh_guards):
+    _, real = issue_api_key("alice", admin=True)
+    reads = KeyReads()
+    answers: dict[int, int] = {}
+    with connection.execute_wrapper(reads):
+        for _ in range(GUESSES):
+            answer = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {guessed_key()}",
+                                REMOTE_ADDR="203.0.113.7")  # fmt: skip
+            answers[answer.status_code] = answers.get(answer.status_code, 0) + 1
+        during = reads.count
+        throttled = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {guessed_key()}",
+                               REMOTE_ADDR="203.0.113.7")  # fmt: skip
+        # The same guess again and again, from many addresses: read once, then remembered.
+        again = guessed_key()
+        reads.count = 0
+        for n in range(200):
+            answer = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {again}",
+                                REMOTE_ADDR=f"198.51.100.{n}")  # fmt: skip
+            assert answer.status_code in (401, 403), answer.content
+        repeated = reads.count
+        # A real key is untouched by the flood: from another address, and from the
+        # flooding one once it has passed there (checked in memory before the lookup).
+        ok = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {real}",
+                        REMOTE_ADDR="192.0.2.1")  # fmt: skip
+        ok_there = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {real}",
+                              REMOTE_ADDR="203.0.113.7")  # fmt: skip
+        wrong_secret = real[:-3] + ("aaa" if not real.endswith("aaa") else "bbb")
+        still_throttled = client.get("/api/deployments/",
+                                     HTTP_AUTHORIZATION=f"Bearer {wrong_secret}",
+                                     REMOTE_ADDR="203.0.113.7")  # fmt: skip
+    assert during <= guessing.FAILURES_ALLOWED + 2, during
+    assert answers.get(429, 0) >= GUESSES - guessing.FAILURES_ALLOWED - 2, answers
+    assert throttled.status_code == 429
+    assert 1 <= int(throttled.headers["Retry-After"]) <= guessing.FAILURE_REFILL_SECONDS + 1
+    assert repeated == 1, repeated
+    assert ok.status_code == 200, ok.content
+    assert ok_there.status_code == 200, ok_there.content
+    assert still_throttled.status_code == 429
+
+
+@pytest.mark.django_db
+def test_malformed_keys_on_rest_are_refused_without_a_read(client, alice, fresh_guards):
+    reads = KeyReads()
+    with connection.execute_wrapper(reads):
+        for bad in ("capy_short_x", "capy_" + "A" * 10 + "_" + "x" * 43, "capy_" + "a" * 200):
+            answer = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {bad}")
+            assert answer.status_code in (401, 403)
+    assert reads.count == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_keys_that_named_models_stay_limited_after_the_upgrade(bob):
+    from django.db.migrations.executor import MigrationExecutor
+
+    from capyctl.deployments.services import DeploymentSpec, add_deployment
+    from capyctl.engines.services import add_engine
+
+    add_engine("v1", kind="vllm", command="/opt/vllm/bin/vllm")
+    chat = add_deployment(DeploymentSpec(name="chat", engine="v1", source="/m/chat"))
+    before, after = [("access", "0002_user_limits")], [("access", "0003_key_model_scope")]
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    old = executor.loader.project_state(before).apps.get_model("access", "ApiKey")
+    narrow = old.objects.create(key_id="narrow0000", secret_hmac="x", user_id=bob.pk)
+    narrow.allowed_models.add(chat.pk)
+    old.objects.create(key_id="everything", secret_hmac="y", user_id=bob.pk)
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    executor.migrate(after)
+    scope = dict(ApiKey.objects.values_list("key_id", "limit_models"))
+    assert scope == {"narrow0000": True, "everything": False}
