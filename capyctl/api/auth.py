@@ -65,7 +65,7 @@ class ApiKeyAuthentication(BaseAuthentication):
         wait = _failures.wait(address)
         if wait and not (parts is not None and _verified_lately(*parts)):
             raise exceptions.Throttled(
-                wait, detail="too many requests with invalid API keys from this address"
+                wait, detail="Too many requests with invalid API keys from this address."
             )
         key = find_api_key(token, misses=_misses)
         if key is None:
