@@ -102,6 +102,23 @@ def test_removing_a_keys_only_model_leaves_it_no_model(shop):
     assert "no model" in page
 
 
+@pytest.mark.django_db
+def test_editing_a_key_with_no_model_left_in_the_admin_keeps_it_so(admin_client, bob):
+    from capyctl.deployments.services import DeploymentSpec, add_deployment, remove_deployment
+    from capyctl.engines.services import add_engine
+
+    add_engine("v1", kind="vllm", command="/opt/vllm/bin/vllm")
+    add_deployment(DeploymentSpec(name="chat", engine="v1", source="/m/chat"))
+    key, _ = issue_api_key("bob", name="app", models=["chat"])
+    remove_deployment("chat")
+    page = admin_client.get(f"/admin/access/apikey/{key.pk}/change/").content.decode()
+    assert "Limit models" in page
+    saved = admin_client.post(f"/admin/access/apikey/{key.pk}/change/", {"name": "renamed"})
+    assert saved.status_code == 302
+    key.refresh_from_db()
+    assert (key.name, key.limit_models, list(key.allowed_models.all())) == ("renamed", True, [])
+
+
 # --- the admin's form for a user's ceilings ------------------------------------------------
 
 
