@@ -45,7 +45,7 @@ class KeyInfo:
     active: bool
     models: frozenset[int] | None  # None: every deployment
     requests_per_minute: int | None
-    user_id: int = 0
+    user_id: int  # required: usage, stored responses and the user's buckets key on it
     max_concurrent: int | None = None
     user_requests_per_minute: int | None = None
     user_max_concurrent: int | None = None
