@@ -48,6 +48,13 @@ _WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 _OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth")
 
 
+# What a newcomer who copied a path from an example needs to read next.
+LOCAL_HINT = (
+    ": a source that starts with /, ~ or . is a path on the host; hf://OWNER/NAME and"
+    " http(s):// URLs are downloaded, and a bare name is left to the engine"
+)
+
+
 class SourceError(Exception):
     """A source that is malformed, missing, or could not be fetched; one line for people."""
 
@@ -238,7 +245,7 @@ class SourceCache:
             elif kind == "local":
                 path = Path(job.source).expanduser()
                 if not path.exists():
-                    raise SourceError(f"the local source {job.source} does not exist")
+                    raise SourceError(f"the local source {job.source} does not exist" + LOCAL_HINT)
                 job.path = str(path)
             elif kind == "http":
                 job.path = str(self._fetch_http(job))

@@ -17,7 +17,7 @@ from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import remove_deployment
 from capyctl.events.models import Event
 from capyctl.scheduler import estimates, operations
-from hostagent.sources import SourceCache, SourceError, check_syntax, weights_size
+from hostagent.sources import LOCAL_HINT, SourceCache, SourceError, check_syntax, weights_size
 from tests.fakes import FakeHub, FileServer
 from tests.scheduling import SIM, SIM_ENV, deployment
 
@@ -128,7 +128,7 @@ def test_missing_files_and_malformed_sources_say_what_is_wrong(files, tmp_path):
         "failed", f"downloading {files.url}/m/nope.gguf failed: HTTP 404"
     )  # fmt: skip
     local = cache.fetch(str(tmp_path / "absent"))
-    assert local.error == f"the local source {tmp_path / 'absent'} does not exist"
+    assert local.error == f"the local source {tmp_path / 'absent'} does not exist" + LOCAL_HINT
     for bad, words in [
         ("hf://just-a-name", "hf://ORG/NAME"),
         ("https://example.com/", "must name a file"),
@@ -246,7 +246,9 @@ def test_a_missing_local_source_fails_clearly_and_a_present_one_is_left_alone(gp
     assert row.observed_state == "failed"
     assert (
         row.state_reason
-        == f"the local source {tmp_path / 'nowhere'} does not exist (on host local)"
+        == f"the local source {tmp_path / 'nowhere'} does not exist"
+        + LOCAL_HINT
+        + " (on host local)"
     )
     assert not absent.ledger_entries.exists()  # nothing was admitted, no engine ran
     weights = tmp_path / "mine.gguf"
