@@ -45,7 +45,8 @@ def test_a_revoked_host_is_refused_at_once_and_joins_again_with_a_new_token(join
     revoked = run("host", "revoke", "gpu1")
     assert revoked.code == 0, revoked.err
     assert "certificate revoked" in revoked.out
-    assert host_rows(env)["gpu1"]["state"] == "unreachable"
+    row = host_rows(env)["gpu1"]
+    assert (row["state"], row["joined"]) == ("unreachable", False)  # no trusted certificate
 
     # The next call to the agent, which still runs with its CA-signed certificate, fails
     # and says why in one line.
@@ -74,6 +75,7 @@ def test_a_revoked_host_is_refused_at_once_and_joins_again_with_a_new_token(join
     rejoined = start_agent(env, tmp_path / "agent-new", agent_port, "--join", token)
     try:
         wait_online(env, "gpu1")
+        assert host_rows(env)["gpu1"]["joined"] is True
         assert run("cache", "list", "--host", "gpu1").code == 0
         assert httpx.post(v1, headers=headers, json=ask, timeout=60).status_code == 200
     finally:

@@ -387,7 +387,7 @@ def host_list(args: argparse.Namespace) -> int:
             "address": h.address or "(in-process)",
             "state": h.state,
             "gpus": [g["name"] for g in (h.inventory or {}).get("gpus") or []],
-            "joined": h.is_local or h.enrolled_at is not None,
+            "joined": h.is_local or bool(h.cert_fingerprint),  # revoked: no longer
             "last_seen_at": h.last_seen_at.isoformat() if h.last_seen_at else None,
             "cert_expires_at": h.cert_expires_at.isoformat() if h.cert_expires_at else None,
         }
