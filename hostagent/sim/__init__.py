@@ -15,6 +15,10 @@ knobs for timing and switches for faults, read from the environment:
 ``CAPYCTL_SIM_RESIDUAL_BYTES``  what stays on the GPU while parked (default 256MiB)
 ``CAPYCTL_SIM_CRASH_AFTER``     exit abruptly on the request after this many
 ``CAPYCTL_SIM_HANG_ON_WAKE``    1: a wake never returns
+``CAPYCTL_SIM_LOAD_GATE``       a file: the load is held until it exists (``FILE.waiting``
+                                appears while it is)
+``CAPYCTL_SIM_WAKE_GATE``       a file: a wake is held until it exists (``FILE.waiting``
+                                appears when one is)
 ``CAPYCTL_SIM_KEEP_MEMORY``     1: a park answers 200 but keeps the GPU memory
 ``CAPYCTL_SIM_DIE_MID_STREAM``  1: exit abruptly after the second streamed chunk
 ``CAPYCTL_SIM_RECORD``          a file: one JSON line for each request received

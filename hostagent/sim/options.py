@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from hostagent.units import parse_size
 
@@ -27,6 +28,7 @@ class SimOptions:
 @dataclass(frozen=True)
 class Knobs:
     load_seconds: float
+    load_gate: Path | None
     sleep_seconds: float
     wake_seconds: float
     tokens_per_second: float
@@ -36,6 +38,7 @@ class Knobs:
     residual_bytes: int
     crash_after: int | None
     hang_on_wake: bool
+    wake_gate: Path | None
     keep_memory: bool
     die_mid_stream: bool
 
@@ -101,10 +104,16 @@ def _size(name: str) -> int | None:
     return parse_size(value) if value else None
 
 
+def _path(name: str) -> Path | None:
+    value = os.environ.get(name, "")
+    return Path(value) if value else None
+
+
 def read_knobs() -> Knobs:
     crash = os.environ.get("CAPYCTL_SIM_CRASH_AFTER", "")
     return Knobs(
         load_seconds=_float("CAPYCTL_SIM_LOAD_SECONDS", 0.0),
+        load_gate=_path("CAPYCTL_SIM_LOAD_GATE"),
         sleep_seconds=_float("CAPYCTL_SIM_SLEEP_SECONDS", 0.0),
         wake_seconds=_float("CAPYCTL_SIM_WAKE_SECONDS", 0.0),
         tokens_per_second=_float("CAPYCTL_SIM_TOKENS_PER_SECOND", 0.0),
@@ -114,6 +123,7 @@ def read_knobs() -> Knobs:
         residual_bytes=_size("CAPYCTL_SIM_RESIDUAL_BYTES") or 256 * 1024**2,
         crash_after=int(crash) if crash else None,
         hang_on_wake=os.environ.get("CAPYCTL_SIM_HANG_ON_WAKE") == "1",
+        wake_gate=_path("CAPYCTL_SIM_WAKE_GATE"),
         keep_memory=os.environ.get("CAPYCTL_SIM_KEEP_MEMORY") == "1",
         die_mid_stream=os.environ.get("CAPYCTL_SIM_DIE_MID_STREAM") == "1",
     )

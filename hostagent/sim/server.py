@@ -29,6 +29,16 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=json.dumps(data).encode(), status=status, content_type=JSON)
 
 
+async def _held_at(gate: Path | None) -> None:
+    """Wait until the gate file exists; ``GATE.waiting`` tells a test something is held
+    (tests wait on that file, not on a clock)."""
+    if gate is None or gate.exists():
+        return
+    gate.with_name(f"{gate.name}.waiting").touch()
+    while not gate.exists():
+        await asyncio.sleep(0.05)
+
+
 def _error(message: str, status: int, kind: str = "invalid_request_error") -> web.Response:
     return _json(
         {"error": {"message": message, "type": kind, "param": None, "code": status}}, status
@@ -406,11 +416,16 @@ class SimEngine:
         self.memory.release(keep_weights_in_ram=level == 1)
         return web.Response(status=200)
 
-    async def wake_up(self, request: web.Request) -> web.Response:
+    async def _take_wake_time(self) -> None:
+        """A wake's time: never over (hang), held until the gate file exists, then its seconds."""
         if self.knobs.hang_on_wake:
             await asyncio.sleep(10**6)
-        tags = set(request.query.getall("tags", [])) or {"weights", "kv_cache"}
+        await _held_at(self.knobs.wake_gate)
         await asyncio.sleep(self.knobs.wake_seconds)
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        tags = set(request.query.getall("tags", [])) or {"weights", "kv_cache"}
+        await self._take_wake_time()
         self.memory.wake(tags)
         return web.Response(status=200)
 
@@ -440,9 +455,7 @@ class SimEngine:
     async def resume(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
             return _error("Invalid API key", 401, "authentication_error")
-        if self.knobs.hang_on_wake:
-            await asyncio.sleep(10**6)
-        await asyncio.sleep(self.knobs.wake_seconds)
+        await self._take_wake_time()
         self.memory.wake({"weights", "kv_cache"})
         return _json(None)
 
@@ -485,6 +498,7 @@ class SimEngine:
         self.memory.clear()
 
     async def _load(self) -> None:
+        await _held_at(self.knobs.load_gate)
         await asyncio.sleep(self.knobs.load_seconds)
         self.memory.load()
         self.ready.set()
