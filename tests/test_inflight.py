@@ -12,9 +12,7 @@ from capyctl.scheduler.inflight import LocalInFlight, RedisInFlight
 def tracker(request):
     if request.param == "local":
         return LocalInFlight()
-    redis_tracker = RedisInFlight("redis://127.0.0.1:6379/14")
-    redis_tracker._redis.flushdb()
-    return redis_tracker
+    return RedisInFlight(request.getfixturevalue("redis_url"))
 
 
 def test_begin_end_and_count(tracker):
@@ -30,10 +28,9 @@ def test_begin_end_and_count(tracker):
     assert tracker.count(8) == 1
 
 
-def test_a_second_process_sees_redis_counts():
-    first = RedisInFlight("redis://127.0.0.1:6379/14")
-    first._redis.flushdb()
-    second = RedisInFlight("redis://127.0.0.1:6379/14")
+def test_a_second_process_sees_redis_counts(redis_url):
+    first = RedisInFlight(redis_url)
+    second = RedisInFlight(redis_url)
     first.begin(3)
     assert second.count(3) == 1
     second.end(3)
