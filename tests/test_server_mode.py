@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
-import redis
 
 from hostagent.runtime import free_port
 from tests.conftest import CAPYCTL, run_program
@@ -21,30 +20,27 @@ from tests.test_hosts_join import start_agent
 pytestmark = pytest.mark.e2e
 
 PG = "postgres://postgres@127.0.0.1:5432"
-REDIS_DB = "redis://127.0.0.1:6379/13"
 SIM = f"{sys.executable} -m hostagent.sim vllm"
 
 
 @pytest.fixture
-def server_env(tmp_path):
+def server_env(tmp_path, redis_url):
     import os
 
     name = f"capyctl_server_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    redis.Redis.from_url(REDIS_DB).flushdb()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
     env.update(
         CAPYCTL_DATA_DIR=str(tmp_path / "server"),
         CAPYCTL_DATABASE_URL=f"{PG}/{name}",
-        CAPYCTL_REDIS_URL=REDIS_DB,
+        CAPYCTL_REDIS_URL=redis_url,
         CAPYCTL_MIN_READY_SECONDS="0",
         PYTHONUNBUFFERED="1",
     )
     try:
         yield env
     finally:
-        redis.Redis.from_url(REDIS_DB).flushdb()
         with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
@@ -76,6 +72,33 @@ def stop(process):
             process.kill()
 
 
+def rest(port, key, path):
+    """One REST read: cheaper than a ``capyctl`` process where the CLI is not the point."""
+    answer = httpx.get(
+        f"http://127.0.0.1:{port}/api/{path}",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    return body["results"] if isinstance(body, dict) and "results" in body else body
+
+
+def wait_for(condition, what, timeout=60):
+    """Wait until ``condition()`` holds, with a bound generous for a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.1)
+
+
+def wait_online(port, key, count=1):
+    def online():
+        return sum(h["state"] == "online" for h in rest(port, key, "hosts/")) >= count
+
+    wait_for(online, f"{count} host(s) online")
+
+
 def one_host_setup(env):
     """Ports for the server, its enrolment and one agent; host ``box`` added; its token."""
     ports = (free_port(), free_port(), free_port())
@@ -86,12 +109,12 @@ def one_host_setup(env):
     return env, run, ports, added.out.split("--join ")[1].split()[0]
 
 
-def test_server_mode_needs_postgresql_and_redis(program_env):
+def test_server_mode_needs_postgresql_and_redis(program_env, redis_url):
     no_redis = run_program({**program_env, "CAPYCTL_MODE": "server"}, "status")
     assert no_redis.code == 2
     assert "server mode needs CAPYCTL_REDIS_URL" in no_redis.err
     sqlite_url = f"sqlite:///{program_env['CAPYCTL_DATA_DIR']}/x.db"
-    on_sqlite = {**program_env, "CAPYCTL_REDIS_URL": REDIS_DB, "CAPYCTL_DATABASE_URL": sqlite_url}
+    on_sqlite = {**program_env, "CAPYCTL_REDIS_URL": redis_url, "CAPYCTL_DATABASE_URL": sqlite_url}
     sqlite = run_program(on_sqlite, "status")
     assert sqlite.code == 2
     assert "server mode needs PostgreSQL" in sqlite.err
@@ -111,14 +134,11 @@ def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_
         added = run("deployment", "add", name, "--engine", "sim", "--host", "box", "--source",
                     f"m/{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB")  # fmt: skip
         assert added.code == 0, added.err
-    key = run("key", "create", "--user", "admin").out.strip()
+    key = run("key", "create", "--user", "admin", "--admin").out.strip()
     server = start(env, tmp_path, port, enrol_port)
     agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
     try:
-        deadline = time.monotonic() + 20
-        while "online" not in run("host", "list").out:
-            assert time.monotonic() < deadline, run("host", "list").out
-            time.sleep(0.3)
+        wait_online(port, key)
 
         def ask(model):
             return httpx.post(
@@ -176,7 +196,7 @@ def test_two_hosts_with_different_gpus_switch_apart(server_env, tmp_path):
         added = run("deployment", "add", name, "--engine", "sim", "--host", host, "--source",
                     f"m/{name}", "--gpu-memory", size, "--weights-size", "2GiB")  # fmt: skip
         assert added.code == 0, added.err
-    key = run("key", "create", "--user", "admin").out.strip()
+    key = run("key", "create", "--user", "admin", "--admin").out.strip()
     server = start(env, tmp_path, port, enrol_port)
     agents = [
         start_agent(env, tmp_path / "small", ports["small"], "--join", tokens["small"],
@@ -185,10 +205,7 @@ def test_two_hosts_with_different_gpus_switch_apart(server_env, tmp_path):
                     gpus="80GiB"),
     ]  # fmt: skip
     try:
-        deadline = time.monotonic() + 20
-        while run("host", "list").out.count("online") < 2:
-            assert time.monotonic() < deadline, run("host", "list").out
-            time.sleep(0.3)
+        wait_online(port, key, count=2)
 
         def ask(model):
             answer = httpx.post(
@@ -225,19 +242,19 @@ def test_a_worker_killed_mid_wake_leaves_nothing_half_done(server_env, tmp_path)
     import psutil
 
     env, run, (port, enrol_port, agent_port), token = one_host_setup(server_env)
+    gate = tmp_path / "wake-gate"  # the engine holds each wake until this file exists
     assert run("engine", "add", "slow", "--kind", "vllm", "--command", SIM,
-               "--env", "CAPYCTL_SIM_WAKE_SECONDS=3",
+               "--env", f"CAPYCTL_SIM_WAKE_GATE={gate}",
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
     assert run("deployment", "add", "a", "--engine", "slow", "--host", "box", "--source", "m/a",
                "--gpu-memory", "16GiB", "--weights-size", "2GiB",
-               "--wake-timeout", "4").code == 0  # fmt: skip
-    key = run("key", "create", "--user", "admin").out.strip()
+               "--wake-timeout", "10").code == 0  # fmt: skip
+    key = run("key", "create", "--user", "admin", "--admin").out.strip()
     server = start(env, tmp_path, port, enrol_port)
     agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
 
     def state():
-        (row,) = json.loads(run("deployment", "list", "--json").out)
-        return row["observed_state"]
+        return rest(port, key, "deployments/a/")["observed_state"]
 
     def ask():
         return httpx.post(
@@ -248,33 +265,30 @@ def test_a_worker_killed_mid_wake_leaves_nothing_half_done(server_env, tmp_path)
         )
 
     try:
-        deadline = time.monotonic() + 20
-        while "online" not in run("host", "list").out:
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
+        wait_online(port, key)
         assert run("deployment", "start", "a").code == 0
         assert run("deployment", "park", "a").code == 0
         answers: list[httpx.Response] = []
         asking = threading.Thread(target=lambda: answers.append(ask()))
         asking.start()
-        deadline = time.monotonic() + 20
-        while state() != "waking":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        # The engine has the wake and holds it: the worker is inside the wake, for as long
+        # as the test likes.
+        wait_for(gate.with_name("wake-gate.waiting").exists, "the engine to receive the wake")
+        assert state() == "waking"
         workers = [p for p in psutil.Process(server.pid).children()
                    if "worker" in " ".join(p.cmdline())]  # fmt: skip
         assert workers
         for worker in workers:
             worker.kill()  # mid-wake: no warm shutdown, no acknowledgement
-        asking.join(timeout=60)
-        assert answers[0].status_code == 504  # the request is answered, not left hanging
+        asking.join(timeout=90)
+        assert answers, "the request was left hanging"
+        assert answers[0].status_code == 504, answers[0].text
         assert answers[0].json()["error"]["code"] == "wake_timeout"
         # No deployment stays waking past its timeout: the pass repairs it (failed), and
         # the next request starts it again on the worker the supervisor started anew.
-        deadline = time.monotonic() + 60
-        while state() == "waking":
-            assert time.monotonic() < deadline, "a stayed waking"
-            time.sleep(0.5)
+        wait_for(lambda: state() != "waking", "the pass to repair a (it stayed waking)")
+        assert state() == "failed"
+        gate.touch()  # from here on wakes go through (the next request starts a anew)
         again = ask()
         assert again.status_code == 200, (again.text, run("events", "--limit", "15").out)
         assert state() == "ready"
@@ -283,6 +297,7 @@ def test_a_worker_killed_mid_wake_leaves_nothing_half_done(server_env, tmp_path)
         assert {e["status"] for e in mine} <= {"held"}  # nothing promised or unknown left
         assert len({e["pool"] for e in mine}) == len(mine)  # one entry a pool
     finally:
+        gate.touch()
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=15)
         stop(server)
