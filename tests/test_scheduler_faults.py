@@ -179,35 +179,62 @@ def test_a_model_can_wake_over_its_own_unconfirmed_memory(gpu24):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_stop_during_a_start_leaves_no_engine_and_no_memory(gpu24):
+def test_a_stop_during_a_start_waits_for_it_then_ends_it(gpu24, tmp_path):
     import threading
 
     from django.db import connection
 
-    sim_engine("slow", CAPYCTL_SIM_LOAD_SECONDS="1.5")
+    gate = tmp_path / "load-gate"  # the engine loads until this file exists
+    sim_engine("slow", CAPYCTL_SIM_LOAD_GATE=str(gate))
     a = deployment("a", engine="slow")
-    outcome: list[object] = []
+    outcomes: dict[str, object] = {}
 
-    def start_a() -> None:
+    def run(name: str, operation) -> None:
         try:
-            outcome.append(operations.ensure_ready(a.pk).observed_state)
+            outcomes[name] = operation(a.pk).observed_state
         except operations.SchedulerError as exc:
-            outcome.append(exc)
+            outcomes[name] = exc
         finally:
             connection.close()
 
-    starter = threading.Thread(target=start_a)
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, f"still waiting for {what}"
+            time.sleep(0.02)
+
+    starter = threading.Thread(target=run, args=("start", operations.ensure_ready))
     starter.start()
-    deadline = time.monotonic() + 10
-    while state("a")[0] != "starting" and time.monotonic() < deadline:
-        time.sleep(0.02)
-    operations.stop(a.pk)
-    starter.join(timeout=30)
+    wait_for(gate.with_name("load-gate.waiting").exists, "the engine to load")
+    (loading,) = gpu24.instances()
+    stopper = threading.Thread(target=run, args=("stop", operations.stop))
+    stopper.start()
+
+    def states() -> tuple[str, str]:
+        return Deployment.objects.filter(pk=a.pk).values_list("observed_state", "desired_state")[0]
+
+    wait_for(lambda: states()[1] == "stopped", "the stop to arrive")
+    assert states() == ("starting", "stopped")  # the stop arrived while a was starting,
+    assert stopper.is_alive()  # and waits for the start (its engine still loads)
+    assert loading.process.alive()
+    gate.touch()  # the load ends
+    starter.join(timeout=60)
+    stopper.join(timeout=60)
+    assert not starter.is_alive()
+    assert not stopper.is_alive()
+    assert outcomes == {"start": "ready", "stop": "stopped"}
+    kinds = list(
+        Event.objects.filter(subject="a", kind__startswith="deployment.")
+        .order_by("pk")
+        .values_list("kind", flat=True)
+    )
+    assert kinds == ["deployment.added", "deployment.starting", "deployment.ready",
+                     "deployment.stopped"], kinds  # fmt: skip
     assert state("a") == ("stopped", "")
     assert entries("a") == {}
     assert gpu24.devices()[0].used_bytes == 0
     assert gpu24.instances() == []
-    assert len(outcome) == 1
+    assert not loading.process.alive()
     operations.start(a.pk)  # and it starts again cleanly
     assert state("a") == ("ready", "")
 
@@ -232,7 +259,9 @@ def test_an_sglang_victim_with_cpu_backup_is_stopped_rather_than_copied(gpu24, s
     assert "instead of parking" in stopped.message
 
 
-def test_a_reconcile_lease_outlives_a_long_pass_but_not_a_killed_worker(settings, monkeypatch):
+def test_a_reconcile_lease_outlives_a_long_pass_but_not_a_killed_worker(
+    settings, monkeypatch, redis_url
+):
     """A pass renews its Redis lease while it runs; a holder that died (a killed worker)
     keeps the host from being reconciled for one lease at most."""
     import threading
@@ -241,13 +270,12 @@ def test_a_reconcile_lease_outlives_a_long_pass_but_not_a_killed_worker(settings
 
     from capyctl.scheduler import tasks
 
-    settings.REDIS_URL = "redis://127.0.0.1:6379/14"
+    settings.REDIS_URL = redis_url
     settings.CELERY_TASK_ALWAYS_EAGER = False
     monkeypatch.setattr(tasks, "LEASE_SECONDS", 1)
     monkeypatch.setattr(tasks, "_RENEW_SECONDS", 0.25)
-    host_id = 990_000 + os.getpid() % 10_000
+    host_id = 990_000
     client = redis.Redis.from_url(settings.REDIS_URL)
-    client.delete(f"capyctl:reconcile:{host_id}")
     passes: list[float] = []
 
     def slow_pass(pk):
