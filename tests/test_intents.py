@@ -6,10 +6,12 @@ import signal
 import sys
 import time
 
+import httpx
 import psutil
 import pytest
 
 from tests.conftest import run_program, start_server, stop_server
+from tests.watching import Watcher
 
 pytestmark = pytest.mark.e2e
 
@@ -84,7 +86,6 @@ def test_concurrent_intents_from_several_processes_never_overcommit(program_env,
     out; an observer checks every pool all along; the ledger ends agreeing with the probe."""
     import random
     import subprocess
-    import threading
 
     program_env["CAPYCTL_SIM_GPUS"] = "24GiB,24GiB"
     program_env["CAPYCTL_MIN_READY_SECONDS"] = "0"
@@ -96,19 +97,22 @@ def test_concurrent_intents_from_several_processes_never_overcommit(program_env,
         assert run("deployment", "add", name, "--engine", "sim", "--source", "m",
                    "--gpu-memory", f"{gib}GiB").code == 0  # fmt: skip
 
+    key = run("key", "create", "--user", "admin", "--admin").out.strip()
     server = start_server(program_env)
-    violations: list[str] = []
-    stop = threading.Event()
 
-    def observe() -> None:
-        while not stop.is_set():
-            status = json.loads(run("status", "--json").out)
-            for pool in status["hosts"][0]["pools"]:
-                if pool["used_bytes"] > pool["capacity_bytes"]:
-                    violations.append(f"{pool['pool']}: {pool['used_bytes']}")
+    def look() -> list[str]:
+        """Every pool, as the REST API reports it (a cheap read, many times a second)."""
+        answer = httpx.get(
+            f"{server.base_url}/api/hosts/", headers={"Authorization": f"Bearer {key}"}, timeout=30
+        )
+        answer.raise_for_status()
+        return [
+            f"{pool['pool']}: {pool['used_bytes']}"
+            for host in answer.json()["results"]
+            for pool in host["pools"]
+            if pool["used_bytes"] > pool["capacity_bytes"]
+        ]
 
-    observer = threading.Thread(target=observe)
-    observer.start()
     try:
         scripts = []
         for seed in range(3):
@@ -118,23 +122,20 @@ def test_concurrent_intents_from_several_processes_never_overcommit(program_env,
                 for _ in range(6)
             ]
             scripts.append(steps)
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", _INTENT_SCRIPT, json.dumps(steps)],
-                env=program_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for steps in scripts
-        ]
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
+        with Watcher(look) as watcher:
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-c", _INTENT_SCRIPT, json.dumps(steps)],
+                    env=program_env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for steps in scripts
+            ]
+            outputs = [p.communicate(timeout=240)[0] for p in procs]
         assert all(p.returncode == 0 for p in procs), outputs
-    finally:
-        stop.set()
-        observer.join()
-    try:
-        assert violations == []
+        assert watcher.verify(min_looks=10) == []
         time.sleep(2.5)  # one reconcile pass
         status = json.loads(run("status", "--json").out)
         ledger = status["ledger"]

@@ -26,6 +26,7 @@ from capyctl.ledger.services import (
 from hostagent.probe import SimulatedProbe
 from hostagent.simgpu import SimSpec
 from tests.ledger_hammer import hammer, process_main
+from tests.watching import Watcher
 
 GIB = 1024**3
 
@@ -110,27 +111,17 @@ def test_concurrent_threads_and_processes_never_overcommit_a_pool(tmp_path, sett
     ids = [
         add_deployment(DeploymentSpec(name=f"m{i}", engine="v1", source="m")).pk for i in range(10)
     ]
-    stop = threading.Event()
-    observed: list[str] = []
 
-    def observe() -> None:
-        try:
-            while not stop.is_set():
-                observed.extend(
-                    f"{u.pool}: {u.used_bytes} > {u.capacity_bytes}" for u in overcommitted(host)
-                )
-        finally:
-            connection.close()
+    def look() -> list[str]:
+        return [f"{u.pool}: {u.used_bytes} > {u.capacity_bytes}" for u in overcommitted(host)]
 
-    observer = threading.Thread(target=observe)
-    observer.start()
     results: list[int] = []
     threads = [
         threading.Thread(target=lambda s=seed: results.append(hammer(host.pk, ids, s, 60)))
         for seed in range(4)
     ]
     context = multiprocessing.get_context("spawn")
-    with context.Pool(2) as pool:
+    with Watcher(look) as watcher, context.Pool(2) as pool:
         pending = [
             pool.apply_async(
                 process_main,
@@ -144,11 +135,9 @@ def test_concurrent_threads_and_processes_never_overcommit_a_pool(tmp_path, sett
         for thread in threads:
             thread.join()
         process_results = [p.get(timeout=240) for p in pending]
-    stop.set()
-    observer.join()
     assert len(results) == 4
     assert results == [0, 0, 0, 0]
     assert process_results == [0, 0]
-    assert observed == []
+    assert watcher.verify(min_looks=10) == []
     assert LedgerEntry.objects.exists()  # the hammering really admitted things
     assert Deployment.objects.count() == 10

@@ -15,6 +15,7 @@ from capyctl.scheduler.drivers import set_local_driver
 from capyctl.scheduler.reconcile import reconcile
 from hostagent.simgpu import SimSpec
 from tests.scheduling import GIB, deployment, make_host, vllm_engine
+from tests.watching import Watcher
 
 
 @pytest.mark.django_db(transaction=True)
@@ -25,19 +26,11 @@ def test_random_concurrent_operations_never_overcommit(tmp_path, settings):
         sizes = [16, 12, 10, 8, 8, 6]
         ids = [deployment(f"m{i}", gib=gib).pk for i, gib in enumerate(sizes)]
         host = Host.objects.get(name="local")
-        stop = threading.Event()
         violations: list[str] = []
         errors: list[str] = []
 
-        def observe() -> None:
-            try:
-                while not stop.is_set():
-                    violations.extend(
-                        f"{u.pool}: {u.used_bytes} > {u.capacity_bytes}"
-                        for u in overcommitted(host)
-                    )
-            finally:
-                connection.close()
+        def look() -> list[str]:
+            return [f"{u.pool}: {u.used_bytes} > {u.capacity_bytes}" for u in overcommitted(host)]
 
         def work(seed: int) -> None:
             rng = random.Random(seed)  # noqa: S311 - a seeded, repeatable schedule
@@ -62,17 +55,16 @@ def test_random_concurrent_operations_never_overcommit(tmp_path, settings):
             finally:
                 connection.close()
 
-        observer = threading.Thread(target=observe)
-        observer.start()
         workers = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join(timeout=240)
-        stop.set()
-        observer.join()
+        with Watcher(look) as watcher:
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(timeout=240)
+        assert not any(worker.is_alive() for worker in workers)
         assert errors == []
         assert violations == []
+        assert watcher.verify(min_looks=10) == []
         assert LedgerEntry.objects.exists()
 
         reconcile(host.pk)
