@@ -83,8 +83,7 @@ LOGIN_MAX_FAILURES = env_int("CAPYCTL_LOGIN_MAX_FAILURES", 5, minimum=1)
 LOGIN_LOCKOUT_SECONDS = env_int("CAPYCTL_LOGIN_LOCKOUT_SECONDS", 900, minimum=1)
 AUTHENTICATION_BACKENDS = ["capyctl.web.login.ThrottledModelBackend"]
 
-INSTALLED_APPS = [
-    "daphne",
+INSTALLED_APPS = [  # not "daphne": it only adds runserver, and costs every command Twisted
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",

@@ -1,5 +1,6 @@
 """Boundaries of DESIGN §3 that the code must keep."""
 
+import os
 import pkgutil
 import subprocess
 import sys
@@ -57,3 +58,24 @@ def test_the_v1_routes_are_listed_in_one_place():
                 if value not in ("/v1/", "^/v1/") and (name, value) not in allowed:
                     found.append(f"{name}:{node.lineno}: {value!r}")
     assert found == []
+
+
+def test_a_listing_imports_no_server_and_no_task_queue(tmp_path):
+    """A command that only reads imports only what it runs: not the ASGI servers (daphne
+    pulls in Twisted) nor Celery, which a listing never uses and which cost every
+    ``capyctl`` call most of a second."""
+    code = (
+        "import sys\n"
+        "from capyctl.cli import run\n"
+        "code = run(['engine', 'list'])\n"
+        "heavy = ('daphne', 'twisted', 'celery', 'kombu', 'uvicorn')\n"
+        "print(code, ','.join(sorted({m.split('.')[0] for m in sys.modules} & set(heavy))))\n"
+    )
+    env = {**os.environ, "CAPYCTL_DATA_DIR": str(tmp_path)}
+    env.pop("CAPYCTL_DATABASE_URL", None)
+    env.pop("CAPYCTL_REDIS_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "0 ", done.stdout

@@ -10,6 +10,11 @@ import threading
 
 from celery import shared_task
 
+# CapyCTL's Celery app (imported first) is made current before any task is sent, so tasks
+# run eagerly in standalone and go to the configured broker in server mode, never to a
+# library default. It is imported here, not at start-up: commands that send no task never
+# load Celery.
+from capyctl import celery as _celery  # noqa: F401
 from capyctl.scheduler import executor, notify, operations, reconcile
 
 logger = logging.getLogger(__name__)
