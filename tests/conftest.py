@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -92,15 +93,13 @@ def table_counts() -> dict[str, int]:
 # --- the program itself, in subprocesses -------------------------------------------------
 
 
-@pytest.fixture
-def program_env(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """Environment for running ``capyctl`` as a program on a fresh data dir and database.
-
-    Under a PostgreSQL test run (``CAPYCTL_DATABASE_URL`` set) each test gets a database
-    of its own, dropped afterwards.
-    """
+@contextlib.contextmanager
+def program_environment(data_dir: Path) -> Iterator[dict[str, str]]:
+    """Environment for running ``capyctl`` as a program on ``data_dir`` and a fresh
+    database: under a PostgreSQL test run (``CAPYCTL_DATABASE_URL`` set), a database of
+    its own, dropped afterwards."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
-    env["CAPYCTL_DATA_DIR"] = str(tmp_path / "data")
+    env["CAPYCTL_DATA_DIR"] = str(data_dir)
     env["PYTHONUNBUFFERED"] = "1"
     base_url = os.environ.get("CAPYCTL_DATABASE_URL", "")
     db_name = None
@@ -110,11 +109,21 @@ def program_env(tmp_path: Path) -> Iterator[dict[str, str]]:
         with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{db_name}"')
         env["CAPYCTL_DATABASE_URL"] = f"{server}/{db_name}"
-    yield env
-    if db_name is not None:
-        server, _, _ = base_url.rpartition("/")
-        with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+    try:
+        yield env
+    finally:
+        if db_name is not None:
+            server, _, _ = base_url.rpartition("/")
+            with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def program_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Environment for running ``capyctl`` as a program on a fresh data dir and database
+    (one per test)."""
+    with program_environment(tmp_path / "data") as env:
+        yield env
 
 
 def run_program(env: dict[str, str], *argv: str, stdin: str | None = None) -> CliResult:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import sys
@@ -22,7 +21,7 @@ from hypothesis import strategies as st
 
 from hostagent.routes import FORWARDED
 from hostagent.runtime import free_port
-from tests.conftest import run_program, start_server, stop_server
+from tests.conftest import program_environment, run_program, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 
@@ -43,47 +42,48 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("fuzz")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
-    env.update(
-        CAPYCTL_DATA_DIR=str(tmp / "data"),
-        PYTHONUNBUFFERED="1",
-        CAPYCTL_SIM_GPUS="24GiB",
-        CAPYCTL_MAX_BODY_BYTES="4MiB",
-    )
-    if os.environ.get("CAPYCTL_DATABASE_URL", "").startswith("postgres"):
-        pytest.skip("one server for the module: SQLite only")
-    run = lambda *argv: run_program(env, *argv)  # noqa: E731
-    record = tmp / "engine.jsonl"
-    record.touch()
-    assert (
-        run(
-            "engine",
-            "add",
-            "sim",
-            "--kind",
-            "vllm",
-            "--command",
-            f"{SIM} vllm",
-            "--env",
-            f"CAPYCTL_SIM_RECORD={record}",
-        ).code
-        == 0
-    )
-    assert (
-        run(
-            "deployment", "add", "m", "--engine", "sim", "--source", "m/m", "--gpu-memory", "8GiB"
-        ).code
-        == 0
-    )
-    assert run("user", "add", "bob").code == 0
-    key = run("key", "create", "--user", "admin").out.strip()
-    other = run("key", "create", "--user", "bob").out.strip()
-    server = start_server(env)
-    try:
-        assert run("deployment", "start", "m").code == 0
-        yield Served(server.base_url, key, other, record)
-    finally:
-        stop_server(server, signal.SIGTERM)
+    with program_environment(tmp / "data") as env:
+        env.update(CAPYCTL_SIM_GPUS="24GiB", CAPYCTL_MAX_BODY_BYTES="4MiB")
+        run = lambda *argv: run_program(env, *argv)  # noqa: E731
+        record = tmp / "engine.jsonl"
+        record.touch()
+        assert (
+            run(
+                "engine",
+                "add",
+                "sim",
+                "--kind",
+                "vllm",
+                "--command",
+                f"{SIM} vllm",
+                "--env",
+                f"CAPYCTL_SIM_RECORD={record}",
+            ).code
+            == 0
+        )
+        assert (
+            run(
+                "deployment",
+                "add",
+                "m",
+                "--engine",
+                "sim",
+                "--source",
+                "m/m",
+                "--gpu-memory",
+                "8GiB",
+            ).code
+            == 0
+        )
+        assert run("user", "add", "bob").code == 0
+        key = run("key", "create", "--user", "admin").out.strip()
+        other = run("key", "create", "--user", "bob").out.strip()
+        server = start_server(env)
+        try:
+            assert run("deployment", "start", "m").code == 0
+            yield Served(server.base_url, key, other, record)
+        finally:
+            stop_server(server, signal.SIGTERM)
 
 
 def raw_request(base_url: str, head: bytes, body: bytes = b"") -> tuple[int, bytes, bytes]:

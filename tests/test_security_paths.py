@@ -24,7 +24,7 @@ import pytest
 from hostagent import tls
 from hostagent.routes import FORWARDED
 from hostagent.runtime import free_port
-from tests.conftest import run_program, start_server, stop_server
+from tests.conftest import program_environment, run_program, start_server, stop_server
 from tests.test_hosts_join import start_agent, wait_online
 
 pytestmark = pytest.mark.e2e
@@ -107,56 +107,52 @@ def chat(fleet: Fleet, model: str) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    import os
-
     tmp = tmp_path_factory.mktemp("fleet")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
-    env.update(CAPYCTL_DATA_DIR=str(tmp / "data"), PYTHONUNBUFFERED="1",
-               CAPYCTL_SIM_GPUS="80GiB", CAPYCTL_MIN_READY_SECONDS="0")  # fmt: skip
-    if os.environ.get("CAPYCTL_DATABASE_URL", "").startswith("postgres"):
-        pytest.skip("one server for the module: SQLite only")
-    run = lambda *argv: run_program(env, *argv)  # noqa: E731
-    enrol_port, agent_port = free_port(), free_port()
-    env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{enrol_port}"
-    added = run("host", "add", "gpu1", "--address", f"127.0.0.1:{agent_port}")
-    assert added.code == 0, added.err
-    token = added.out.split("--join ")[1].split()[0]
-    records: dict[str, Path] = {}
-    admin: dict[str, str] = {}
-    for kind, (command, route) in KINDS.items():
-        for where in ("local", "gpu1"):
-            name = f"{kind}-{where}"
-            records[name] = tmp / f"{name}.jsonl"
-            records[name].touch()
-            extra = ["--options", json.dumps({"park": {"ram": {"path": "/sleep?level=1"}},
-                                              "wake": {"ram": {"path": "/wake_up"}}})]  # fmt: skip
-            done = run("engine", "add", name, "--kind", kind, "--command", command,
-                       "--env", f"CAPYCTL_SIM_RECORD={records[name]}",
-                       "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=1GiB",
-                       *(extra if kind == "custom" else []))  # fmt: skip
-            assert done.code == 0, done.err
-            done = run("deployment", "add", name, "--engine", name, "--host", where,
-                       "--source", f"m/{name}", "--gpu-memory", "6GiB",
-                       "--weights-size", "1GiB")  # fmt: skip
-            assert done.code == 0, done.err
-            admin[name] = route
-    env["CAPYCTL_SIM_GPUS"] = "80GiB"
-    fleet_key = run("key", "create", "--user", "admin").out.strip()
-    server = start_server(env, "--enrol-listen", f"127.0.0.1:{enrol_port}")
-    agent = start_agent(env, tmp / "agent", agent_port, "--join", token, gpus="80GiB")
-    try:
-        wait_online(env, "gpu1")
-        fleet = Fleet(server.base_url, fleet_key, env, records, admin, agent_port,
-                      Path(env["CAPYCTL_DATA_DIR"]) / "pki")  # fmt: skip
-        with ThreadPoolExecutor(4) as pool:  # each model starts on its first request
-            answers = list(pool.map(lambda name: chat(fleet, name), records))
-        for answer in answers:
-            assert answer.status_code == 200, answer.text
-        yield fleet
-    finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=30)
-        stop_server(server, signal.SIGTERM)
+    with program_environment(tmp / "data") as env:
+        env.update(CAPYCTL_SIM_GPUS="80GiB", CAPYCTL_MIN_READY_SECONDS="0")
+        run = lambda *argv: run_program(env, *argv)  # noqa: E731
+        enrol_port, agent_port = free_port(), free_port()
+        env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{enrol_port}"
+        added = run("host", "add", "gpu1", "--address", f"127.0.0.1:{agent_port}")
+        assert added.code == 0, added.err
+        token = added.out.split("--join ")[1].split()[0]
+        records: dict[str, Path] = {}
+        admin: dict[str, str] = {}
+        for kind, (command, route) in KINDS.items():
+            for where in ("local", "gpu1"):
+                name = f"{kind}-{where}"
+                records[name] = tmp / f"{name}.jsonl"
+                records[name].touch()
+                hooks = {"park": {"ram": {"path": "/sleep?level=1"}},
+                         "wake": {"ram": {"path": "/wake_up"}}}  # fmt: skip
+                extra = ["--options", json.dumps(hooks)]
+                done = run("engine", "add", name, "--kind", kind, "--command", command,
+                           "--env", f"CAPYCTL_SIM_RECORD={records[name]}",
+                           "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=1GiB",
+                           *(extra if kind == "custom" else []))  # fmt: skip
+                assert done.code == 0, done.err
+                done = run("deployment", "add", name, "--engine", name, "--host", where,
+                           "--source", f"m/{name}", "--gpu-memory", "6GiB",
+                           "--weights-size", "1GiB")  # fmt: skip
+                assert done.code == 0, done.err
+                admin[name] = route
+        env["CAPYCTL_SIM_GPUS"] = "80GiB"
+        fleet_key = run("key", "create", "--user", "admin").out.strip()
+        server = start_server(env, "--enrol-listen", f"127.0.0.1:{enrol_port}")
+        agent = start_agent(env, tmp / "agent", agent_port, "--join", token, gpus="80GiB")
+        try:
+            wait_online(env, "gpu1")
+            fleet = Fleet(server.base_url, fleet_key, env, records, admin, agent_port,
+                          Path(env["CAPYCTL_DATA_DIR"]) / "pki")  # fmt: skip
+            with ThreadPoolExecutor(4) as pool:  # each model starts on its first request
+                answers = list(pool.map(lambda name: chat(fleet, name), records))
+            for answer in answers:
+                assert answer.status_code == 200, answer.text
+            yield fleet
+        finally:
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(timeout=30)
+            stop_server(server, signal.SIGTERM)
 
 
 def engine_hits(fleet: Fleet, model: str, since: int) -> list[dict[str, object]]:
