@@ -14,6 +14,7 @@ import signal
 import string
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -208,23 +209,20 @@ def test_guessed_admin_keys_on_rest_cost_bounded_reads(client, alice, fresh_guar
     reads = KeyReads()
     answers: dict[int, int] = {}
     with connection.execute_wrapper(reads):
+        flood_started = time.monotonic()
         for _ in range(GUESSES):
             answer = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {guessed_key()}",
                                 REMOTE_ADDR="203.0.113.7")  # fmt: skip
             answers[answer.status_code] = answers.get(answer.status_code, 0) + 1
         during = reads.count
+        # The throttle lets one more failure through every refill: a slow machine's flood
+        # lasts longer and earns a few more, never one per guess.
+        refilled = int((time.monotonic() - flood_started) / guessing.FAILURE_REFILL_SECONDS) + 1
         throttled = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {guessed_key()}",
                                REMOTE_ADDR="203.0.113.7")  # fmt: skip
-        # The same guess again and again, from many addresses: read once, then remembered.
-        again = guessed_key()
-        reads.count = 0
-        for n in range(200):
-            answer = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {again}",
-                                REMOTE_ADDR=f"198.51.100.{n}")  # fmt: skip
-            assert answer.status_code in (401, 403), answer.content
-        repeated = reads.count
-        # A real key is untouched by the flood: from another address, and from the
-        # flooding one once it has passed there (checked in memory before the lookup).
+        # Right away (within one refill of the throttle): a real key is untouched by the
+        # flood, from another address and from the flooding one once it has passed there
+        # (checked in memory before the lookup), while a wrong secret there is still 429.
         ok = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {real}",
                         REMOTE_ADDR="192.0.2.1")  # fmt: skip
         ok_there = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {real}",
@@ -233,8 +231,16 @@ def test_guessed_admin_keys_on_rest_cost_bounded_reads(client, alice, fresh_guar
         still_throttled = client.get("/api/deployments/",
                                      HTTP_AUTHORIZATION=f"Bearer {wrong_secret}",
                                      REMOTE_ADDR="203.0.113.7")  # fmt: skip
-    assert during <= guessing.FAILURES_ALLOWED + 2, during
-    assert answers.get(429, 0) >= GUESSES - guessing.FAILURES_ALLOWED - 2, answers
+        # The same guess again and again, from many addresses: read once, then remembered.
+        again = guessed_key()
+        reads.count = 0
+        for n in range(200):
+            answer = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {again}",
+                                REMOTE_ADDR=f"198.51.100.{n}")  # fmt: skip
+            assert answer.status_code in (401, 403), answer.content
+        repeated = reads.count
+    assert during <= guessing.FAILURES_ALLOWED + refilled + 2, (during, refilled)
+    assert answers.get(429, 0) >= GUESSES - guessing.FAILURES_ALLOWED - refilled - 2, answers
     assert throttled.status_code == 429
     assert 1 <= int(throttled.headers["Retry-After"]) <= guessing.FAILURE_REFILL_SECONDS + 1
     assert repeated == 1, repeated
