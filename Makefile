@@ -22,7 +22,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.runtime-installed: $(BIN)/python requirements.txt pyproject.toml
+# capyctl/__init__.py holds the version the package metadata is made from.
+$(VENV)/.runtime-installed: $(BIN)/python requirements.txt pyproject.toml capyctl/__init__.py
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
