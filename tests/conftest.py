@@ -18,7 +18,6 @@ import pytest
 from django.contrib.auth.models import User
 
 from hostagent.runtime import free_port
-from tests.redis_db import redis_run, redis_url  # noqa: F401 - fixtures for every module
 
 CAPYCTL = str(Path(sys.executable).parent / "capyctl")
 

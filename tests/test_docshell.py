@@ -1,0 +1,121 @@
+"""The runner of the pages' console blocks: what it matches, binds and refuses."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.docshell import Bindings, OutputMismatchError, Page, all_examples, steps
+from tests.redis_db import RedisDb
+
+
+def test_a_volatile_value_is_bound_and_must_stay_the_same():
+    bindings = Bindings()
+    bindings.match(
+        "capyctl: key created (id dks3cozu5h, user admin)",
+        "capyctl: key created (id 8q0vx1mm2a, user admin)",
+    )
+    assert bindings.command("capyctl key revoke dks3cozu5h") == "capyctl key revoke 8q0vx1mm2a"
+    bindings.match("key dks3cozu5h revoked", "key 8q0vx1mm2a revoked")
+    with pytest.raises(OutputMismatchError):
+        bindings.match("key dks3cozu5h revoked", "key 7a7a7a7a7a revoked")
+
+
+def test_a_value_shown_twice_in_one_output_must_be_the_same_value_twice():
+    bindings = Bindings()
+    bindings.match(
+        "resp_9f21365d1b2c ok resp_9f21365d1b2c", "resp_0a1b2c3d4e5f ok resp_0a1b2c3d4e5f"
+    )
+    with pytest.raises(OutputMismatchError):
+        Bindings().match(
+            "resp_9f21365d1b2c ok resp_9f21365d1b2c", "resp_0a1b2c3d4e5f ok resp_1111aaaa2222"
+        )
+
+
+def test_columns_may_change_width_but_not_name():
+    page = "NAME  ALIASES  ENGINE  STATE\nchat  -        sim     ready"
+    Bindings().match(page, "NAME      ALIASES  ENGINE  STATE\nchat      -        sim     ready")
+    with pytest.raises(OutputMismatchError) as failure:
+        Bindings().match(page, "NAME  ALIAS  ENGINE  STATE\nchat  -      sim     ready")
+    assert "-NAME  ALIASES  ENGINE  STATE" in str(failure.value)
+    assert "+NAME  ALIAS  ENGINE  STATE" in str(failure.value)
+
+
+def test_an_ellipsis_stands_for_lines_or_text_and_nothing_else_is_skipped():
+    Bindings().match("first\n...\nlast", "first\nlast")
+    Bindings().match("first\n...\nlast", "first\na\nb\nlast")
+    Bindings().match("...\nlast", "a\nb\nlast")
+    Bindings().match("first\n...", "first\na")
+    Bindings().match("took ... here", "took a while here")
+    with pytest.raises(OutputMismatchError):
+        Bindings().match("first\n...\nlast", "first\na\nlast but one")
+    with pytest.raises(OutputMismatchError):
+        Bindings().match("first", "first\nand more")
+
+
+def test_steps_split_commands_output_and_continued_lines():
+    block = "$ capyctl engine add mine \\\n    --kind custom\nengine mine added\n$ echo hi\nhi\n"
+    found = steps(block, 10)
+    assert [(s.command, s.expected, s.line) for s in found] == [
+        ("capyctl engine add mine \n    --kind custom", "engine mine added", 10),
+        ("echo hi", "hi\n", 13),
+    ]
+
+
+@pytest.fixture
+def page_file(tmp_path: Path) -> Path:
+    return tmp_path / "page.md"
+
+
+def run_page(path: Path, redis_run: RedisDb) -> None:
+    namespace: dict[str, object] = {}
+    try:
+        for example in all_examples(path):
+            example.namespace.setdefault("redis_run", redis_run)
+            example.evaluate()
+            namespace = example.namespace
+    finally:
+        page = namespace.get("page")
+        if isinstance(page, Page):
+            page.close()
+
+
+def test_a_renamed_column_fails_the_page_naming_its_line(page_file, redis_run):
+    """The documented listing runs for real; the page shows a column the CLI does not
+    print, and the failure names the page's file and the command's line."""
+    page_file.write_text(
+        "# A page\n\n```console\n"
+        "$ capyctl engine add sim --kind vllm"
+        ' --command "python -m hostagent.sim vllm" >/dev/null 2>&1\n'
+        "$ capyctl deployment add chat --engine sim --source chat --gpus 0\n...\n"
+        "$ capyctl deployment list\nNAME  ALIASES  ENGINE  HOST  WANTED  STATE  GPU MEMORY  PARK\n"
+        "...\n```\n"
+    )
+    with pytest.raises(OutputMismatchError) as failure:
+        run_page(page_file, redis_run)
+    message = str(failure.value)
+    assert "page.md line 7: $ capyctl deployment list" in message
+    assert "-NAME  ALIASES  ENGINE  HOST  WANTED  STATE" in message
+    assert re.search(r"\+NAME +ALIASES +ENGINE +HOST +DESIRED +STATE", message)
+
+
+def test_commands_share_one_terminal_and_leave_the_checkout_alone(page_file, redis_run):
+    page_file.write_text(
+        "```console\n$ KEY=abc; cd docs\n$ echo $KEY $(basename $PWD); false\nabc docs\n"
+        "$ echo $?\n1\n$ touch made-by-page && ls made-by-page\nmade-by-page\n```\n"
+    )
+    run_page(page_file, redis_run)
+    assert not (Path(__file__).parent.parent / "docs" / "made-by-page").exists()
+
+
+def test_a_block_of_commands_must_be_console_or_marked_illustrative(page_file, redis_run):
+    page_file.write_text(
+        "> **Illustrative** (needs a GPU)\n\n```\n$ nvidia-smi\nGPU 0\n```\n\n"
+        "```\n$ echo hi\nhi\n```\n"
+    )
+    examples = list(all_examples(page_file))
+    assert len(examples) == 1  # the illustrative one is not run
+    with pytest.raises(OutputMismatchError, match=r"page.md line 8: a block of commands must be"):
+        run_page(page_file, redis_run)
