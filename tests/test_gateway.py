@@ -10,12 +10,18 @@ import httpx
 import pytest
 
 from tests.conftest import run_program, start_server, stop_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
 SIM = f"{sys.executable} -m hostagent.sim"
 
 METRICS_TOKEN = "scrape-token-0123456789"
+
+
+def load_gate(program_env):
+    """The file that ends the load of the ``slow`` engine (q's): it loads until it exists."""
+    return Path(program_env["CAPYCTL_DATA_DIR"]).parent / "slow-load-gate"
 
 
 @pytest.fixture
@@ -26,7 +32,7 @@ def served(program_env):
     program_env["CAPYCTL_METRICS_TOKEN"] = METRICS_TOKEN
     run = lambda *argv: run_program(program_env, *argv)  # noqa: E731
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
-    slow = ["--env", "CAPYCTL_SIM_LOAD_SECONDS=2"]
+    slow = ["--env", f"CAPYCTL_SIM_LOAD_GATE={load_gate(program_env)}"]
     assert (
         run("engine", "add", "slow", "--kind", "vllm", "--command", f"{SIM} vllm", *slow).code == 0
     )
@@ -74,6 +80,12 @@ def served(program_env):
         yield server, key, only_a, run
     finally:
         stop_server(server, signal.SIGTERM)
+
+
+def key_row(run, key):
+    """``key``'s row in `capyctl key list --json` (its usage counts)."""
+    rows = {k["id"]: k for k in json.loads(run("key", "list", "--json").out)}
+    return rows[key.split("_")[1]]
 
 
 def chat(server, key, model, **extra):
@@ -223,10 +235,9 @@ def test_responses_audio_and_one_model_through_the_openai_client(served):
     assert audio[8:12] == b"WAVE"
     assert len(audio) == 44 + 1600
 
-    time.sleep(1.5)  # usage is written once a second, off the request path
-    rows = {k["id"]: k for k in json.loads(run("key", "list", "--json").out)}
+    # Usage is written off the request path, a batch at a time: wait until it is.
     # The Responses API counts input/output tokens: 3 from the first answer, 8 streamed.
-    assert rows[key.split("_")[1]]["completion_tokens"] >= 11
+    wait_until(lambda: key_row(run, key)["completion_tokens"] >= 11, "the usage to be written")
 
 
 def test_a_client_that_goes_away_cancels_its_upstream_request(served, program_env):
@@ -300,20 +311,25 @@ def test_keys_count_usage_and_limits_and_revocation_is_quick(served):
     assert third.json()["error"]["code"] == "rate_limited"
     assert int(third.headers["retry-after"]) >= 1
 
-    time.sleep(1.5)  # usage is written after each response, off the request path
-    rows = {k["id"]: k for k in json.loads(run("key", "list", "--json").out)}
-    used = rows[key.split("_")[1]]
-    assert used["requests"] >= 1
+    # Usage is written after each response, off the request path: wait until it is.
+    def written():
+        row = key_row(run, key)
+        return row if row["requests"] >= 1 else None
+
+    used = wait_until(written, "the usage to be written")
     assert used["completion_tokens"] >= 2
     assert used["last_used_at"] is not None
 
     assert run("key", "revoke", key.split("_")[1]).code == 0
+    # The time is the promise here: a revoked key stops working within a second. The
+    # revocation was committed before the command returned, and the gateway trusts no key
+    # read that began longer ago than a second, however loaded the machine.
     time.sleep(1.1)
     refused = chat(server, key, "a")
     assert refused.status_code == 401
 
 
-def test_a_thousand_requests_for_a_parked_model_cause_one_wake(served):
+def test_a_thousand_requests_for_a_parked_model_cause_one_wake(served, program_env):
     import asyncio
 
     server, key, _, run = served
@@ -339,11 +355,38 @@ def test_a_thousand_requests_for_a_parked_model_cause_one_wake(served):
     events = run("events", "--model", "a", "--limit", "200").out
     assert events.count("deployment.woke") == 1
 
-    # q lets 5 wait: while its slow start runs, the rest are told the queue is full.
+    # q lets 5 wait: while its start is held (its engine loads until the gate file
+    # exists), the other 15 are told at once that the queue is full; then the load ends
+    # and the 5 are answered. However the 20 requests are spread out, all land in the hold.
     assert run("deployment", "stop", "b").code == 0
-    statuses = asyncio.run(burst("q", 20))
-    assert statuses.count(200) == 5
-    assert statuses.count(429) == 15
+
+    async def queue_burst() -> tuple[int, list[httpx.Response]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            sent = [
+                asyncio.ensure_future(
+                    client.post(
+                        f"{server.base_url}/v1/chat/completions",
+                        headers={"Authorization": f"Bearer {key}"},
+                        json={"model": "q", "messages": [{"role": "user", "content": "hi"}]},
+                    )
+                )
+                for _ in range(20)
+            ]
+            deadline = asyncio.get_running_loop().time() + 60
+            while sum(s.done() for s in sent) < 15:
+                if asyncio.get_running_loop().time() > deadline:
+                    break  # the counts below say what went wrong
+                await asyncio.sleep(0.05)
+            waiting = sum(not s.done() for s in sent)
+            load_gate(program_env).touch()
+            return waiting, list(await asyncio.gather(*sent))
+
+    waiting, answers = asyncio.run(queue_burst())
+    assert waiting == 5  # held while the start was
+    assert sorted(a.status_code for a in answers) == [200] * 5 + [429] * 15
+    for refused in (a for a in answers if a.status_code == 429):
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert int(refused.headers["retry-after"]) >= 1
 
 
 def test_a_slow_start_times_out_and_a_broken_engine_fails(served):

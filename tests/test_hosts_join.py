@@ -19,6 +19,7 @@ from django.utils import timezone
 from hostagent import tls
 from hostagent.runtime import free_port
 from tests.conftest import CAPYCTL, run_program, start_server, stop_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -112,10 +113,7 @@ def test_a_host_joins_once_and_is_polled_over_mutual_tls(joined, tmp_path):
 
 
 def wait_online(env, name):
-    deadline = time.monotonic() + 20
-    while host_rows(env)[name]["state"] != "online":
-        assert time.monotonic() < deadline, host_rows(env)
-        time.sleep(0.3)
+    wait_until(lambda: host_rows(env)[name]["state"] == "online", f"{name} online", interval=0.3)
 
 
 def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
@@ -173,12 +171,18 @@ def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
     assert run("deployment", "start", "r1").code == 0
     agent.send_signal(signal.SIGTERM)
     agent.wait(timeout=15)
-    deadline = time.monotonic() + 20
-    while host_rows(env)["gpu1"]["state"] != "unreachable":
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
-    time.sleep(1.1)  # routes are re-read within a second
-    refused = httpx.post(v1, headers={"Authorization": f"Bearer {key}"}, json=ask, timeout=30)
+    wait_until(lambda: host_rows(env)["gpu1"]["state"] == "unreachable", "gpu1 unreachable")
+
+    # Until the gateway re-reads the route (in the background), a request still goes to
+    # the agent that is gone and fails there; after, it is refused before it is sent.
+    def ask_r1() -> httpx.Response | None:
+        answer = httpx.post(v1, headers={"Authorization": f"Bearer {key}"}, json=ask, timeout=30)
+        if answer.status_code == 502:
+            assert answer.json()["error"]["code"] == "engine_failed"
+            return None
+        return answer
+
+    refused = wait_until(ask_r1, "the gateway to see gpu1 unreachable")
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "host_unreachable"
 
@@ -215,11 +219,14 @@ def test_a_killed_agent_leaves_its_engines_running_and_takes_them_back(joined):
     def stream() -> None:
         body = {**ask, "max_tokens": 60, "stream": True}
         with httpx.stream("POST", v1, headers=headers, json=body, timeout=30) as answer:
-            seen.extend(answer.iter_lines())
+            for line in answer.iter_lines():
+                seen.append(line)
 
     reader = threading.Thread(target=stream)
     reader.start()
-    time.sleep(1.0)
+    # The agent dies once the stream is under way (its first token is here; the other 59
+    # would take 6 s more at 10 tokens a second).
+    wait_until(lambda: any(line.startswith("data: ") for line in seen), "the first token")
     agent.kill()
     agent.wait(timeout=10)
     reader.join(timeout=30)
@@ -232,10 +239,7 @@ def test_a_killed_agent_leaves_its_engines_running_and_takes_them_back(joined):
         ledger = json.loads(run("status", "--json").out)["ledger"]
         return {e["status"] for e in ledger if e["deployment"] == "r"}
 
-    deadline = time.monotonic() + 20
-    while host_rows(env)["gpu1"]["state"] != "unreachable":
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
+    wait_until(lambda: host_rows(env)["gpu1"]["state"] == "unreachable", "gpu1 unreachable")
     assert statuses() == {"unconfirmed"}  # still counted, as nobody can confirm it now
 
     restarted = start_agent(env, agent_dir, agent_port)  # no token needed
@@ -270,13 +274,12 @@ def test_an_engine_gone_with_its_host_is_failed_and_started_again(joined):
     psutil.Process(record["pid"]).kill()
     restarted = start_agent(env, agent_dir, agent_port)
     try:
-        deadline = time.monotonic() + 30
-        while True:
+
+        def failed() -> bool:
             (row,) = json.loads(run("deployment", "list", "--json").out)
-            if row["observed_state"] == "failed":
-                break
-            assert time.monotonic() < deadline, row
-            time.sleep(0.3)
+            return bool(row["observed_state"] == "failed")
+
+        wait_until(failed, "r to be failed")
         assert "gone from host gpu1" in run("events", "--model", "r").out
         held = json.loads(run("status", "--json").out)["ledger"]
         assert not [e for e in held if e["deployment"] == "r"]  # its memory is given back

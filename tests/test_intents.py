@@ -4,13 +4,13 @@ standalone server with simulated GPUs and engines, as a user runs them."""
 import json
 import signal
 import sys
-import time
 
 import httpx
 import psutil
 import pytest
 
 from tests.conftest import run_program, start_server, stop_server
+from tests.waiting import wait_until
 from tests.watching import Watcher
 
 pytestmark = pytest.mark.e2e
@@ -74,8 +74,13 @@ def test_intents_drive_the_running_server(program_env):
     finally:
         seconds = stop_server(server, signal.SIGTERM)
     assert seconds < 5
-    time.sleep(0.2)
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+    # The server ended its engines before it exited; an engine's own children may take a
+    # moment more to be reaped.
+    wait_until(
+        lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children),
+        "the engines to be gone",
+        timeout=5,
+    )
     after = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
     assert after["b"]["observed_state"] == "stopped"
     assert "CapyCTL stopped" in run("events", "--model", "b").out
@@ -136,17 +141,23 @@ def test_concurrent_intents_from_several_processes_never_overcommit(program_env,
             outputs = [p.communicate(timeout=240)[0] for p in procs]
         assert all(p.returncode == 0 for p in procs), outputs
         assert watcher.verify(min_looks=10) == []
-        time.sleep(2.5)  # one reconcile pass
-        status = json.loads(run("status", "--json").out)
-        ledger = status["ledger"]
         from hostagent.probe import SimulatedProbe
         from hostagent.simgpu import parse_sim_gpus
 
         probe = SimulatedProbe(parse_sim_gpus("24GiB,24GiB"), tmp_path / "sim")
-        for reading in probe.devices():
-            pool = f"gpu{reading.index}"
-            counted = sum(e["bytes"] for e in ledger if e["pool"] == pool)
-            assert counted == reading.used_bytes, (pool, ledger)
+
+        def disagreements() -> list[tuple[str, int, int]]:
+            """Pools where the ledger's count differs from what the probe reads."""
+            ledger = json.loads(run("status", "--json").out)["ledger"]
+            return [
+                (f"gpu{r.index}", counted, r.used_bytes)
+                for r in probe.devices()
+                if (counted := sum(e["bytes"] for e in ledger if e["pool"] == f"gpu{r.index}"))
+                != r.used_bytes
+            ]
+
+        # What the last operations left unconfirmed, a reconcile pass settles.
+        wait_until(lambda: not disagreements(), "the ledger to agree with the probe")
     finally:
         stop_server(server, signal.SIGTERM)
 
