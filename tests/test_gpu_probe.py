@@ -3,12 +3,12 @@
 from types import SimpleNamespace
 
 import pynvml
-import pytest
 
 from hostagent import probe as probe_module
 from hostagent.probe import CpuOnlyProbe, NvmlProbe, make_probe, open_nvml_probe
 
 GIB = 1024**3
+MIB = 1024**2
 
 
 class FakeNvml:
@@ -125,8 +125,54 @@ def test_no_nvml_library_is_a_cpu_only_host(monkeypatch, caplog):
     assert "treating this host as CPU-only" in caplog.text
 
 
-@pytest.mark.parametrize("pid", [1])
-def test_cpu_only_process_usage_reads_host_ram(pid):
-    usage = CpuOnlyProbe().process_usage(pid)
+# A process that fills the first figure's MiB of its own memory (each page written, so
+# resident), starts a copy of itself with the other figures, says "ready" once they all
+# have, and holds on until its stdin closes.
+_HOLDER = """
+import subprocess, sys
+held = b"x" * (int(sys.argv[1]) * 1024 * 1024)
+child = None
+if sys.argv[2:]:
+    child = subprocess.Popen([sys.executable, *sys.argv[:1], *sys.argv[2:]],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child.stdout.readline()
+print("ready", flush=True)
+sys.stdin.read()
+if child:
+    child.stdin.close()
+    child.wait()
+"""
+
+
+def test_cpu_only_process_usage_is_the_resident_memory_of_the_process_tree(tmp_path):
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "holder.py"
+    script.write_text(_HOLDER)
+    sizes = (64, 96)  # MiB: the process, and its child
+    holder = subprocess.Popen(
+        [sys.executable, str(script), *map(str, sizes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "ready\n"
+        tree = [psutil.Process(holder.pid), *psutil.Process(holder.pid).children(recursive=True)]
+        assert len(tree) == 2
+        usage = CpuOnlyProbe().process_usage(holder.pid)
+        rss = sum(p.memory_info().rss for p in tree)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=30)
     assert usage.gpu == {}
-    assert usage.host_bytes >= 0
+    # Both processes count, each with what it filled (and the interpreter besides)...
+    assert usage.host_bytes >= sum(sizes) * MIB
+    # ...and the figure is their resident memory, as psutil reads it (idle processes:
+    # their memory moves by a few pages between the two readings).
+    assert abs(usage.host_bytes - rss) <= 4 * MIB
