@@ -182,4 +182,13 @@ def test_the_celery_tasks_run_the_same_operations_in_process(gpu24):
     tasks.ensure_ready.delay(a.pk)  # standalone: eager, in this process
     assert state("a") == ("ready", "")
     tasks.poll_hosts.delay()  # polls remote hosts (none), reconciles the online ones
-    assert state("a") == ("ready", "")
+    assert state("a") == ("ready", "")  # nothing to change while the engine runs
+    # The engine dies: the next poll's reconcile finds it gone, fails a, frees its memory.
+    engine = gpu24.instance(operations.instance_key(a.instances.get())).process
+    assert engine.popen is not None
+    engine.popen.kill()
+    engine.wait(timeout=10)
+    tasks.poll_hosts.delay()
+    assert state("a")[0] == "failed"
+    assert "its engine exited with status -9" in Deployment.objects.get(pk=a.pk).state_reason
+    assert entries("a") == {}
