@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/capyctl
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: help venv dev run test lint typecheck djangocheck test-sqlite test-postgres clean
 
@@ -73,7 +73,7 @@ test-sqlite: dev
 test-postgres: dev
 	@$(BIN)/python -c 'import psycopg; psycopg.connect("$(PG_TEST_URL:/capyctl=/postgres)", connect_timeout=5).close()' \
 	  || { echo "PostgreSQL is not answering at $(PG_TEST_URL:/capyctl=)"; exit 1; }
-	CAPYCTL_DATA_DIR=$$(mktemp -d) CAPYCTL_DATABASE_URL=$(PG_TEST_URL) $(BIN)/pytest --create-db $(PYTEST_ARGS)
+	CAPYCTL_DATA_DIR=$$(mktemp -d) CAPYCTL_DATABASE_URL=$(PG_TEST_URL) $(BIN)/pytest --create-db -m database $(PYTEST_ARGS)
 
 test: lint typecheck djangocheck test-sqlite test-postgres
 

@@ -3,6 +3,9 @@
 ``README.md`` and ``docs/*.md`` are collected by Sybil; ``tests/docshell.py`` runs their
 console blocks and says how a page shows commands and output."""
 
+from pathlib import Path
+
+import pytest
 from sybil import Sybil
 
 from tests.docshell import ConsoleBlocks, page_teardown
@@ -14,3 +17,33 @@ pytest_collect_file = Sybil(
     fixtures=["redis_run"],
     teardown=page_teardown,
 ).pytest()
+
+# Modules whose behaviour depends on the database engine: row locks, conditional updates, the
+# ledger's constraints, the scheduler's transitions, server-mode data, REST filtering and
+# paging. `make test` runs the whole suite on SQLite, then these again on PostgreSQL
+# (`pytest -m database`). Server mode's own tests always use PostgreSQL, so they run once.
+DATABASE_MODULES = frozenset(
+    {
+        "test_api.py",
+        "test_api_keys.py",
+        "test_cli_resources.py",
+        "test_dashboard.py",
+        "test_data_model.py",
+        "test_host_revoke.py",
+        "test_hosts_join.py",
+        "test_intents.py",
+        "test_key_cache_flood.py",
+        "test_key_scope.py",
+        "test_ledger.py",
+        "test_scheduler_faults.py",
+        "test_scheduler_stress.py",
+        "test_switching.py",
+        "test_user_ceilings.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.path)).name in DATABASE_MODULES:
+            item.add_marker(pytest.mark.database)

@@ -17,7 +17,7 @@ Sybil collects the fenced blocks of ``README.md`` and ``docs/*.md`` (see the roo
   the page's value (``capyctl key revoke dks3cozu5h``) is run with the real one, and a
   later output that shows it must show the same real value.
 - ``make run``, ``make demo`` and ``capyctl start ...`` serve until stopped: they run in the
-  background, and the page goes on once their output matches what the page shows (a new
+  background, and the page goes on once their output begins as the page shows (a new
   server start first stops the page's earlier one with Ctrl-C, as a user would). Every
   process a page started is stopped when the page is done.
 - A block that cannot run here (a real GPU, vLLM installed) is marked, visibly, by a
@@ -142,10 +142,13 @@ class Bindings:
         out.append(text[last:])
         return "".join(out)
 
-    def match(self, expected: str, actual: str) -> None:
+    def match(self, expected: str, actual: str, *, more: bool = False) -> None:
         """Check ``actual`` against the page's ``expected`` output and bind what it showed;
-        raise OutputMismatchError (binding nothing) if it does not match."""
+        raise OutputMismatchError (binding nothing) if it does not match. With ``more``,
+        lines after the ones shown are allowed (a server goes on logging)."""
         pattern, groups = self._pattern(expected)
+        if more:
+            pattern += r"(?:\n.*)?"
         found = re.fullmatch(pattern, _tidy(actual), re.DOTALL)
         if found is None:
             raise OutputMismatchError(self._difference(expected, actual))
@@ -328,12 +331,13 @@ class Page:
         for step in steps(source, first_line):
             where = f"{page} line {step.line}: $ {step.command.splitlines()[0]}"
             command = self._real_command(step.command)
-            if SERVING.match(step.command):
+            serving = bool(SERVING.match(step.command))
+            if serving:
                 actual = self._serve(command, step.expected)
             else:
                 actual = self._run(command)
             try:
-                self.bindings.match(step.expected, self._as_page(actual))
+                self.bindings.match(step.expected, self._as_page(actual), more=serving)
             except OutputMismatchError as exc:
                 raise OutputMismatchError(
                     f"{where}\noutput differs from the page:\n{exc}"
@@ -398,7 +402,7 @@ class Page:
         log = self.root / f"background-{len(self.background)}.log"
         with log.open("wb") as sink:
             process = subprocess.Popen(
-                ["bash", "-c", f"set -a\nexec {command}" if "\n" not in command else command],
+                ["bash", "-c", f"set -a\n{command}"],
                 cwd=self.cwd,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
@@ -413,7 +417,7 @@ class Page:
         while True:
             output = self._as_page(job.output())
             try:
-                trial.match(expected, output)
+                trial.match(expected, output, more=True)
                 return job.output()
             except OutputMismatchError:
                 if process.poll() is not None or time.monotonic() > deadline:

@@ -55,6 +55,12 @@ def test_an_ellipsis_stands_for_lines_or_text_and_nothing_else_is_skipped():
         Bindings().match("first", "first\nand more")
 
 
+def test_a_server_may_log_more_than_the_page_shows():
+    Bindings().match("serving\nStop with Ctrl-C.", "serving\nStop with Ctrl-C.\nGET /", more=True)
+    with pytest.raises(OutputMismatchError):
+        Bindings().match("serving\nStop with Ctrl-C.", "serving\nStop with Ctrl-C.\nGET /")
+
+
 def test_steps_split_commands_output_and_continued_lines():
     block = "$ capyctl engine add mine \\\n    --kind custom\nengine mine added\n$ echo hi\nhi\n"
     found = steps(block, 10)
