@@ -7,7 +7,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hostagent.runtime import free_port
 from tests.conftest import run_program, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
@@ -114,8 +113,6 @@ def test_a_bad_listen_address_is_refused(program_env, listen):
 
 def test_data_dir_flag_chooses_where_data_lives(program_env, tmp_path):
     elsewhere = tmp_path / "elsewhere"
-    port = free_port()
-    assert port > 0
     result = run_program(
         program_env,
         "--data-dir",
@@ -131,7 +128,15 @@ def test_data_dir_flag_chooses_where_data_lives(program_env, tmp_path):
     assert result.code == 0, result.err
     assert (elsewhere / "secret_key").exists()
     listed = run_program(program_env, "--data-dir", str(elsewhere), "engine", "list", "--json")
+    assert [e["name"] for e in json.loads(listed.out)] == ["v1"]
+    default = run_program(program_env, "engine", "list", "--json")
+    assert default.code == 0, default.err
     if "CAPYCTL_DATABASE_URL" not in program_env:
+        # SQLite: the database is a file of the data dir, so the other dir has its own.
         assert (elsewhere / "capyctl.sqlite3").exists()
-        assert json.loads(listed.out)[0]["name"] == "v1"
-        assert json.loads(run_program(program_env, "engine", "list", "--json").out) == []
+        assert json.loads(default.out) == []
+    else:
+        # PostgreSQL: CAPYCTL_DATABASE_URL names the database, whichever the data dir;
+        # the data dir keeps only its files (no SQLite database appears in it).
+        assert not (elsewhere / "capyctl.sqlite3").exists()
+        assert [e["name"] for e in json.loads(default.out)] == ["v1"]
