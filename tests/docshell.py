@@ -236,7 +236,7 @@ class Step:
 
 def steps(source: str, first_line: int) -> list[Step]:
     """The commands of a console block with the output shown after each. A command ending
-    in a backslash goes on on the next line."""
+    in a backslash goes on on the next line (kept as typed: bash joins them)."""
     found: list[Step] = []
     lines = source.split("\n")
     index = 0
@@ -251,7 +251,7 @@ def steps(source: str, first_line: int) -> list[Step]:
         command = line[2:]
         while command.endswith("\\") and index + 1 < len(lines):
             index += 1
-            command = command[:-1] + "\n" + lines[index]
+            command = command + "\n" + lines[index]
         output = []
         index += 1
         while index < len(lines) and not lines[index].startswith("$ "):
@@ -332,10 +332,7 @@ class Page:
             where = f"{page} line {step.line}: $ {step.command.splitlines()[0]}"
             command = self._real_command(step.command)
             serving = bool(SERVING.match(step.command))
-            if serving:
-                actual = self._serve(command, step.expected)
-            else:
-                actual = self._run(command)
+            actual = self._serve(command, step.expected) if serving else self._run(command)
             try:
                 self.bindings.match(step.expected, self._as_page(actual), more=serving)
             except OutputMismatchError as exc:

@@ -65,7 +65,7 @@ def test_steps_split_commands_output_and_continued_lines():
     block = "$ capyctl engine add mine \\\n    --kind custom\nengine mine added\n$ echo hi\nhi\n"
     found = steps(block, 10)
     assert [(s.command, s.expected, s.line) for s in found] == [
-        ("capyctl engine add mine \n    --kind custom", "engine mine added", 10),
+        ("capyctl engine add mine \\\n    --kind custom", "engine mine added", 10),
         ("echo hi", "hi\n", 13),
     ]
 
@@ -105,6 +105,11 @@ def test_a_renamed_column_fails_the_page_naming_its_line(page_file, redis_run):
     assert "page.md line 7: $ capyctl deployment list" in message
     assert "-NAME  ALIASES  ENGINE  HOST  WANTED  STATE" in message
     assert re.search(r"\+NAME +ALIASES +ENGINE +HOST +DESIRED +STATE", message)
+
+
+def test_a_command_continued_on_the_next_line_runs_as_one(page_file, redis_run):
+    page_file.write_text("```console\n$ echo one \\\n    two\none two\n```\n")
+    run_page(page_file, redis_run)
 
 
 def test_commands_share_one_terminal_and_leave_the_checkout_alone(page_file, redis_run):
