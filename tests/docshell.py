@@ -280,6 +280,22 @@ def _not_copied(directory: str, names: list[str]) -> set[str]:
     }
 
 
+def not_newer_than_venv(copy: Path, venv: Path) -> None:
+    """Date back the copy's files that are newer than the venv's install stamps, so that
+    ``make run`` in the copy finds the shared venv up to date: a reinstall there would
+    point the checkout's venv (``pip install -e .``) at the copy, which is deleted after
+    the page."""
+    stamps = [path.stat().st_mtime for path in venv.glob(".*-installed")]
+    if not stamps:
+        return
+    oldest = min(stamps)
+    for directory, _, files in os.walk(copy):
+        for name in files:
+            path = Path(directory) / name
+            if path.lstat().st_mtime > oldest:
+                os.utime(path, (oldest, oldest), follow_symlinks=False)
+
+
 @dataclass
 class Background:
     process: subprocess.Popen[bytes]
@@ -301,6 +317,7 @@ class Page:
         self.cwd.mkdir()
         shutil.copytree(REPO, self.cwd, symlinks=True, ignore=_not_copied, dirs_exist_ok=True)
         (self.cwd / ".venv").symlink_to(REPO / ".venv")
+        not_newer_than_venv(self.cwd, REPO / ".venv")
         self.env = {
             key: value
             for key, value in os.environ.items()

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.docshell import Bindings, OutputMismatchError, Page, all_examples, steps
+from tests.docshell import (
+    Bindings,
+    OutputMismatchError,
+    Page,
+    all_examples,
+    not_newer_than_venv,
+    steps,
+)
 from tests.redis_db import RedisDb
 
 
@@ -130,3 +137,29 @@ def test_a_block_of_commands_must_be_console_or_marked_illustrative(page_file, r
     assert len(examples) == 1  # the illustrative one is not run
     with pytest.raises(OutputMismatchError, match=r"page.md line 8: a block of commands must be"):
         run_page(page_file, redis_run)
+
+
+def test_make_in_a_pages_copy_does_not_reinstall_the_shared_venv(tmp_path):
+    """A page's copy shares the checkout's venv; a file changed after the last install
+    must not make ``make`` in the copy reinstall into it (``pip install -e`` from the copy
+    would point the checkout's venv at a directory deleted after the page)."""
+    import os
+    import subprocess
+
+    venv, copy = tmp_path / "venv", tmp_path / "copy"
+    venv.mkdir()
+    (venv / ".runtime-installed").touch()
+    os.utime(venv / ".runtime-installed", (1_000_000, 1_000_000))
+    (copy / "src").mkdir(parents=True)
+    (copy / "src" / "pyproject.toml").write_text("changed since the install\n")
+    (copy / ".venv").symlink_to(venv)
+    (copy / "Makefile").write_text(
+        "run: .venv/.runtime-installed\n\t@echo serving\n"
+        ".venv/.runtime-installed: src/pyproject.toml\n\t@echo reinstalling\n"
+    )
+    not_newer_than_venv(copy, venv)
+    made = subprocess.run(
+        ["make", "-s", "run"], cwd=copy, capture_output=True, text=True, check=True
+    )
+    assert made.stdout == "serving\n"
+    assert (venv / ".runtime-installed").stat().st_mtime == 1_000_000
