@@ -15,8 +15,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from hostagent.units import SizeError, parse_size
 
 SIM_GPUS_ENV = "CAPYCTL_SIM_GPUS"
@@ -93,6 +91,8 @@ def clear_allocation(state_dir: Path, pid: int) -> None:
 
 
 def _alive(pid: int) -> bool:
+    import psutil  # here: the settings read this module's parser, and need no psutil
+
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:

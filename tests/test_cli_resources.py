@@ -307,3 +307,17 @@ def test_figures_past_what_the_database_holds_are_refused_in_one_line(cli):
         assert result.err.count("\n") == 1, result.err  # one line
         assert words in result.err
     assert table_counts() == before
+
+
+def test_a_migration_file_not_yet_applied_is_noticed_without_the_graph(db):
+    """Commands skip the migration graph only when every migration file is recorded as
+    applied; one unrecorded file sends them to the migration executor."""
+    from django.db.migrations.recorder import MigrationRecorder
+
+    from capyctl.bootstrap import _every_migration_file_applied
+
+    assert _every_migration_file_applied()
+    latest = MigrationRecorder.Migration.objects.filter(app="hosts").order_by("-name").first()
+    assert latest is not None
+    latest.delete()
+    assert not _every_migration_file_applied()

@@ -4,6 +4,7 @@ import os
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import hostagent
 
@@ -60,6 +61,17 @@ def test_the_v1_routes_are_listed_in_one_place():
     assert found == []
 
 
+def _run_cli_code(code: str, data_dir: Path) -> str:
+    env = {**os.environ, "CAPYCTL_DATA_DIR": str(data_dir)}
+    env.pop("CAPYCTL_DATABASE_URL", None)
+    env.pop("CAPYCTL_REDIS_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_a_listing_imports_no_server_and_no_task_queue(tmp_path):
     """A command that only reads imports only what it runs: not the ASGI servers (daphne
     pulls in Twisted) nor Celery, which a listing never uses and which cost every
@@ -71,11 +83,54 @@ def test_a_listing_imports_no_server_and_no_task_queue(tmp_path):
         "heavy = ('daphne', 'twisted', 'celery', 'kombu', 'uvicorn')\n"
         "print(code, ','.join(sorted({m.split('.')[0] for m in sys.modules} & set(heavy))))\n"
     )
-    env = {**os.environ, "CAPYCTL_DATA_DIR": str(tmp_path)}
-    env.pop("CAPYCTL_DATABASE_URL", None)
-    env.pop("CAPYCTL_REDIS_URL", None)
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    out = _run_cli_code(code, tmp_path)
+    assert out.split("\n")[-2] == "0 ", out
+
+
+# What listings once imported and never use: HTTP clients (httpx brings rich, click and
+# pygments), certificates, process and GPU probes, the agent driver, the start command,
+# and, on a database already up to date, the migration graph with every migration file.
+LISTING_NEVER_IMPORTS = (
+    "httpx",
+    "rich",
+    "click",
+    "pygments",
+    "cryptography",
+    "psutil",
+    "pynvml",
+    "hostagent.tls",
+    "hostagent.probe",
+    "capyctl.hosts.agents",
+    "capyctl.cli.start",
+    "django.db.migrations.executor",
+    "django.core.management.commands.migrate",
+)
+
+
+def test_listings_import_no_http_client_no_certificates_and_no_migrations(tmp_path):
+    """Each listing and ``status``, on a data dir already set up, imports none of
+    :data:`LISTING_NEVER_IMPORTS` and no migration file."""
+    _run_cli_code("from capyctl.cli import run\nassert run(['engine', 'list']) == 0\n", tmp_path)
+    commands = [
+        ["deployment", "list"],
+        ["engine", "list"],
+        ["host", "list"],
+        ["key", "list"],
+        ["user", "list"],
+        ["cache", "list"],
+        ["events", "--limit", "3"],
+        ["status"],
+    ]
+    code = (
+        "import contextlib, io, re, sys\n"
+        "from capyctl.cli import run\n"
+        f"never = {LISTING_NEVER_IMPORTS!r}\n"
+        f"for argv in {commands!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        code = run(argv)\n"
+        "    bad = sorted(m for m in sys.modules if m in never or m.split('.')[0] in never\n"
+        "                 or re.search(r'\\.migrations\\.\\d', m))\n"
+        "    print(' '.join(argv), code, ','.join(bad))\n"
     )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[-2] == "0 ", done.stdout
+    out = _run_cli_code(code, tmp_path)
+    assert out.splitlines() == [f"{' '.join(argv)} 0 " for argv in commands]

@@ -439,14 +439,15 @@ def _cache_hosts(name: str | None) -> list[Any]:
 def _cache_call(host: Any, call: str, *args: Any) -> list[dict[str, object]]:
     """``downloads`` or ``prune`` on a host: the local cache directly, another through
     its agent."""
-    from pathlib import Path
-
-    from capyctl.hosts.agents import AgentUnreachableError, RemoteHostDriver
-    from hostagent.sources import SourceCache
-
     if host.is_local:  # this data dir's cache, read directly (no engines involved)
+        from pathlib import Path
+
+        from hostagent.sources import SourceCache
+
         cache = SourceCache(Path(settings.DATA_DIR) / "models")
         return cache.listing() if call == "downloads" else cache.prune_listing(*args)
+    from capyctl.hosts.agents import AgentUnreachableError, RemoteHostDriver
+
     try:
         return list(getattr(RemoteHostDriver(host), call)(*args))
     except AgentUnreachableError as exc:

@@ -45,14 +45,15 @@ def _handler(name: str) -> Callable[[argparse.Namespace], int]:
     """Resolve a handler lazily, so parsing never imports Django."""
 
     def call(args: argparse.Namespace) -> int:
-        from capyctl.cli import commands, people, start
+        import importlib
 
-        module: Any = commands
+        module = "commands"  # import only the module of the handler that runs
         if name.startswith("start"):
-            module = start
+            module = "start"
         elif name.startswith(("key_", "user_")):
-            module = people
-        result: int = getattr(module, name)(args)
+            module = "people"
+        handler: Any = getattr(importlib.import_module(f"capyctl.cli.{module}"), name)
+        result: int = handler(args)
         return result
 
     return call

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import secrets
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-from cryptography import x509
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -14,10 +14,10 @@ from capyctl.errors import NotFoundError, UserError
 from capyctl.events.services import record_event
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 from capyctl.validation import MAX_SIZE_BYTES, validate_name
-from hostagent import tls
-from hostagent.probe import Inventory
-from hostagent.tls import JoinToken
 from hostagent.units import format_size
+
+if TYPE_CHECKING:  # the certificate code (cryptography) is imported by what needs it
+    from hostagent.probe import Inventory
 
 
 def get_host(name: str) -> Host:
@@ -90,6 +90,7 @@ def new_join_token(host: Host) -> str:
     """A fresh one-time token for ``host`` (any earlier one stops working)."""
     from capyctl.access.services import hash_secret
     from capyctl.hosts.pki import pki
+    from hostagent.tls import JoinToken
 
     secret = secrets.token_urlsafe(24)
     seconds = int(settings.CAPYCTL["JOIN_TOKEN_SECONDS"])
@@ -104,8 +105,11 @@ def new_join_token(host: Host) -> str:
 def enrol(host_name: str, secret: str, csr_pem: bytes) -> tuple[bytes, bytes]:
     """Spend a join token: sign the host's certificate request. Returns (certificate, CA
     certificate). A token works once, before it expires; a refused try changes nothing."""
+    from cryptography import x509
+
     from capyctl.access.services import hash_secret
     from capyctl.hosts.pki import pki, sign_request
+    from hostagent import tls
 
     where = pki()
     now = timezone.now()

@@ -8,11 +8,12 @@ import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import httpx
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hostagent.errors import CannotParkError, EngineCallError
+
+if TYPE_CHECKING:
+    import httpx
 
 LOOPBACK = "127.0.0.1"
 
@@ -59,6 +60,8 @@ class EngineClient:
     """Control calls to one engine on its loopback port (httpx: few calls, no hot path)."""
 
     def __init__(self, port: int, api_key: str, *, timeout: float = 30.0) -> None:
+        import httpx  # here, not at the top: kinds are read by every command, calls are rare
+
         self.base_url = f"http://{LOOPBACK}:{port}"
         self.api_key = api_key
         self.closed = False
@@ -75,6 +78,8 @@ class EngineClient:
     @contextlib.contextmanager
     def default_timeout(self, seconds: float) -> Iterator[None]:
         """Calls without their own timeout give up after ``seconds`` inside the block."""
+        import httpx
+
         previous = self._client.timeout
         self._client.timeout = httpx.Timeout(seconds)
         try:
@@ -96,6 +101,8 @@ class EngineClient:
         timeout: float | None = None,
         expect: tuple[int, ...] = (200,),
     ) -> httpx.Response:
+        import httpx
+
         if self.closed:
             raise EngineCallError(f"{method} {path}: the engine was stopped meanwhile")
         try:
@@ -119,6 +126,8 @@ class EngineClient:
 
     def healthy(self, path: str) -> bool:
         """Whether ``GET path`` answers 200 now (a refused connection is just "not yet")."""
+        import httpx
+
         if self.closed:
             return False
         try:
