@@ -134,3 +134,20 @@ def test_listings_import_no_http_client_no_certificates_and_no_migrations(tmp_pa
     )
     out = _run_cli_code(code, tmp_path)
     assert out.splitlines() == [f"{' '.join(argv)} 0 " for argv in commands]
+
+
+def test_commands_run_with_the_garbage_collector_back_on(tmp_path):
+    """``main`` turns collection off only while Django loads: the command itself (a server,
+    for ``capyctl start``) runs with it on."""
+    code = (
+        "import gc\n"
+        "from capyctl.cli import commands, main\n"
+        "listing = commands.engine_list\n"
+        "def engine_list(args):\n"
+        "    print('collecting:', gc.isenabled())\n"
+        "    return listing(args)\n"
+        "commands.engine_list = engine_list\n"
+        "main(['engine', 'list'])\n"
+    )
+    out = _run_cli_code(code, tmp_path)
+    assert out.splitlines() == ["collecting: True", "no engines"]

@@ -8,6 +8,7 @@ become ``CAPYCTL_*`` variables first. A user mistake prints one line,
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -33,6 +34,17 @@ def _setup_django() -> None:
     django.setup()
 
 
+def _collect_garbage_again() -> None:
+    """Turn the garbage collector back on once start-up is done (``main`` turns it off).
+
+    What start-up made lives as long as the process, so it is frozen out of later
+    collections instead of being scanned again and again.
+    """
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Run one command; return its exit status."""
     parser = build_parser()
@@ -46,6 +58,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         os.environ["CAPYCTL_MODE"] = args.run_mode
 
     if getattr(args, "no_django", False):  # the host agent: no database, no Django
+        _collect_garbage_again()
         return int(args.handler(args) or 0)
     return _run_with_django(args)
 
@@ -57,6 +70,7 @@ def _run_with_django(args: argparse.Namespace) -> int:
         _setup_django()
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE)
+    _collect_garbage_again()
     if not getattr(args, "run_mode", None) and "CAPYCTL_LOG_LEVEL" not in os.environ:
         # Management commands print their own results; routine log lines would be noise.
         logging.getLogger().setLevel(logging.WARNING)
@@ -80,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
     # What the program writes (data dir, database, keys, engine logs) is its owner's only.
     os.umask(PRIVATE_UMASK)
+    # Loading Django makes some hundred thousand objects and frees few: collecting while
+    # it loads cost a listing a tenth of its time. Back on after start-up.
+    gc.disable()
     try:
         status = run(argv)
     except KeyboardInterrupt:
