@@ -94,8 +94,13 @@ VOLATILES: tuple[Volatile, ...] = (
         r"(?<![0-9A-Za-z])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{12,}(?![0-9A-Za-z])",
         r"[0-9a-f]{12,}",
     ),
-    # record ids (keys, hosts): ten lowercase letters and digits, shown with a digit in them
-    _v("id", r"(?<![\w-])(?=[a-z0-9]*\d)(?=[a-z0-9]*[a-z])[a-z0-9]{10}(?![\w-])", r"[a-z0-9]{10}"),
+    # record ids (keys, hosts): ten lowercase letters and digits, shown with a digit in them;
+    # also as a key's prefix (capy_m8x6ps774i)
+    _v(
+        "id",
+        r"(?:(?<![\w-])|(?<=\bcapy_))(?=[a-z0-9]*\d)(?=[a-z0-9]*[a-z])[a-z0-9]{10}(?![\w-])",
+        r"[a-z0-9]{10}",
+    ),
     _v("password", r"(?<=admin / )\S+", r"\S+"),
     _v("pid", r"(?<=\bpid )\d+", r"\d+"),
     _v(

@@ -30,6 +30,22 @@ def test_a_volatile_value_is_bound_and_must_stay_the_same():
         bindings.match("key dks3cozu5h revoked", "key 7a7a7a7a7a revoked")
 
 
+def test_a_keys_prefix_is_its_id():
+    bindings = Bindings()
+    bindings.match(
+        '{"id": "m8x6ps774i", "prefix": "capy_m8x6ps774i"}',
+        '{"id": "2gn2t318xx", "prefix": "capy_2gn2t318xx"}',
+    )
+    assert bindings.command("capyctl key revoke capy_m8x6ps774i") == (
+        "capyctl key revoke capy_2gn2t318xx"
+    )
+    with pytest.raises(OutputMismatchError):
+        Bindings().match(
+            '{"id": "m8x6ps774i", "prefix": "capy_m8x6ps774i"}',
+            '{"id": "2gn2t318xx", "prefix": "capy_7a7a7a7a7a"}',
+        )
+
+
 def test_a_value_shown_twice_in_one_output_must_be_the_same_value_twice():
     bindings = Bindings()
     bindings.match(
