@@ -10,10 +10,11 @@ ARGS ?=
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/capyctl
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: help venv dev run test lint typecheck djangocheck test-sqlite test-postgres clean
+.PHONY: help venv dev run demo test lint typecheck djangocheck test-sqlite test-postgres clean
 
 help:
 	@echo "make run    set up .venv and run 'capyctl start standalone' on http://127.0.0.1:8000"
+	@echo "make demo   the same with a simulated GPU, models and a key in .capyctl-demo (no GPU needed)"
 	@echo "make test   set up .venv and run lint, type checks and the tests (SQLite and PostgreSQL)"
 	@echo "make venv   only create .venv with CapyCTL installed (capyctl on its PATH)"
 
@@ -55,6 +56,10 @@ dev: $(VENV)/.dev-installed $(VENV)/.engines-installed $(VENV)/.browser-installe
 
 run: venv
 	$(BIN)/capyctl start standalone $(ARGS)
+
+# A simulated GPU and models to try, in a data dir of its own (.capyctl-demo).
+demo: venv
+	$(BIN)/capyctl start standalone --demo $(ARGS)
 
 lint: dev
 	$(BIN)/ruff check .

@@ -52,6 +52,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if getattr(args, "demo", False):
+        from capyctl.cli.demo import demo_environment
+
+        refused = demo_environment(args)
+        if refused is not None:
+            return _fail(refused, EXIT_USAGE)
     if getattr(args, "data_dir", None):
         os.environ["CAPYCTL_DATA_DIR"] = str(Path(args.data_dir).expanduser().resolve())
     if getattr(args, "run_mode", None):

@@ -130,6 +130,12 @@ def _build_start(commands: Any) -> None:
         metavar="ADDR",
         help="also let hosts join here (HOST:PORT, TLS), e.g. 0.0.0.0:7443",
     )
+    standalone.add_argument(
+        "--demo",
+        action="store_true",
+        help="try it without a GPU: a simulated GPU, models and a key, on a data dir of its "
+        "own (./.capyctl-demo unless --data-dir is given)",
+    )
     server = _sub(modes, "server", "server mode: api and workers (PostgreSQL, Redis)",
                   "start_server")  # fmt: skip
     api = _sub(modes, "api", "server mode's web process only", "start_api")

@@ -111,6 +111,8 @@ def _describe_database() -> str:
 
 def start_standalone(args: argparse.Namespace) -> int:
     from capyctl.bootstrap import ensure_first_admin, prepare_standalone
+    from capyctl.cli import demo as demo_mode
+    from capyctl.deployments.models import Deployment
     from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 
     host, port = parse_listen(args.listen)
@@ -119,6 +121,7 @@ def start_standalone(args: argparse.Namespace) -> int:
     _warn_if_open(Path(settings.DATA_DIR))
     prepare_standalone()
     admin = ensure_first_admin()
+    demo = demo_mode.set_up_demo(admin.username) if getattr(args, "demo", False) else None
     local = Host.objects.get(name=LOCAL_HOST_NAME)
     inventory = local.inventory
     gpus = inventory.get("gpus") or []
@@ -143,7 +146,11 @@ def start_standalone(args: argparse.Namespace) -> int:
     else:
         lines.append(f"  log in as: {admin.username}")
     lines.append(f"  health:    {base}/healthz   ready: {base}/readyz")
+    if demo is not None:
+        lines += demo_mode.banner_lines(demo, base)
     lines.append("Stop with Ctrl-C.")
+    has_models = Deployment.objects.exists()
+    lines.append(demo_mode.next_line(demo, Path(settings.DATA_DIR), has_models))
     print("\n".join(lines), flush=True)
 
     from capyctl.scheduler.drivers import local_driver
