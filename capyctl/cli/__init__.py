@@ -11,6 +11,7 @@ import argparse
 import gc
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -105,8 +106,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     gc.disable()
     try:
         status = run(argv)
+        sys.stdout.flush()
     except KeyboardInterrupt:
         status = 130
+    except BrokenPipeError:
+        # Whoever read the output stopped (`capyctl events | head -1`): end quietly, as a
+        # program that SIGPIPE killed, and leave nothing for the exit's flush to fail on.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 128 + signal.SIGPIPE
     sys.exit(status)
 
 
