@@ -94,8 +94,11 @@ def test_admin_keys_and_a_live_dashboard_in_a_browser(server_env, browser, tmp_p
         starter.join(timeout=60)
         assert started[0].code == 0, started[0].err
         assert alice.evaluate("window.__notReloaded") is True
-        pool_bar = alice.locator("[data-deployment='llama']").first
-        expect(pool_bar).to_be_visible()
+        # Its memory appeared, live too, as a segment of gpu0's bar.
+        segment = alice.locator("[data-pool='gpu0'] .bar .seg[data-deployment='llama']")
+        expect(segment).to_have_count(1)
+        expect(segment).to_be_visible()
+        expect(segment).to_have_attribute("data-status", "held")
         shots = os.environ.get("CAPYCTL_SCREENSHOT_DIR")
         if shots:  # how docs/images/dashboard.png is made
             alice.screenshot(path=str(Path(shots) / "dashboard.png"), full_page=True)
