@@ -50,7 +50,10 @@ SERVER_TIMEOUT = 90.0  # a server start shows its output within this
 # Ports the pages use; each page gets free ones in their place.
 DOC_PORTS = (8000, 8080, 7070, 7071, 7072, 7443, 7444)
 ILLUSTRATIVE = re.compile(r"^>\s*\*\*Illustrative")
-SERVING = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:make\s+(?:run|demo)\b|(?:\S*/)?capyctl\b.*\sstart\s)")
+SERVING = re.compile(
+    r"^(?:[A-Z_]+=\S+\s+)*(?:make\s+(?:run|demo)\b"
+    r"|(?:\S*/)?capyctl\b.*\sstart\s+(?:standalone|server|host)\b)"
+)
 
 
 # --- volatile values -------------------------------------------------------------------

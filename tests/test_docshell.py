@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.docshell import (
+    SERVING,
     Bindings,
     OutputMismatchError,
     Page,
@@ -179,3 +180,16 @@ def test_make_in_a_pages_copy_does_not_reinstall_the_shared_venv(tmp_path):
     )
     assert made.stdout == "serving\n"
     assert (venv / ".runtime-installed").stat().st_mtime == 1_000_000
+
+
+def test_only_a_server_start_runs_in_the_background():
+    for serving in (
+        "make run",
+        "CAPYCTL_SIM_GPUS=24GiB make demo",
+        "capyctl start standalone --listen 127.0.0.1:8080",
+        ".venv/bin/capyctl --data-dir /srv/x start server",
+        "capyctl start host --join capyjoin_abc",
+    ):
+        assert SERVING.match(serving), serving
+    for command in ("capyctl deployment start qwen", "capyctl deployment start a; echo $?"):
+        assert not SERVING.match(command), command
