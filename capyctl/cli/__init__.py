@@ -81,6 +81,9 @@ def _run_with_django(args: argparse.Namespace) -> int:
     if not getattr(args, "run_mode", None) and "CAPYCTL_LOG_LEVEL" not in os.environ:
         # Management commands print their own results; routine log lines would be noise.
         logging.getLogger().setLevel(logging.WARNING)
+        # So would the log lines of the events a command records (a revoke's warnings): it
+        # says what it did, and `capyctl events` lists them.
+        logging.getLogger("capyctl.events").setLevel(logging.ERROR)
 
     from django.db import DatabaseError
 
