@@ -316,15 +316,18 @@ async def _read_json(receive: Any) -> dict[str, Any]:
     return data
 
 
-def probe_from_env() -> Probe:
-    """Simulated GPUs with ``CAPYCTL_SIM_GPUS`` (tests, demos), else NVML, else none."""
+def probe_from_env(files: AgentFiles) -> Probe:
+    """Simulated GPUs with ``CAPYCTL_SIM_GPUS`` (tests, demos), else NVML, else none.
+
+    The simulation is kept in ``CAPYCTL_SIM_STATE_DIR``, by default ``sim-gpus`` in the
+    agent's data dir: two agents on one machine each have their own devices."""
     sim = os.environ.get("CAPYCTL_SIM_GPUS")
     state_dir = os.environ.get("CAPYCTL_SIM_STATE_DIR")
     try:
         spec = parse_sim_gpus(sim) if sim else None
     except ValueError as exc:
         raise AgentError(f"CAPYCTL_SIM_GPUS: {exc}") from None
-    return make_probe(spec, Path(state_dir) if state_dir else None)
+    return make_probe(spec, Path(state_dir) if state_dir else files.directory / "sim-gpus")
 
 
 def serve(files: AgentFiles, host: str, port: int) -> None:
@@ -334,7 +337,9 @@ def serve(files: AgentFiles, host: str, port: int) -> None:
     name = files.host_name()
     context = tls.server_context(files.cert, files.key, files.ca, require_client=True)
     runtime = HostRuntime(
-        probe_from_env(), files.directory / "logs", state_file=files.directory / "instances.json"
+        probe_from_env(files),
+        files.directory / "logs",
+        state_file=files.directory / "instances.json",
     )
     for ident in runtime.restore():  # engines outlive a crashed or killed agent
         logger.warning("serving engine %s again after a restart", ident)

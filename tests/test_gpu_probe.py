@@ -1,11 +1,14 @@
 """The NVML probe, driven through a fake pynvml (the boundary: no GPU on test machines)."""
 
+import os
 from types import SimpleNamespace
 
 import pynvml
 
 from hostagent import probe as probe_module
+from hostagent.agent import AgentFiles, probe_from_env
 from hostagent.probe import CpuOnlyProbe, NvmlProbe, make_probe, open_nvml_probe
+from hostagent.simgpu import write_allocation
 
 GIB = 1024**3
 MIB = 1024**2
@@ -176,3 +179,14 @@ def test_cpu_only_process_usage_is_the_resident_memory_of_the_process_tree(tmp_p
     # ...and the figure is their resident memory, as psutil reads it (idle processes:
     # their memory moves by a few pages between the two readings).
     assert abs(usage.host_bytes - rss) <= 4 * MIB
+
+
+def test_each_host_agents_simulated_gpus_are_its_own(tmp_path, monkeypatch):
+    """Two agents with simulated GPUs on one machine (a walk-through, a test run) do not
+    see each other's engines: by default each keeps the simulation in its data dir."""
+    monkeypatch.setenv("CAPYCTL_SIM_GPUS", "24GiB")
+    monkeypatch.delenv("CAPYCTL_SIM_STATE_DIR", raising=False)
+    # what a simulated engine of agent "a" records, as a live process (this one)
+    write_allocation(tmp_path / "a" / "sim-gpus", os.getpid(), {0: 16 * GIB}, 0)
+    assert probe_from_env(AgentFiles(tmp_path / "a")).devices()[0].used_bytes == 16 * GIB
+    assert probe_from_env(AgentFiles(tmp_path / "b")).devices()[0].used_bytes == 0
