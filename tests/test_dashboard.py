@@ -327,6 +327,29 @@ async def test_a_deactivated_user_is_cut_off_at_the_next_event(alice, two_models
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["loses staff status", "changes password"])
+async def test_a_user_who_loses_staff_status_or_changes_password_is_cut_off(
+    alice, two_models, change
+):
+    socket = _socket(await database_sync_to_async(_session_cookie)(alice))
+    await socket.connect()
+    assert (await socket.receive_json_from(timeout=5))["type"] == "snapshot"
+
+    def apply_change():
+        user = User.objects.get(pk=alice.pk)
+        if change == "loses staff status":
+            user.is_staff = False
+        else:  # elsewhere (the admin, another browser): this session's hash no longer matches
+            user.set_password("alice-password-2")
+        user.save()
+
+    await database_sync_to_async(apply_change)()
+    # No event rings the feed: its own check, once a second, finds the change.
+    assert await _closed_with(socket) == 4403
+    await socket.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
 async def test_logging_out_elsewhere_closes_the_feed(alice, two_models):
     session = await database_sync_to_async(_session_cookie)(alice)
     socket = _socket(session)

@@ -200,6 +200,50 @@ def test_a_served_standalone_refuses_foreign_hosts_origins_and_slow_clients(prog
         stop_server(server, 15)
 
 
+@pytest.mark.e2e
+def test_allowed_hosts_and_trusted_origins_come_from_the_environment(program_env):
+    """Behind a TLS proxy (docs/configuration.md): the server answers the names listed, and
+    a form posted from the proxy's https origin is accepted; any other name or origin is
+    refused."""
+    from tests.conftest import start_server, stop_server
+
+    program_env["CAPYCTL_ALLOWED_HOSTS"] = "capyctl.example.com,127.0.0.1"
+    program_env["CAPYCTL_CSRF_TRUSTED_ORIGINS"] = "https://capyctl.example.com"
+    program_env["CAPYCTL_ADMIN_PASSWORD"] = "admin-password-1"
+    server = start_server(program_env)
+    port = int(server.base_url.rsplit(":", 1)[1])
+
+    def log_in(origin: str) -> httpx.Response:
+        with httpx.Client(base_url=server.base_url,
+                          headers={"Host": "capyctl.example.com"}) as browser:  # fmt: skip
+            assert browser.get("/login/").status_code == 200
+            form = {"username": "admin", "password": "admin-password-1",
+                    "csrfmiddlewaretoken": browser.cookies["csrftoken"]}  # fmt: skip
+            return browser.post("/login/", data=form, headers={"Origin": origin})
+
+    try:
+        for name, status in [
+            ("capyctl.example.com", 200),
+            (f"127.0.0.1:{port}", 200),
+            (f"localhost:{port}", 400),  # a default name, left out of the list
+            ("evil.example", 400),
+        ]:
+            answer = httpx.get(f"{server.base_url}/login/", headers={"Host": name})
+            assert answer.status_code == status, name
+        # The request comes in over plain HTTP, so the https origin is another origin: it
+        # is accepted only because it is trusted.
+        accepted = log_in("https://capyctl.example.com")
+        assert accepted.status_code == 302, accepted.text
+        refused = log_in("https://evil.example")
+        assert refused.status_code == 403
+        assert "CSRF verification failed" in refused.text
+        # The dashboard's WebSocket takes pages from the names listed only.
+        assert b" 101 " in _websocket(port, "https://capyctl.example.com")
+        assert b" 403 " in _websocket(port, f"http://localhost:{port}")
+    finally:
+        stop_server(server, 15)
+
+
 def test_printed_urls_hide_passwords():
     from capyctl.cli.start import mask_url
 
