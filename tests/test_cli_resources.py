@@ -4,13 +4,18 @@ Each refused command exits 2 with one line naming the bad value, and changes not
 """
 
 import json
+import queue
+import signal
+import subprocess
+import threading
+from datetime import datetime
 
 import pytest
 
 from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
 from capyctl.events.models import Event
-from tests.conftest import table_counts
+from tests.conftest import CAPYCTL, run_program, table_counts
 
 GIB = 1024**3
 
@@ -229,6 +234,67 @@ def test_listings_print_tables_and_json(cli, chat):
             "created_at": engines[0]["created_at"],
         }
     ]
+
+
+# What `capyctl events --json` gives for each event (docs/cli.md).
+EVENT_FIELDS = {"id", "time", "kind", "level", "subject", "message", "duration_ms", "actor"}
+
+
+def test_events_are_listed_oldest_first_as_lines_or_json(cli, chat):
+    listed = cli("events", "--json")
+    assert listed.code == 0, listed.err
+    rows = json.loads(listed.out)
+    assert [row["kind"] for row in rows][-2:] == ["engine.added", "deployment.added"]
+    assert all(set(row) == EVENT_FIELDS for row in rows)
+    added = rows[-1]
+    assert (added["subject"], added["level"], added["duration_ms"]) == ("chat", "info", None)
+    assert added["message"].startswith("deployment chat added: engine v1, source /models/qwen")
+    assert added["id"] > rows[-2]["id"]
+    assert datetime.fromisoformat(added["time"]).tzinfo is not None
+    (line,) = cli("events", "--limit", "1").out.splitlines()
+    assert line.startswith(added["time"][:19].replace("T", " ") + "  INFO    deployment.added ")
+    assert line.endswith(added["message"])
+
+
+@pytest.mark.e2e
+def test_events_follow_prints_an_event_that_happens_after_it_started(program_env):
+    def add_engine(name: str) -> None:
+        added = run_program(program_env, "engine", "add", name, "--kind", "vllm", "--command", "v")
+        assert added.code == 0, added.err
+
+    add_engine("v1")
+    follower = subprocess.Popen(
+        [CAPYCTL, "events", "--follow", "--json", "--limit", "1"],
+        env=program_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read_lines() -> None:
+        assert follower.stdout is not None
+        for line in follower.stdout:
+            lines.put(line)
+
+    threading.Thread(target=read_lines, daemon=True).start()
+    try:
+        before = json.loads(lines.get(timeout=60))  # the newest event before it started
+        assert (before["kind"], before["subject"]) == ("engine.added", "v1")
+        add_engine("v2")  # from here on, it is following
+        after = json.loads(lines.get(timeout=60))
+        assert set(after) == EVENT_FIELDS
+        assert (after["kind"], after["subject"]) == ("engine.added", "v2")
+        assert after["id"] > before["id"]
+        assert lines.empty()
+    finally:
+        follower.send_signal(signal.SIGINT)  # Ctrl-C
+        try:
+            follower.wait(timeout=15)
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait()
+    assert follower.returncode == 130
+    assert follower.stderr is not None
+    assert "Traceback" not in follower.stderr.read()
 
 
 def test_removing_things(cli, chat):

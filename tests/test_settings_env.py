@@ -10,6 +10,7 @@ from capyctl.conf import (
     env_size,
     parse_sim_gpus,
 )
+from hostagent.runtime import free_port
 from hostagent.simgpu import SimSpec
 from tests.conftest import run_program
 
@@ -72,3 +73,20 @@ def test_a_bad_variable_stops_the_program_with_one_line(program_env, variable, v
     assert len(lines) == 1, result.err
     assert variable in lines[0]
     assert "Traceback" not in result.err
+
+
+@pytest.mark.e2e
+def test_a_database_that_cannot_be_reached_exits_1_with_one_line(program_env):
+    port = free_port()  # nothing listens there
+    program_env["CAPYCTL_DATABASE_URL"] = f"postgres://postgres@127.0.0.1:{port}/capyctl"
+    for argv in (
+        ["status"],
+        ["engine", "add", "v1", "--kind", "vllm", "--command", "vllm"],
+        ["start", "standalone", "--listen", f"127.0.0.1:{free_port()}"],
+    ):
+        result = run_program(program_env, *argv)
+        assert result.code == 1, (argv, result.err)
+        lines = result.err.strip().splitlines()
+        assert len(lines) == 1, result.err
+        assert lines[0].startswith("capyctl: error: database error: "), lines[0]
+        assert f"port {port} failed: Connection refused" in lines[0]
