@@ -1,8 +1,15 @@
 """Switching on a simulated 24 GiB GPU with simulated engines (DESIGN §5)."""
 
+import asyncio
+import contextlib
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
+import httpx
 import pytest
+from asgiref.sync import sync_to_async
 from django.db import connection
 
 from capyctl.deployments.models import Deployment
@@ -10,8 +17,9 @@ from capyctl.engines.services import add_engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.ledger.services import overcommitted
-from capyctl.scheduler import operations
+from capyctl.ledger.pools import pool_usage
+from capyctl.ledger.services import admit, host_lock, overcommitted
+from capyctl.scheduler import inflight, operations
 from capyctl.scheduler.drivers import set_local_driver
 from hostagent.simgpu import SimSpec
 from tests.scheduling import (
@@ -61,6 +69,13 @@ def test_a_then_b_parks_a_in_ram_and_wakes_b(gpu24):
     assert state("b") == ("parked", "ram")
     assert gpu_ledger_matches_probe(gpu24)
     assert Event.objects.filter(kind="deployment.woke", subject="a").exists()
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.02)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -192,3 +207,140 @@ def test_the_celery_tasks_run_the_same_operations_in_process(gpu24):
     assert state("a")[0] == "failed"
     assert "its engine exited with status -9" in Deployment.objects.get(pk=a.pk).state_reason
     assert entries("a") == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_ram_park_goes_deep_when_the_ram_was_taken_meanwhile(gpu24):
+    vllm_engine()
+    a, b, other = deployment("a"), deployment("b"), deployment("other")
+    operations.ensure_ready(a.pk)
+    assert inflight.begin(a.pk)  # a request in flight on a holds its drain
+    outcome: list[object] = []
+
+    def request_b() -> None:
+        try:
+            outcome.append(operations.ensure_ready(b.pk).observed_state)
+        except Exception as exc:  # asserted below
+            outcome.append(exc)
+        finally:
+            connection.close()
+
+    switch = threading.Thread(target=request_b)
+    switch.start()
+    try:
+        # a was chosen and planned for a ram park (host RAM had room), and is draining.
+        wait_until(lambda: state("a")[0] == "draining", "a to drain")
+        # Meanwhile another switch takes all but 1 GiB of host RAM: a's 8 GiB copy no
+        # longer fits.
+        with host_lock(Host.objects.get(name="local").pk) as host:
+            ram = next(p for p in pool_usage(host) if p.pool == "ram")
+            admit(host, other.pk, {"ram": ram.free_bytes - GIB}, note="promised for a copy")
+    finally:
+        inflight.end(a.pk)  # the request ends, the drain with it
+        switch.join(timeout=60)
+    assert outcome == ["ready"]
+    assert state("a") == ("parked", "deep")
+    assert entries("a")["gpu0"] == ("held", 512 * MIB)
+    assert entries("a")["ram"][1] < GIB  # no copy kept
+    assert state("b") == ("ready", "")
+    said = Event.objects.get(kind="deployment.park_mode", subject="a")
+    assert said.message == "parking a deep: its copy (8.0 GiB) no longer fits in host RAM"
+    parked = Event.objects.get(kind="deployment.parked", subject="a")
+    assert parked.message == "parked a (deep) to make room for b"
+    assert overcommitted(Host.objects.get(name="local")) == []
+    operations.ensure_ready(a.pk)  # a deep wake reloads its weights
+    assert state("a") == ("ready", "")
+
+
+def close_connection() -> None:
+    connection.close()
+
+
+@pytest.fixture
+async def database_threads():
+    """The loop's worker threads (where the gateway reads the database) and asgiref's,
+    whose database connections are closed after the test, so its database can be
+    dropped."""
+    workers = 4
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=workers)
+    loop.set_default_executor(pool)
+    try:
+        yield
+    finally:
+        everyone = threading.Barrier(workers)
+
+        def close_on_each() -> None:
+            everyone.wait(timeout=30)  # one call on each thread
+            close_connection()
+
+        await asyncio.gather(*(loop.run_in_executor(pool, close_on_each) for _ in range(workers)))
+        pool.shutdown()
+        await sync_to_async(close_connection)()  # and on asgiref's thread, the test's own
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_victim_whose_requests_outlast_the_drain_timeout_stays_ready(
+    gpu24, bob, database_threads
+):
+    """A request for b needs a parked, but a's request in flight outlasts a's drain
+    timeout: the switch gives up on a, which stays ready and serves, and the request for
+    b gets 503 ``unavailable``; once a's request is over, a retry succeeds."""
+    from capyctl.access.services import issue_api_key
+    from capyctl.gateway.app import Gateway
+
+    def set_up() -> tuple[int, str]:
+        vllm_engine()
+        # One token a second, 1000 of them: a's request lasts until the client leaves.
+        paced = {**SIM_ENV, "CAPYCTL_SIM_TOKENS_PER_SECOND": "1",
+                 "CAPYCTL_SIM_COMPLETION_TOKENS": "1000"}  # fmt: skip
+        add_engine("paced", kind="vllm", command=f"{SIM} vllm", env=paced)
+        a = deployment("a", engine="paced", drain_timeout_seconds=1)
+        deployment("b")
+        operations.ensure_ready(a.pk)
+        return a.pk, issue_api_key("bob")[1]
+
+    a_id, key = await sync_to_async(set_up)()
+    transport = httpx.ASGITransport(app=cast("Any", Gateway()))  # its scope is a plain dict
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://testserver", timeout=60,
+        headers={"Authorization": f"Bearer {key}"},
+    ) as client:  # fmt: skip
+
+        def chat(model: str, **extra: object):
+            messages = [{"role": "user", "content": "hi"}]
+            return client.post("/v1/chat/completions",
+                               json={"model": model, "messages": messages, **extra})  # fmt: skip
+
+        long_request = asyncio.ensure_future(chat("a"))
+        deadline = time.monotonic() + 60
+        while inflight.count(a_id) == 0:
+            assert time.monotonic() < deadline, "a's request never reached its engine"
+            await asyncio.sleep(0.02)
+
+        refused = await chat("b")
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"] == {
+            "message": "gave up parking a: 1 request(s) still in flight after 1s",
+            "type": "server_error",
+            "param": None,
+            "code": "unavailable",
+        }
+        assert "x-should-retry" not in refused.headers  # a retry may succeed
+        assert not long_request.done()  # never cut short
+        assert await sync_to_async(state)("a") == ("ready", "")
+        assert await sync_to_async(state)("b") == ("stopped", "")
+        assert await sync_to_async(entries)("b") == {}
+        event = await Event.objects.aget(kind="deployment.drain_timeout", subject="a")
+        assert event.level == "warning"
+        served = await chat("a", max_tokens=1)  # a still serves new requests
+        assert served.status_code == 200, served.text
+
+        long_request.cancel()  # the client gives up on a's request
+        with contextlib.suppress(asyncio.CancelledError):
+            await long_request
+        assert inflight.count(a_id) == 0
+        retried = await chat("b", max_tokens=1)
+        assert retried.status_code == 200, retried.text
+    assert await sync_to_async(state)("a") == ("parked", "ram")
+    assert await sync_to_async(state)("b") == ("ready", "")
