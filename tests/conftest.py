@@ -148,20 +148,27 @@ class Server:
         return self.log_path.read_text()
 
 
-def start_server(env: dict[str, str], *extra: str, timeout: float = 60) -> Server:
-    """Start ``capyctl start standalone`` on a free port and wait until /healthz answers."""
+def start_server(
+    env: dict[str, str],
+    *extra: str,
+    timeout: float = 60,
+    listen: str = "127.0.0.1:{port}",
+    url: str = "http://127.0.0.1:{port}",
+) -> Server:
+    """Start ``capyctl start standalone`` on a free port and wait until /healthz answers
+    at ``url``. ``listen`` is what ``--listen`` gets; ``{port}`` in either is the port."""
     port = free_port()
     log_path = Path(env["CAPYCTL_DATA_DIR"]).parent / f"server-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [CAPYCTL, "start", "standalone", "--listen", f"127.0.0.1:{port}", *extra],
+            [CAPYCTL, "start", "standalone", "--listen", listen.format(port=port), *extra],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
         )
-    server = Server(process, f"http://127.0.0.1:{port}", log_path)
+    server = Server(process, url.format(port=port), log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
