@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -136,6 +137,42 @@ def run_program(env: dict[str, str], *argv: str, stdin: str | None = None) -> Cl
         check=False,
     )
     return CliResult(done.returncode, done.stdout, done.stderr)
+
+
+# Runs several capyctl commands in one process: each as ``capyctl ARGV`` would, on the same
+# data dir and database, without paying the program's start-up once per command.
+_BATCH = """
+import contextlib, io, json, os, sys
+from capyctl.cli import run
+from hostagent.datadir import PRIVATE_UMASK
+os.umask(PRIVATE_UMASK)
+results = []
+for argv in json.load(sys.stdin):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = run(argv)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    results.append([code, out.getvalue(), err.getvalue()])
+json.dump(results, sys.__stdout__)
+"""
+
+
+def run_programs(env: dict[str, str], *commands: list[str]) -> list[CliResult]:
+    """Run ``capyctl`` commands in order, in one process of their own (for setting up a
+    test's state, where the process boundary is not what the test is about)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BATCH],
+        env=env,
+        capture_output=True,
+        text=True,
+        input=json.dumps([list(argv) for argv in commands]),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return [CliResult(code, out, err) for code, out, err in json.loads(done.stdout)]
 
 
 @dataclass

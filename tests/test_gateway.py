@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import run_program, start_server, stop_server
+from tests.conftest import run_program, run_programs, start_server, stop_server
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -31,49 +31,38 @@ def served(program_env):
     program_env["CAPYCTL_MAX_BODY_BYTES"] = "64KiB"
     program_env["CAPYCTL_METRICS_TOKEN"] = METRICS_TOKEN
     run = lambda *argv: run_program(program_env, *argv)  # noqa: E731
-    assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
     slow = ["--env", f"CAPYCTL_SIM_LOAD_GATE={load_gate(program_env)}"]
-    assert (
-        run("engine", "add", "slow", "--kind", "vllm", "--command", f"{SIM} vllm", *slow).code == 0
-    )
-    queued = run("deployment", "add", "q", "--engine", "slow", "--source", "m/q",
-                 "--gpu-memory", "4GiB", "--max-waiting", "5")  # fmt: skip
-    assert queued.code == 0, queued.err
-    assert run("engine", "add", "sleepy", "--kind", "vllm", "--command", f"{SIM} vllm",
-               "--env", "CAPYCTL_SIM_LOAD_SECONDS=5").code == 0  # fmt: skip
-    assert run("deployment", "add", "sleepy", "--engine", "sleepy", "--source", "m",
-               "--gpu-memory", "1GiB", "--wake-timeout", "1").code == 0  # fmt: skip
-    trickle = [
-        "--env",
-        "CAPYCTL_SIM_TOKENS_PER_SECOND=5",
-        "--env",
-        "CAPYCTL_SIM_COMPLETION_TOKENS=100",
-    ]
-    assert run("engine", "add", "trickle", "--kind", "vllm", "--command", f"{SIM} vllm",
-               *trickle).code == 0  # fmt: skip
-    assert run("deployment", "add", "trickle", "--engine", "trickle", "--source", "m",
-               "--gpu-memory", "1GiB").code == 0  # fmt: skip
-    assert run("engine", "add", "dies", "--kind", "vllm", "--command", f"{SIM} vllm",
-               "--env", "CAPYCTL_SIM_DIE_MID_STREAM=1").code == 0  # fmt: skip
-    assert run("deployment", "add", "dies", "--engine", "dies", "--source", "m",
-               "--gpu-memory", "1GiB").code == 0  # fmt: skip
+    trickle = ["--env", "CAPYCTL_SIM_TOKENS_PER_SECOND=5",
+               "--env", "CAPYCTL_SIM_COMPLETION_TOKENS=100"]  # fmt: skip
     broken = f"{sys.executable} -c 'import sys; print(\"no such model file\"); sys.exit(3)'"
-    assert run("engine", "add", "broken", "--kind", "llamacpp", "--command", broken).code == 0
-    assert run("deployment", "add", "broken", "--engine", "broken", "--source", "m",
-               "--gpus", "0").code == 0  # fmt: skip
-    models: tuple[tuple[str, list[str]], ...] = (
-        ("a", ["--alias", "model-a", "--max-waiting", "1000"]),
-        ("b", []),
-        ("big", []),
-        ("off", []),
-    )
-    for name, extra in models:
-        gib = "30GiB" if name == "big" else "16GiB"
-        added = run("deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
-                    "--gpu-memory", gib, *extra)  # fmt: skip
-        assert added.code == 0, added.err
-    key = run("key", "create", "--user", "admin").out.strip()
-    only_a = run("key", "create", "--user", "admin", "--models", "a").out.strip()
+    setup: list[list[str]] = [
+        ["engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm"],
+        ["engine", "add", "slow", "--kind", "vllm", "--command", f"{SIM} vllm", *slow],
+        ["deployment", "add", "q", "--engine", "slow", "--source", "m/q",
+         "--gpu-memory", "4GiB", "--max-waiting", "5"],
+        ["engine", "add", "sleepy", "--kind", "vllm", "--command", f"{SIM} vllm",
+         "--env", "CAPYCTL_SIM_LOAD_SECONDS=5"],
+        ["deployment", "add", "sleepy", "--engine", "sleepy", "--source", "m",
+         "--gpu-memory", "1GiB", "--wake-timeout", "1"],
+        ["engine", "add", "trickle", "--kind", "vllm", "--command", f"{SIM} vllm", *trickle],
+        ["deployment", "add", "trickle", "--engine", "trickle", "--source", "m",
+         "--gpu-memory", "1GiB"],
+        ["engine", "add", "dies", "--kind", "vllm", "--command", f"{SIM} vllm",
+         "--env", "CAPYCTL_SIM_DIE_MID_STREAM=1"],
+        ["deployment", "add", "dies", "--engine", "dies", "--source", "m", "--gpu-memory", "1GiB"],
+        ["engine", "add", "broken", "--kind", "llamacpp", "--command", broken],
+        ["deployment", "add", "broken", "--engine", "broken", "--source", "m", "--gpus", "0"],
+        ["deployment", "add", "a", "--engine", "sim", "--source", "m/a", "--gpu-memory", "16GiB",
+         "--alias", "model-a", "--max-waiting", "1000"],
+        *(["deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
+           "--gpu-memory", "30GiB" if name == "big" else "16GiB"] for name in ("b", "big", "off")),
+        ["key", "create", "--user", "admin"],
+        ["key", "create", "--user", "admin", "--models", "a"],
+    ]  # fmt: skip
+    results = run_programs(program_env, *setup)
+    for argv, result in zip(setup, results, strict=True):
+        assert result.code == 0, (argv, result.err)
+    key, only_a = results[-2].out.strip(), results[-1].out.strip()
     server = start_server(program_env)
     assert run("deployment", "stop", "off").code == 0
     try:
