@@ -89,6 +89,12 @@ VOLATILES: tuple[Volatile, ...] = (
         r"\b\d{4}-\d\d-\d\d[T ]\d\d:\d\d(?::\d\d(?:\.\d+)?)?(?:Z|[+-]\d\d:?\d\d)?",
         r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d(?::\d\d(?:\.\d+)?)?(?:Z|[+-]\d\d:?\d\d)?",
     ),
+    # an HTTP header's date (date: Mon, 30 Nov 2026 21:58:15 GMT)
+    _v(
+        "http date",
+        r"\b[A-Z][a-z]{2}, \d\d [A-Z][a-z]{2} \d{4} \d\d:\d\d:\d\d GMT\b",
+        r"[A-Z][a-z]{2}, \d\d [A-Z][a-z]{2} \d{4} \d\d:\d\d:\d\d GMT",
+    ),
     _v("clock", r"\b\d\d:\d\d:\d\d(?:\.\d+)?\b", r"\d\d:\d\d:\d\d(?:\.\d+)?"),
     _v("epoch", r"(?<![\d.])1[789]\d{8}(?:\.\d+)?(?![\d.])", r"\d{10}(?:\.\d+)?"),
     # hex ids: chatcmpl-3df68f3ca3bc41dc, resp_9f21..., a digest; a letter and a digit in it
@@ -106,6 +112,8 @@ VOLATILES: tuple[Volatile, ...] = (
     ),
     _v("password", r"(?<=admin / )\S+", r"\S+"),
     _v("pid", r"(?<=\bpid )\d+", r"\d+"),
+    # seconds to wait before a retry: a Retry-After header, DRF's "available in 3 seconds"
+    _v("retry wait", r"(?:(?<=retry-after: )|(?<=Retry-After: )|(?<=available in ))\d+", r"\d+"),
     _v(
         "port",
         r"(?:(?<=127\.0\.0\.1:)|(?<=localhost:)|(?<=0\.0\.0\.0:)|(?<=\]:))\d{2,5}\b",
@@ -189,7 +197,9 @@ class Bindings:
 
         shown = _tidy(actual)
         for page_value, real in sorted(self.real.items(), key=lambda kv: -len(kv[1])):
-            shown = shown.replace(real, page_value)
+            # whole values only: a bound wait of 3 must not turn a 503 into a 502
+            value = re.compile(rf"(?<![A-Za-z0-9]){re.escape(real)}(?![A-Za-z0-9])")
+            shown = value.sub(page_value.replace("\\", "\\\\"), shown)
         diff = difflib.unified_diff(
             _tidy(expected).splitlines(), shown.splitlines(), "the page", "the run", lineterm=""
         )

@@ -47,6 +47,26 @@ def test_a_keys_prefix_is_its_id():
         )
 
 
+def test_an_http_date_and_a_retry_wait_are_volatile():
+    page = "date: Mon, 30 Nov 2026 21:58:15 GMT\nretry-after: 3\nExpected available in 3 seconds."
+    real = "date: Tue, 01 Dec 2026 08:00:02 GMT\nretry-after: 2\nExpected available in {} seconds."
+    Bindings().match(page, real.format(2))
+    with pytest.raises(OutputMismatchError):  # one wait, shown twice: the same both times
+        Bindings().match(page, real.format(3))
+    with pytest.raises(OutputMismatchError):  # any other number is still compared
+        Bindings().match("content-length: 172", "content-length: 171")
+
+
+def test_a_difference_shows_the_run_in_page_terms_value_by_value():
+    bindings = Bindings()
+    bindings.match("retry-after: 2", "retry-after: 3")
+    with pytest.raises(OutputMismatchError) as failure:
+        bindings.match("200\nretry-after: 2", "503\nretry-after: 3")
+    lines = str(failure.value).splitlines()
+    assert "+503" in lines
+    assert " retry-after: 2" in lines
+
+
 def test_a_value_shown_twice_in_one_output_must_be_the_same_value_twice():
     bindings = Bindings()
     bindings.match(
