@@ -114,9 +114,11 @@ VOLATILES: tuple[Volatile, ...] = (
     _v("pid", r"(?<=\bpid )\d+", r"\d+"),
     # seconds to wait before a retry: a Retry-After header, DRF's "available in 3 seconds"
     _v("retry wait", r"(?:(?<=retry-after: )|(?<=Retry-After: )|(?<=available in ))\d+", r"\d+"),
+    # a port after a host, or the one python -m http.server is given
     _v(
         "port",
-        r"(?:(?<=127\.0\.0\.1:)|(?<=localhost:)|(?<=0\.0\.0\.0:)|(?<=\]:))\d{2,5}\b",
+        r"(?:(?<=127\.0\.0\.1:)|(?<=localhost:)|(?<=0\.0\.0\.0:)|(?<=\]:)|(?<=http\.server ))"
+        r"\d{2,5}\b",
         r"\d{2,5}",
     ),
     _v("ram", r"(?<=RAM )\d+(?:\.\d+)? [KMGT]iB", r"\d+(?:\.\d+)? [KMGT]iB"),

@@ -213,3 +213,11 @@ def test_only_a_server_start_runs_in_the_background():
         assert SERVING.match(serving), serving
     for command in ("capyctl deployment start qwen", "capyctl deployment start a; echo $?"):
         assert not SERVING.match(command), command
+
+
+def test_a_file_servers_port_is_the_pages_port_as_in_its_urls():
+    bindings = Bindings({"8000": "41234"})
+    assert (
+        bindings.command("python -m http.server 8000 --bind 127.0.0.1 & curl 127.0.0.1:8000/f")
+        == "python -m http.server 41234 --bind 127.0.0.1 & curl 127.0.0.1:41234/f"
+    )
