@@ -19,7 +19,9 @@ Sybil collects the fenced blocks of ``README.md`` and ``docs/*.md`` (see the roo
 - ``make run``, ``make demo`` and ``capyctl start ...`` serve until stopped: they run in the
   background, and the page goes on once their output begins as the page shows (a new
   server start first stops the page's earlier one with Ctrl-C, as a user would). Every
-  process a page started is stopped when the page is done.
+  process a page started is stopped when the page is done. A start the page shows refused
+  (its output begins ``capyctl: error:``) runs like any command, and the page's server
+  goes on serving, as when a second terminal tries to start one.
 - A block that cannot run here (a real GPU, vLLM installed) is marked, visibly, by a
   quoted line right above it that starts ``> **Illustrative``; it is not run.
 """
@@ -54,6 +56,7 @@ SERVING = re.compile(
     r"^(?:[A-Z_]+=\S+\s+)*(?:make\s+(?:run|demo)\b"
     r"|(?:\S*/)?capyctl\b.*\sstart\s+(?:standalone|server|host)\b)"
 )
+REFUSED = re.compile(r"\s*capyctl: error:")  # a start shown refused does not serve
 
 
 # --- volatile values -------------------------------------------------------------------
@@ -368,7 +371,7 @@ class Page:
         for step in steps(source, first_line):
             where = f"{page} line {step.line}: $ {step.command.splitlines()[0]}"
             command = self._real_command(step.command)
-            serving = bool(SERVING.match(step.command))
+            serving = bool(SERVING.match(step.command)) and not REFUSED.match(step.expected)
             actual = self._serve(command, step.expected) if serving else self._run(command)
             try:
                 self.bindings.match(step.expected, self._as_page(actual), more=serving)

@@ -156,6 +156,17 @@ def test_a_command_continued_on_the_next_line_runs_as_one(page_file, redis_run):
     run_page(page_file, redis_run)
 
 
+def test_a_start_shown_refused_leaves_the_pages_server_serving(page_file, redis_run):
+    page_file.write_text(
+        "```console\n$ capyctl start standalone --listen 127.0.0.1:8000\n...\n"
+        "INFO:     Uvicorn running on http://127.0.0.1:8000 (Press CTRL+C to quit)\n"
+        "$ capyctl start standalone --listen 127.0.0.1:8000\n"
+        "capyctl: error: cannot listen on 127.0.0.1:8000: address already in use\n"
+        "$ echo $?; curl -s http://127.0.0.1:8000/healthz\n2\n...ok...\n```\n"
+    )
+    run_page(page_file, redis_run)
+
+
 def test_commands_share_one_terminal_and_leave_the_checkout_alone(page_file, redis_run):
     page_file.write_text(
         "```console\n$ KEY=abc; cd docs\n$ echo $KEY $(basename $PWD); false\nabc docs\n"
