@@ -84,7 +84,7 @@ LOGIN_LOCKOUT_SECONDS = env_int("CAPYCTL_LOGIN_LOCKOUT_SECONDS", 900, minimum=1)
 AUTHENTICATION_BACKENDS = ["capyctl.web.login.ThrottledModelBackend"]
 
 INSTALLED_APPS = [  # not "daphne": it only adds runserver, and costs every command Twisted
-    "django.contrib.admin",
+    "capyctl.adminapp.AdminConfig",  # django.contrib.admin, admin modules loaded with the URLs
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",

@@ -7,6 +7,7 @@ from django.urls import include, path
 from capyctl.web import keys, login, views
 from capyctl.web.dashboard import dashboard
 
+admin.autodiscover()  # not at start-up: see capyctl.adminapp
 admin.site.site_header = "CapyCTL"
 admin.site.site_title = "CapyCTL admin"
 admin.site.index_title = "Models, engines, hosts and keys"

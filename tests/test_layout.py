@@ -89,7 +89,8 @@ def test_a_listing_imports_no_server_and_no_task_queue(tmp_path):
 
 # What listings once imported and never use: HTTP clients (httpx brings rich, click and
 # pygments), certificates, process and GPU probes, the agent driver, the start command,
-# and, on a database already up to date, the migration graph with every migration file.
+# the admin modules, and, on a database already up to date, the migration graph with
+# every migration file.
 LISTING_NEVER_IMPORTS = (
     "httpx",
     "rich",
@@ -109,7 +110,7 @@ LISTING_NEVER_IMPORTS = (
 
 def test_listings_import_no_http_client_no_certificates_and_no_migrations(tmp_path):
     """Each listing and ``status``, on a data dir already set up, imports none of
-    :data:`LISTING_NEVER_IMPORTS` and no migration file."""
+    :data:`LISTING_NEVER_IMPORTS`, no admin module and no migration file."""
     _run_cli_code("from capyctl.cli import run\nassert run(['engine', 'list']) == 0\n", tmp_path)
     commands = [
         ["deployment", "list"],
@@ -129,7 +130,7 @@ def test_listings_import_no_http_client_no_certificates_and_no_migrations(tmp_pa
         "    with contextlib.redirect_stdout(io.StringIO()):\n"
         "        code = run(argv)\n"
         "    bad = sorted(m for m in sys.modules if m in never or m.split('.')[0] in never\n"
-        "                 or re.search(r'\\.migrations\\.\\d', m))\n"
+        "                 or re.search(r'\\.migrations\\.\\d|^capyctl\\.\\w+\\.admin$', m))\n"
         "    print(' '.join(argv), code, ','.join(bad))\n"
     )
     out = _run_cli_code(code, tmp_path)
@@ -151,3 +152,25 @@ def test_commands_run_with_the_garbage_collector_back_on(tmp_path):
     )
     out = _run_cli_code(code, tmp_path)
     assert out.splitlines() == ["collecting: True", "no engines"]
+
+
+def test_the_admin_checks_see_every_model_admin(tmp_path):
+    """Start-up leaves the admin modules alone (see capyctl.adminapp), yet the admin's
+    checks (``manage.py check``) still check every ModelAdmin."""
+    code = (
+        "import os\n"
+        "import django\n"
+        "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'capyctl.settings')\n"
+        "django.setup()\n"
+        "from django.contrib import admin\n"
+        "from django.core import checks\n"
+        "print(len(admin.site._registry))\n"
+        "print(checks.run_checks(tags=[checks.Tags.admin]))\n"
+        "print(' '.join(sorted(m._meta.label for m in admin.site._registry)))\n"
+    )
+    out = _run_cli_code(code, tmp_path)
+    registered = (
+        "access.ApiKey access.UserLimits auth.Group auth.User deployments.Deployment "
+        "deployments.Instance engines.Engine events.Event hosts.Host ledger.LedgerEntry"
+    )
+    assert out.splitlines() == ["0", "[]", registered]
