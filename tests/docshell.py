@@ -113,7 +113,8 @@ VOLATILES: tuple[Volatile, ...] = (
         r"(?:(?<![\w-])|(?<=\bcapy_))(?=[a-z0-9]*\d)(?=[a-z0-9]*[a-z])[a-z0-9]{10}(?![\w-])",
         r"[a-z0-9]{10}",
     ),
-    _v("password", r"(?<=admin / )\S+", r"\S+"),
+    # a generated password: the banner's "admin / ...", capyctl user add's "password: ..."
+    _v("password", r"(?:(?<=admin / )|(?<=^password: )|(?<=\npassword: ))\S+", r"\S+"),
     _v("pid", r"(?<=\bpid )\d+", r"\d+"),
     # seconds to wait before a retry: a Retry-After header, DRF's "available in 3 seconds"
     _v("retry wait", r"(?:(?<=retry-after: )|(?<=Retry-After: )|(?<=available in ))\d+", r"\d+"),

@@ -105,6 +105,15 @@ def test_a_server_may_log_more_than_the_page_shows():
         Bindings().match("serving\nStop with Ctrl-C.", "serving\nStop with Ctrl-C.\nGET /")
 
 
+def test_a_generated_password_is_volatile():
+    bindings = Bindings()
+    bindings.match(
+        "user bob added\npassword: EIVEBRtR1wG4odL8  (shown only now)",
+        "user bob added\npassword: JBBtzrJC6-n7Q9gT  (shown only now)",
+    )
+    assert bindings.real == {"EIVEBRtR1wG4odL8": "JBBtzrJC6-n7Q9gT"}
+
+
 def test_steps_split_commands_output_and_continued_lines():
     block = "$ capyctl engine add mine \\\n    --kind custom\nengine mine added\n$ echo hi\nhi\n"
     found = steps(block, 10)
