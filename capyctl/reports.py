@@ -8,7 +8,6 @@ from typing import Any
 from django.conf import settings
 
 from capyctl.access.models import ApiKey
-from capyctl.access.services import ceilings_of
 from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
 from capyctl.events.models import Event
@@ -142,6 +141,8 @@ def user_data(user: Any) -> dict[str, Any]:
 
 def limits_data(user: Any) -> dict[str, Any]:
     """A user's ceilings (None: none); ``models`` None means every model."""
+    from capyctl.access.services import ceilings_of  # here: other listings need no services
+
     ceilings = ceilings_of(user)
     lifetime = ceilings.key_lifetime
     return {
