@@ -24,6 +24,13 @@ HOP_BY_HOP = frozenset(
 )
 
 
+# How long a stop waits for open connections. A TLS connection closes only when its peer
+# answers the close, and a client that holds an idle keep-alive connection without reading
+# (a server whose worker is stuck) never does: uvicorn would wait 30 s for it, long past
+# the few seconds a Ctrl-C followed by a kill allows, and the agent's engines would outlive it.
+STOP_GRACE_SECONDS = 5
+
+
 async def lifespan(receive: Any, send: Any) -> None:
     """Answer an ASGI lifespan scope: nothing to start or stop."""
     while (await receive())["type"] != "lifespan.shutdown":
@@ -56,6 +63,7 @@ def tls_server(app: Any, host: str, port: int, context: ssl.SSLContext) -> Any:
         access_log=False,
         log_level="warning",
         log_config=None,  # leave the process's logging as it is
+        timeout_graceful_shutdown=STOP_GRACE_SECONDS,
     )
     config.load()
     config.ssl = context

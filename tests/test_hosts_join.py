@@ -341,6 +341,24 @@ def test_the_agent_refuses_every_caller_but_the_server(joined, tmp_path):
         call_agent(agent_port, "gpu2", ca, server_cert, server_key)
 
 
+def test_a_peer_that_keeps_an_idle_connection_open_does_not_hold_up_the_agents_stop(joined):
+    """A client that neither uses nor closes its keep-alive connection (a server whose
+    worker is stuck) never answers TLS's close; the agent stops anyway, soon enough for
+    Ctrl-C followed by a kill a few seconds later to find its engines stopped."""
+    env, _, agent_port, _, agent, _ = joined
+    pki = Path(env["CAPYCTL_DATA_DIR"]) / "pki"
+    context = tls.client_context(pki / "ca.crt", pki / "server.crt", pki / "server.key")
+    with (
+        socket.create_connection(("127.0.0.1", agent_port)) as raw,
+        context.wrap_socket(raw, server_hostname="gpu1") as connection,
+    ):
+        connection.sendall(b"GET /inventory HTTP/1.1\r\nHost: gpu1\r\n\r\n")
+        assert connection.recv(65536).startswith(b"HTTP/1.1 200")
+        agent.send_signal(signal.SIGINT)
+        # uvicorn would wait for the connection's TLS close for 30 s
+        assert agent.wait(timeout=20) in (0, 130)
+
+
 @pytest.mark.django_db
 def test_join_tokens_are_single_use_expire_and_survive_a_bad_request(settings, tmp_path):
     from capyctl.hosts.models import Host
