@@ -437,7 +437,7 @@ class Page:
             for job in [job for job in self.background if job.serving]:
                 _stop(job.process)
                 self.background.remove(job)
-        log = self.root / f"background-{len(self.background)}.log"
+        log = self.root / f"background-{len(list(self.root.glob('background-*.log')))}.log"
         with log.open("wb") as sink:
             process = subprocess.Popen(
                 ["bash", "-c", f"set -a\n{command}"],

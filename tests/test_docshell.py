@@ -176,6 +176,20 @@ def test_a_start_shown_refused_leaves_the_pages_server_serving(page_file, redis_
     run_page(page_file, redis_run)
 
 
+def test_each_process_a_page_starts_logs_to_a_file_of_its_own(page_file, redis_run):
+    """A host agent started after a server keeps its log when that server is replaced (the
+    new server was given the agent's log file, emptied it, and both wrote into it)."""
+    page_file.write_text(
+        "```console\n"
+        "$ mkdir fake && printf '#!/bin/sh\\necho \"$2 $3\"\\nexec sleep 60\\n' > fake/capyctl\n"
+        "$ chmod +x fake/capyctl\n$ fake/capyctl start standalone one\nstandalone one\n"
+        "$ fake/capyctl start host two\nhost two\n"
+        "$ fake/capyctl start server three\nserver three\n"
+        "$ cat ../background-*.log\nstandalone one\nhost two\nserver three\n```\n"
+    )
+    run_page(page_file, redis_run)
+
+
 def test_commands_share_one_terminal_and_leave_the_checkout_alone(page_file, redis_run):
     page_file.write_text(
         "```console\n$ KEY=abc; cd docs\n$ echo $KEY $(basename $PWD); false\nabc docs\n"
