@@ -23,10 +23,11 @@ from hostagent.asgi import HOP_BY_HOP
 PREFIX = "/v1/"
 MODELS = "/v1/models"  # answered by the server itself: the list, or one model by name
 RESPONSES = "/v1/responses"
+CHAT_COMPLETIONS = "/v1/chat/completions"
 # Forwarded to the model's engine; the model is named in the body (JSON or a form).
 FORWARDED = frozenset(
     {
-        "/v1/chat/completions",
+        CHAT_COMPLETIONS,
         "/v1/completions",
         "/v1/embeddings",
         "/v1/rerank",

@@ -364,6 +364,7 @@ class Page:
         for job in reversed(self.background):
             _stop(job.process)
         self.background.clear()
+        _end_strays(self.root)
         self._tmp.cleanup()
 
     # -- running --
@@ -461,6 +462,24 @@ class Page:
                 if process.poll() is not None or time.monotonic() > deadline:
                     return job.output()
             time.sleep(0.1)
+
+
+def _end_strays(root: Path) -> None:
+    """End what a page left running on its own (``python -m http.server ... &`` when a
+    later step failed): every process whose working directory or program is in the page's
+    directory."""
+    import psutil
+
+    inside = str(root) + os.sep
+    strays = []
+    for process in psutil.process_iter(["cwd", "cmdline"]):
+        where = [process.info.get("cwd") or "", *(process.info.get("cmdline") or [])[:2]]
+        if process.pid != os.getpid() and any(p.startswith(inside) for p in where):
+            strays.append(process)
+    for process in strays:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(strays, timeout=5)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

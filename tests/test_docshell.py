@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.docshell import (
@@ -255,3 +256,16 @@ def test_a_file_servers_port_is_the_pages_port_as_in_its_urls():
         bindings.command("python -m http.server 8000 --bind 127.0.0.1 & curl 127.0.0.1:8000/f")
         == "python -m http.server 41234 --bind 127.0.0.1 & curl 127.0.0.1:41234/f"
     )
+
+
+def test_what_a_page_left_running_is_ended_with_the_page(page_file, redis_run):
+    page_file.write_text("```console\n$ sleep 300 >/dev/null 2>&1 & echo $! > sleeper.pid\n```\n")
+    example = next(iter(all_examples(page_file)))
+    example.namespace["redis_run"] = redis_run
+    example.evaluate()
+    page = example.namespace["page"]
+    assert isinstance(page, Page)
+    pid = int((page.cwd / "sleeper.pid").read_text())
+    assert psutil.pid_exists(pid)
+    page.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -132,10 +132,12 @@ def _ensure_engine(name: str, kind: str, command: str, env: dict[str, str]) -> N
 
 def curl_line(base_url: str, key: str, model: str) -> str:
     """One ``curl`` command that asks ``model`` a question, to paste in a shell."""
+    from hostagent.routes import CHAT_COMPLETIONS
+
     question = {"role": "user", "content": PROMPT}
     body = json.dumps({"model": model, "messages": [question], "max_tokens": 32, "temperature": 0})
     return (
-        f"curl -s -w '\\n' {base_url}/v1/chat/completions -H \"Authorization: Bearer {key}\" "
+        f"curl -s -w '\\n' {base_url}{CHAT_COMPLETIONS} -H \"Authorization: Bearer {key}\" "
         f"-H \"content-type: application/json\" -d '{body}'"
     )
 
