@@ -254,3 +254,33 @@ def test_after_a_sigkill_the_next_start_ends_the_engines_left_behind(program_env
         for process in engines:
             with contextlib.suppress(psutil.Error):
                 process.kill()
+
+
+def test_a_request_sent_as_soon_as_the_banner_shows_is_answered(program_env, tmp_path):
+    """A newcomer copies the health URL from the banner and runs curl at once: the banner
+    comes after the port is bound, so the request waits for the server, not refused."""
+    import subprocess
+
+    from hostagent.runtime import free_port
+    from tests.conftest import CAPYCTL
+
+    port = free_port()
+    process = subprocess.Popen(
+        [CAPYCTL, "start", "standalone", "--listen", f"127.0.0.1:{port}"],
+        env=program_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("Stop with Ctrl-C."):
+                break
+        else:
+            pytest.fail("the server ended before its banner")
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=60)
+        assert health.json() == {"status": "ok"}
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)

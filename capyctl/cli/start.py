@@ -23,6 +23,7 @@ logger = logging.getLogger("capyctl.start")
 # Uvicorn and daphne stop accepting at once on SIGTERM/Ctrl-C; requests still running get
 # this long before the process exits, which keeps a stop under 5 seconds.
 GRACEFUL_SHUTDOWN_SECONDS = 3
+LISTEN_BACKLOG = 2048
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -52,6 +53,23 @@ def _check_port_free(host: str, port: int) -> None:
         except OSError as exc:
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
             raise UserError(f"cannot listen on {host}:{port}: {reason}") from None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the banner says where it serves: a
+    request sent right after the banner waits in the queue until the server accepts it,
+    instead of being refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise UserError(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
 
 
 def _url(host: str, port: int) -> str:
@@ -109,6 +127,20 @@ def _describe_database() -> str:
     return f"PostgreSQL {db.get('HOST') or 'localhost'}:{db.get('PORT') or 5432}/{db['NAME']}"
 
 
+def _login_lines(admin: Any) -> list[str]:
+    """The banner's lines on logging in as the first admin."""
+    if admin.created and admin.password_file is not None:
+        return [
+            f"  log in as: {admin.username} / {admin.password}",
+            f"             (first start; the password is also in {admin.password_file})",
+        ]
+    if admin.created:
+        return [f"  log in as: {admin.username} (password from CAPYCTL_ADMIN_PASSWORD)"]
+    if admin.password_file is not None:
+        return [f"  log in as: {admin.username} (password in {admin.password_file})"]
+    return [f"  log in as: {admin.username}"]
+
+
 def start_standalone(args: argparse.Namespace) -> int:
     from capyctl.bootstrap import ensure_first_admin, prepare_standalone
     from capyctl.cli import demo as demo_mode
@@ -119,6 +151,7 @@ def start_standalone(args: argparse.Namespace) -> int:
     _check_port_free(host, port)
     allow_listen_host(host)
     _warn_if_open(Path(settings.DATA_DIR))
+    listening = _listen(host, port) if args.server != "daphne" else None
     prepare_standalone()
     admin = ensure_first_admin()
     demo = demo_mode.set_up_demo(admin.username) if getattr(args, "demo", False) else None
@@ -136,15 +169,7 @@ def start_standalone(args: argparse.Namespace) -> int:
         f"  host:      local, {gpu_text or 'no GPUs'}; RAM {ram}",
         f"  dashboard: {base}/   admin: {base}/admin/   api: {base}/api/docs/",
     ]
-    if admin.created and admin.password_file is not None:
-        lines.append(f"  log in as: {admin.username} / {admin.password}")
-        lines.append(f"             (first start; the password is also in {admin.password_file})")
-    elif admin.created:
-        lines.append(f"  log in as: {admin.username} (password from CAPYCTL_ADMIN_PASSWORD)")
-    elif admin.password_file is not None:
-        lines.append(f"  log in as: {admin.username} (password in {admin.password_file})")
-    else:
-        lines.append(f"  log in as: {admin.username}")
+    lines += _login_lines(admin)
     lines.append(f"  health:    {base}/healthz   ready: {base}/readyz")
     if demo is not None:
         lines += demo_mode.banner_lines(demo, base)
@@ -162,9 +187,9 @@ def start_standalone(args: argparse.Namespace) -> int:
     loop.start()
     enrolment = _serve_enrolment(args.enrol_listen) if args.enrol_listen else None
     try:
-        if args.server == "daphne":
+        if listening is None:
             return _serve_daphne(host, port)
-        return _serve_uvicorn(host, port)
+        return _serve_uvicorn(host, port, listening)
     finally:
         # Engines are this process's children: end them, and say so in states and events.
         loop.stop()
@@ -252,10 +277,11 @@ def start_api(args: argparse.Namespace) -> int:
     _check_port_free(host, port)
     allow_listen_host(host)
     migrate_database()
+    listening = _listen(host, port)
     enrolment = _serve_enrolment(args.enrol_listen) if args.enrol_listen else None
     print(f"CapyCTL {_version()} api, serving on {_url(host, port)}", flush=True)
     try:
-        return _serve_uvicorn(host, port)
+        return _serve_uvicorn(host, port, listening)
     finally:
         if enrolment is not None:
             enrolment.should_exit = True
@@ -358,7 +384,7 @@ def _version() -> str:
     return __version__
 
 
-def _serve_uvicorn(host: str, port: int) -> int:
+def _serve_uvicorn(host: str, port: int, listening: socket.socket) -> int:
     import uvicorn
 
     from capyctl.cli.httpguard import guarded_protocol
@@ -372,7 +398,7 @@ def _serve_uvicorn(host: str, port: int) -> int:
         http=guarded_protocol(bounds["HTTP_HEADER_TIMEOUT"], bounds["HTTP_MAX_HEADER_BYTES"]),
         limit_concurrency=bounds["HTTP_MAX_CONNECTIONS"],
         timeout_keep_alive=bounds["HTTP_KEEPALIVE_TIMEOUT"],
-        backlog=2048,
+        backlog=LISTEN_BACKLOG,
         lifespan="on",
         access_log=False,
         proxy_headers=False,  # one ASGI layer less a request; CapyCTL logs no client address
@@ -380,15 +406,26 @@ def _serve_uvicorn(host: str, port: int) -> int:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         server_header=False,
     )
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        """uvicorn on the socket bound before the banner; it says when it serves, as it does
+        on a socket of its own (given sockets, it would say nothing)."""
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and sockets:
+                self._log_started_message(sockets)
+
+    server = Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down; with SIGTERM's
     # default action that would end the process before the engines are stopped. A no-op
     # handler lets run() return, and the caller finishes the shutdown.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        server.run()
+        server.run(sockets=[listening])
     finally:
         signal.signal(signal.SIGTERM, previous)
+        listening.close()
     return 0 if server.started else 1
 
 
