@@ -66,7 +66,7 @@ def test_a_closed_gate_refuses_new_requests_until_reopened(tracker):
 
 def test_a_drain_closes_the_gate_and_ready_reopens_it(monkeypatch, db):
     from capyctl.deployments.models import Deployment
-    from capyctl.scheduler import inflight, operations
+    from capyctl.scheduler import inflight, operations, transitions
     from tests.scheduling import deployment as add_deployment
     from tests.scheduling import vllm_engine
 
@@ -78,5 +78,5 @@ def test_a_drain_closes_the_gate_and_ready_reopens_it(monkeypatch, db):
     deployment.refresh_from_db()
     assert operations._drain(deployment, "parking")
     assert not local.begin(deployment.pk)
-    assert operations._transition(deployment.pk, ["draining"], "ready")
+    assert transitions.drain_abandoned(deployment)
     assert local.begin(deployment.pk)

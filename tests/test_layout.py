@@ -174,3 +174,48 @@ def test_the_admin_checks_see_every_model_admin(tmp_path):
         "deployments.Instance engines.Engine events.Event hosts.Host ledger.LedgerEntry"
     )
     assert out.splitlines() == ["0", "[]", registered]
+
+
+def test_state_and_the_ledger_have_one_writer():  # noqa: PLR0912 - one walk, many checks
+    """A deployment's observed state, an instance's state and every ledger entry are
+    written only by ``capyctl.scheduler.transitions`` (through ``capyctl.ledger.services``
+    for the entries): no other module passes them to an update or create, assigns them, or
+    calls the ledger's writing functions."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    writer = "capyctl/scheduler/transitions.py"
+    ledger = "capyctl/ledger/services.py"
+    state_fields = {"observed_state", "parked_mode"}
+    writes = {"update", "create", "get_or_create", "update_or_create", "bulk_create", "delete"}
+    ledger_writes = {"admit", "set_measured", "release", "mark_unconfirmed", "set_foreign"}
+    found = []
+    for file in sorted((root / "capyctl").rglob("*.py")):
+        name = file.relative_to(root).as_posix()
+        if name in (writer, ledger) or "/migrations/" in name:
+            continue
+        for node in ast.walk(ast.parse(file.read_text())):
+            where = f"{name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                chain = ast.unparse(node.func)
+                if node.func.attr in writes and "LedgerEntry" in chain:
+                    found.append(f"{where}: writes ledger entries ({chain})")
+                if (
+                    node.func.attr in writes
+                    and "Instance.objects" in chain
+                    and any(k.arg == "state" for k in node.keywords)
+                ):
+                    found.append(f"{where}: writes an instance's state")
+                if node.func.attr in writes and any(k.arg in state_fields for k in node.keywords):
+                    found.append(f"{where}: writes observed state ({chain})")
+            if isinstance(node, ast.ImportFrom) and node.module == "capyctl.ledger.services":
+                for alias in node.names:
+                    if alias.name in ledger_writes:
+                        found.append(f"{where}: imports the ledger's writer {alias.name}")
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    for leaf in ast.walk(target):
+                        if isinstance(leaf, ast.Attribute) and leaf.attr in state_fields:
+                            found.append(f"{where}: assigns {leaf.attr}")
+    assert found == []

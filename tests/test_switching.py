@@ -344,3 +344,123 @@ async def test_a_victim_whose_requests_outlast_the_drain_timeout_stays_ready(
         assert retried.status_code == 200, retried.text
     assert await sync_to_async(state)("a") == ("parked", "ram")
     assert await sync_to_async(state)("b") == ("ready", "")
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_idleness_never_ends_a_stream_and_counts_from_its_end(gpu24, bob, database_threads):
+    """A model that cannot park (TensorFold) with ``idle_park_seconds``: a stream that
+    outlasts the idle time is not cut by an idle stop (idleness counted from the request's
+    start did), and idleness counts again from the moment the stream ended."""
+    from capyctl.access.services import issue_api_key
+    from capyctl.gateway.app import Gateway
+    from capyctl.scheduler import reconcile
+
+    idle = 3
+
+    def set_up() -> tuple[int, int, str]:
+        # 18 tokens at 4 a second: a stream of about 4.5 s, longer than the idle time.
+        paced = {
+            **SIM_ENV,
+            "CAPYCTL_SIM_GPU_BYTES": "16GiB",
+            "CAPYCTL_SIM_TOKENS_PER_SECOND": "4",
+            "CAPYCTL_SIM_COMPLETION_TOKENS": "18",
+        }
+        add_engine("paced-tf", kind="tensorfold", command=f"{SIM} tensorfold", env=paced)
+        tf = deployment("tf", engine="paced-tf", idle_park_seconds=idle)
+        operations.ensure_ready(tf.pk)
+        return tf.pk, Host.objects.get().pk, issue_api_key("bob")[1]
+
+    tf_id, host_id, key = await sync_to_async(set_up)()
+    transport = httpx.ASGITransport(app=cast("Any", Gateway()))
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://testserver", timeout=60,
+        headers={"Authorization": f"Bearer {key}"},
+    ) as client:  # fmt: skip
+        messages = [{"role": "user", "content": "hi"}]
+        body = {"model": "tf", "messages": messages, "stream": True}
+        stream = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+        deadline = time.monotonic() + 60
+        while inflight.count(tf_id) == 0:
+            assert time.monotonic() < deadline, "the stream never reached its engine"
+            await asyncio.sleep(0.02)
+        began = time.monotonic()
+        await asyncio.sleep(idle + 0.5)  # the idle time, counted from the request's start
+        assert not stream.done(), "the stream ended before the idle time passed"
+        await sync_to_async(reconcile.reconcile)(host_id)
+        assert await sync_to_async(state)("tf") == ("ready", "")
+        answer = await stream
+        ended = time.monotonic()
+    assert answer.status_code == 200, answer.text
+    chunks = [line for line in answer.text.splitlines() if line.startswith("data: {")]
+    assert answer.text.rstrip().endswith("data: [DONE]")
+    assert len([c for c in chunks if '"content"' in c]) >= 18
+    assert ended - began > idle
+
+    def touched_at_the_end() -> bool:
+        last = Deployment.objects.get(pk=tf_id).last_request_at
+        return last is not None and time.time() - last.timestamp() < 1
+
+    await sync_to_async(wait_until)(touched_at_the_end, "the stream's end noted")
+    await sync_to_async(reconcile.reconcile)(host_id)  # idle for about a second, not `idle`
+    assert await sync_to_async(state)("tf") == ("ready", "")
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_starts_in_flight_leave_a_ready_model_answering(
+    gpu24, bob, database_threads, tmp_path
+):
+    """Eight models whose engines take long to load, requested at once: their starts hold
+    threads for as long as they load, and the gateway's own lookups (a new key, a route
+    not yet cached) must still run, so a ready model answers meanwhile. Starts once ran on
+    the threads those lookups use, and the ready model's request waited for a start."""
+    from capyctl.access.services import issue_api_key
+    from capyctl.gateway.app import Gateway
+
+    gate = tmp_path / "loads-may-finish"
+    small = {**SIM_ENV, "CAPYCTL_SIM_WEIGHTS_BYTES": "1GiB", "CAPYCTL_SIM_RESIDUAL_BYTES": "64MiB"}
+    starting = [f"s{i}" for i in range(8)]
+
+    def set_up() -> str:
+        add_engine("quick", kind="vllm", command=f"{SIM} vllm", env=small)
+        held = {**small, "CAPYCTL_SIM_LOAD_GATE": str(gate)}
+        add_engine("held", kind="vllm", command=f"{SIM} vllm", env=held)
+        ready = deployment("r", engine="quick", gib=2)
+        for name in starting:
+            deployment(name, engine="held", gib=2)
+        operations.ensure_ready(ready.pk)
+        return issue_api_key("bob")[1]
+
+    def count_starting() -> int:
+        return Deployment.objects.filter(name__in=starting, observed_state="starting").count()
+
+    key = await sync_to_async(set_up)()
+    transport = httpx.ASGITransport(app=cast("Any", Gateway()))
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://testserver", timeout=120,
+        headers={"Authorization": f"Bearer {key}"},
+    ) as client:  # fmt: skip
+
+        def chat(model: str):
+            messages = [{"role": "user", "content": "hi"}]
+            body = {"model": model, "messages": messages, "max_tokens": 1}
+            return client.post("/v1/chat/completions", json=body)
+
+        starts = [asyncio.ensure_future(chat(name)) for name in starting]
+        try:
+            deadline = time.monotonic() + 60
+            while await sync_to_async(count_starting)() < len(starting):
+                assert time.monotonic() < deadline, "the eight starts never all began"
+                assert not any(s.done() for s in starts), [
+                    s.result().text for s in starts if s.done()
+                ]
+                await asyncio.sleep(0.05)
+            for _ in range(3):  # the first request's key and route are not cached yet
+                # Not a speed check: without threads of their own the starts hold every
+                # one, and this request waits until a load finishes (never: the gate is shut).
+                answer = await asyncio.wait_for(chat("r"), timeout=15)
+                assert answer.status_code == 200, answer.text
+            assert not any(s.done() for s in starts)
+        finally:
+            gate.touch()  # the loads finish, and their threads with them
+            answers = await asyncio.gather(*starts)
+    assert [a.status_code for a in answers] == [200] * len(starting), [a.text for a in answers]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.conf import settings
 from django.db import models
 
@@ -124,6 +126,14 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """A new row, or the named fields of an existing one: a full save would write back
+        ``observed_state`` as it was read, undoing what the scheduler did meanwhile (its
+        state is written only by :mod:`capyctl.scheduler.transitions`)."""
+        if not self._state.adding and kwargs.get("update_fields") is None:
+            raise TypeError("Deployment.save() of an existing row needs update_fields")
+        super().save(*args, **kwargs)
 
     def setting(self, name: str) -> int:
         """A timing or queue setting: this deployment's own, else the global default."""

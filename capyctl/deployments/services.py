@@ -271,8 +271,13 @@ def add_deployment(spec: DeploymentSpec, *, actor: str = "") -> Deployment:
 def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> Deployment:
     """Change a deployment's settings. Engine, host and name change only while stopped;
     the new figures apply from its next start."""
-    deployment = get_deployment(name)
-    Deployment.objects.select_for_update().filter(pk=deployment.pk).first()
+    # Decide on the row as it is under the lock: the scheduler may have changed its state
+    # since any earlier read, and only the fields a person sets are written back.
+    deployment = (
+        Deployment.objects.select_for_update(of=("self",))
+        .select_related("engine", "host")
+        .get(pk=get_deployment(name).pk)
+    )
     engine, host = check_deployment(spec, exclude_pk=deployment.pk)
     moved = (
         spec.name != deployment.name
@@ -293,7 +298,7 @@ def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> De
     deployment.host = host
     for name_ in _SPEC_FIELDS:
         setattr(deployment, name_, getattr(spec, name_))
-    deployment.save()
+    deployment.save(update_fields=["name", "engine", "host", *_SPEC_FIELDS, "updated_at"])
     if sorted(spec.aliases) != sorted(deployment.alias_names):
         changed.append("aliases")
         deployment.aliases.all().delete()

@@ -26,7 +26,15 @@ from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.routing import Route, RoutingTable, list_models
 from capyctl.gateway.upstream import UpstreamError, UpstreamPool
 from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
-from capyctl.scheduler import inflight, operations
+from capyctl.scheduler import inflight, operations, wakes
+from capyctl.scheduler.errors import (
+    EngineFailedError,
+    ModelStoppedError,
+    NoCapacityError,
+    SchedulerError,
+    SourceError,
+    WakeTimeoutError,
+)
 from capyctl.validation import validate_alias
 from capyctl.web import metrics
 from hostagent import routes
@@ -133,6 +141,7 @@ class Gateway:
             )
         finally:
             inflight.end(route.deployment_id)
+            self._touch(route.deployment_id)  # idleness counts from a request's end
 
     def _model_named(
         self, target: routes.Target, key: KeyInfo, headers: dict[bytes, bytes], body: bytes
@@ -223,16 +232,15 @@ class Gateway:
         try:
             wake = self._wakes.get(deployment_id)
             if wake is None or wake.done():
-                if settings.CELERY_TASK_ALWAYS_EAGER:  # standalone: the wake runs right here
-                    waking = asyncio.to_thread(_ensure_ready, deployment_id)
-                else:  # server mode: on a Celery worker, which tells us how it went
-                    waking = self._wake_on_worker(route)
-                wake = asyncio.ensure_future(waking)
+                # One wake per model, however many requests wait for it.
+                wake = asyncio.ensure_future(wakes.ready(deployment_id, route.wake_timeout_seconds))
                 self._wakes[deployment_id] = wake
             try:
                 await asyncio.wait_for(asyncio.shield(wake), timeout=route.wake_timeout_seconds)
             except TimeoutError:
                 raise _wake_timeout(route) from None
+            except SchedulerError as exc:
+                raise _scheduler_error(exc, route) from exc
         finally:
             self._waiting[deployment_id] -= 1
             metrics.NOW.waiting[route.name] = self._waiting[deployment_id]
@@ -242,35 +250,6 @@ class Gateway:
                 503, "engine_failed", f"`{route.name}` is not running.", "server_error"
             )
         return fresh
-
-    async def _wake_on_worker(self, route: Route) -> None:
-        """Send the wake to the workers and wait for its outcome on the channel layer; the
-        database is re-read every half second too, so a lost message costs little."""
-        from channels.layers import get_channel_layer
-
-        from capyctl.scheduler import notify, tasks
-
-        layer = get_channel_layer()
-        channel = await layer.new_channel()
-        group = notify.group(route.deployment_id)
-        await layer.group_add(group, channel)
-        deadline = time.monotonic() + route.wake_timeout_seconds
-        try:
-            await asyncio.to_thread(tasks.ensure_ready.delay, route.deployment_id)
-            while time.monotonic() < deadline:  # past it, the next request sends a new wake
-                try:
-                    outcome = await asyncio.wait_for(layer.receive(channel), timeout=0.5)
-                except TimeoutError:
-                    fresh = await self.routes.get(route.name, fresh=True)
-                    if fresh is not None and fresh.observed_state == "ready" and fresh.base_url:
-                        return
-                    continue
-                if outcome.get("ok"):
-                    return
-                raise _scheduler_error(str(outcome.get("code")), str(outcome.get("message")))
-            raise _wake_timeout(route)
-        finally:
-            await layer.group_discard(group, channel)
 
     # -- forwarding ------------------------------------------------------------------------------
 
@@ -438,16 +417,6 @@ class Gateway:
             asyncio.get_running_loop().run_in_executor(None, _touch_sync, deployment_id)
 
 
-def _ensure_ready(deployment_id: int) -> None:
-    """Runs on a worker thread: ONE wake per model, however many requests wait for it."""
-    try:
-        operations.ensure_ready(deployment_id)
-    except operations.SchedulerError as exc:
-        raise _scheduler_error(exc.code, str(exc)) from exc
-    finally:
-        connection.close()
-
-
 def _wake_timeout(route: Route) -> GatewayError:
     return GatewayError(
         504,
@@ -457,15 +426,18 @@ def _wake_timeout(route: Route) -> GatewayError:
     )
 
 
-def _scheduler_error(code: str, message: str) -> GatewayError:
-    """The /v1 error for a wake that failed with the scheduler's ``code``."""
-    if code == "no_capacity":
+def _scheduler_error(exc: SchedulerError, route: Route) -> GatewayError:
+    """The /v1 error for a wake that failed with the scheduler's error ``exc``."""
+    message = str(exc)
+    if isinstance(exc, WakeTimeoutError):
+        return _wake_timeout(route)
+    if isinstance(exc, NoCapacityError):
         return GatewayError(503, "no_capacity", message, "server_error", False)
-    if code == "model_stopped":
+    if isinstance(exc, ModelStoppedError):
         return GatewayError(503, "model_stopped", message, "server_error", False)
-    if code == "engine_failed":
+    if isinstance(exc, EngineFailedError):
         return GatewayError(502, "engine_failed", message, "server_error")
-    if code == "source_failed":  # weights missing or their download failed: no retry helps
+    if isinstance(exc, SourceError):  # weights missing or their download failed
         return GatewayError(502, "source_failed", message, "server_error", False)
     return GatewayError(503, "unavailable", message, "server_error")
 

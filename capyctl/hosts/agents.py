@@ -22,7 +22,7 @@ from django.utils import timezone
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.hosts.pki import pki
-from capyctl.ledger.models import LedgerEntry
+from capyctl.scheduler import transitions
 from hostagent import tls, wire
 from hostagent.errors import EngineCallError
 from hostagent.host import Launched
@@ -31,7 +31,6 @@ from hostagent.runtime import InstanceRequest
 from hostagent.sources import FetchStatus
 
 logger = logging.getLogger("capyctl.hosts")
-UNREACHABLE_NOTE = "its host does not answer"
 _clients: dict[tuple[str, str], tuple[str, httpx.Client]] = {}
 _clients_lock = threading.Lock()
 # Host name → pinned certificate fingerprint, for connections that the gateway makes to
@@ -111,9 +110,7 @@ def poll_hosts() -> None:
         if host.state == Host.State.UNREACHABLE:
             # It reports again: its entries count as held; reconcile then finds out which
             # engines are still there (and fails the ones that are gone).
-            LedgerEntry.objects.filter(
-                host=host, status=LedgerEntry.Status.UNCONFIRMED, note=UNREACHABLE_NOTE
-            ).update(status=LedgerEntry.Status.HELD, note="")
+            transitions.host_answers(host)
         if host.state != Host.State.ONLINE:
             gpus = ", ".join(g["name"] for g in inventory.get("gpus") or []) or "no GPUs"
             record_event("host.online", f"host {host.name} answers: {gpus}", subject=host.name,
@@ -126,11 +123,7 @@ def mark_unreachable(host: Host, reason: str) -> None:
     if host.state == Host.State.UNREACHABLE:
         return
     Host.objects.filter(pk=host.pk).update(state=Host.State.UNREACHABLE)
-    LedgerEntry.objects.filter(
-        host=host,
-        deployment__isnull=False,
-        status__in=[LedgerEntry.Status.HELD, LedgerEntry.Status.PROMISED],
-    ).update(status=LedgerEntry.Status.UNCONFIRMED, note=UNREACHABLE_NOTE)
+    transitions.host_unreachable(host)
     record_event("host.unreachable", reason, subject=host.name, host_id=host.pk,
                  level="warning")  # fmt: skip
 

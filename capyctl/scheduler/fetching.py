@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, ObservedState
 from capyctl.hosts.models import Host
+from capyctl.scheduler import transitions
 from capyctl.scheduler.drivers import driver_for
 from hostagent.sources import FetchStatus, classify
 from hostagent.units import format_size
@@ -53,8 +54,6 @@ def fetch_source(deployment: Deployment, host: Host, actor: str) -> str | None:
     person): the fetch itself goes on into the cache, where the next start finds it.
     Raises :class:`SourceFailedError` when the source is missing or the fetch failed.
     """
-    from capyctl.scheduler import operations
-
     kind = classify(deployment.source)
     if kind == "engine":
         return deployment.source  # a name the engine resolves: nothing to check or fetch
@@ -67,10 +66,7 @@ def fetch_source(deployment: Deployment, host: Host, actor: str) -> str | None:
     if remote:
         # Into `downloading` only from a settled state; a start that finds it downloading
         # already joins that fetch (the same job on the host) and waits with it.
-        operations._transition(
-            deployment.pk, [S.STOPPED, S.FAILED], S.DOWNLOADING, wanted=True, host=host,
-            state_reason=f"downloading {deployment.source}",
-        )  # fmt: skip
+        transitions.downloading(deployment, host)
     while True:
         if status.state != "running":
             break
@@ -88,7 +84,7 @@ def fetch_source(deployment: Deployment, host: Host, actor: str) -> str | None:
                 now_quarter = int(4 * status.done_bytes / status.total_bytes)
                 if 0 < now_quarter < 4 and now_quarter > quarter:
                     quarter = now_quarter
-                    operations.record(
+                    transitions.record(
                         deployment, "deployment.download_progress",
                         f"{deployment.name}: downloaded {describe(status)}", actor=actor,
                     )  # fmt: skip
@@ -104,7 +100,7 @@ def fetch_source(deployment: Deployment, host: Host, actor: str) -> str | None:
         if status.downloaded:
             announced = announced or _announce(deployment, host, status, actor)
             seconds = max(time.monotonic() - started, 0.001)
-            operations.record(
+            transitions.record(
                 deployment, "deployment.downloaded",
                 f"downloaded {deployment.source}: {format_size(status.done_bytes)} in "
                 f"{_duration(seconds)} ({format_size(int(status.done_bytes / seconds))}/s)",
@@ -116,12 +112,10 @@ def fetch_source(deployment: Deployment, host: Host, actor: str) -> str | None:
 
 def _announce(deployment: Deployment, host: Host, status: FetchStatus, actor: str) -> bool:
     """The ``downloading`` event, once a fetch turns out to need a download."""
-    from capyctl.scheduler import operations
-
     if not status.downloaded:
         return False
     size = f" ({format_size(status.total_bytes)})" if status.total_bytes else ""
-    operations.record(
+    transitions.record(
         deployment, "deployment.downloading",
         f"downloading {deployment.source} to {host.name}{size}", actor=actor,
     )  # fmt: skip

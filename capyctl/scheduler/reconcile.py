@@ -24,15 +24,13 @@ from capyctl.events.models import Event
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.ledger.pools import pool_usage
-from capyctl.ledger.services import host_lock, release, set_foreign, set_measured
-from capyctl.scheduler import operations
+from capyctl.scheduler import flights, inflight, operations, transitions
 from capyctl.scheduler.drivers import HostDriver, driver_for
 from hostagent.runtime import RELEASED_SHARE
 
 logger = logging.getLogger("capyctl.scheduler")
 S = ObservedState
-LIVE = [S.STARTING, S.READY, S.DRAINING, S.PARKING, S.PARKED, S.WAKING, S.STOPPING]
+LIVE = list(transitions.LIVE)
 
 
 def _end_orphan(instance: Instance) -> None:
@@ -61,30 +59,9 @@ def recover_local(host: Host, *, shutting_down: bool = False) -> int:
     for deployment in Deployment.objects.filter(host=host, observed_state__in=[*LIVE, S.FAILED]):
         for instance in deployment.instances.exclude(state=Instance.State.EXITED):
             _end_orphan(instance)
-            Instance.objects.filter(pk=instance.pk).update(
-                state=Instance.State.EXITED, ended_at=timezone.now()
-            )
-        previous = deployment.observed_state
-        with host_lock(host.pk) as locked:
-            release(locked, deployment.pk)
-        Deployment.objects.filter(pk=deployment.pk).update(
-            observed_state=S.STOPPED,
-            parked_mode="",
-            state_changed_at=timezone.now(),
-            state_reason=f"was {previous} when CapyCTL stopped; it starts again on demand",
-        )
-        if shutting_down:
-            operations.record(
-                deployment, "deployment.stopped", f"stopped {deployment.name}: CapyCTL stopped"
-            )
-        elif previous != S.FAILED:
-            operations.record(
-                deployment,
-                "deployment.recovered",
-                f"{deployment.name} was {previous} when CapyCTL last stopped; its engine was "
-                "ended and it starts again on its next request",
-            )
-        recovered += 1
+            transitions.instance_exited(instance.pk)
+        if transitions.recovered(deployment, host, shutting_down=shutting_down):
+            recovered += 1
     return recovered
 
 
@@ -127,7 +104,7 @@ def reconcile(host_id: int) -> None:
     )
     for deployment in deployments:
         stuck = _stuck_for(deployment, now)
-        if stuck is not None and operations.flight_free(deployment.pk):
+        if stuck is not None and flights.flight_free(deployment.pk):
             _repair_stuck(deployment, driver, stuck)
             continue
         instance = deployment.instances.exclude(state=Instance.State.EXITED).first()
@@ -147,13 +124,16 @@ def reconcile(host_id: int) -> None:
         if deployment.observed_state == S.PARKED:
             _confirm_release(deployment, driver, key, host)
         idle = deployment.setting("idle_park_seconds")
-        last = deployment.last_request_at or deployment.state_changed_at
+        # Idle since its last request ended, or since it became what it is (a wake).
+        last = max((t for t in (deployment.last_request_at, deployment.state_changed_at) if t),
+                   default=None)  # fmt: skip
         if (
             idle > 0
             and deployment.observed_state == S.READY
             and not deployment.pinned
             and last is not None
             and now - last >= timedelta(seconds=idle)
+            and inflight.count(deployment.pk) == 0  # it serves: not idle, however long
         ):
             try:
                 operations.park(deployment.pk, actor="system", reason=f"after {idle}s idle")
@@ -177,12 +157,7 @@ def _release_orphaned_downloads(host: Host, now: datetime) -> None:
             f"its download of {deployment.source} stopped being watched (the process that "
             "ran it ended); the next start fetches again"
         )
-        claimed = Deployment.objects.filter(pk=deployment.pk, observed_state=S.DOWNLOADING).update(
-            observed_state=S.FAILED, state_changed_at=now, state_reason=reason
-        )
-        if claimed:
-            message = f"{deployment.name} failed: {reason}"
-            operations.record(deployment, "deployment.failed", message, level=Event.Level.WARNING)
+        transitions.download_abandoned(deployment, reason)
 
 
 def _parse_time(value: object) -> datetime | None:
@@ -204,43 +179,25 @@ def _repair_stuck(deployment: Deployment, driver: HostDriver, stuck: float) -> N
     """A passing state held past its timeout with no operation running on it here."""
     if deployment.observed_state == S.DRAINING:
         # A switch gave up on it (or its worker died): it is still a working model.
-        if operations.transition_back_to_ready(deployment.pk):
+        if transitions.drain_abandoned(deployment):
             logger.info("%s was left draining for %.0fs; it is ready again", deployment.name, stuck)
         return
     # Claim it first, from exactly the state and moment this pass saw: if it moved on
     # meanwhile (the slow step finished, another pass repaired it), nothing is touched.
     # STOPPING keeps a new start from beginning until its memory is released.
     instance = deployment.instances.exclude(state=Instance.State.EXITED).first()
-    claimed = Deployment.objects.filter(
-        pk=deployment.pk,
-        observed_state=deployment.observed_state,
-        state_changed_at=deployment.state_changed_at,
-    ).update(observed_state=S.STOPPING, state_changed_at=timezone.now())
-    if not claimed:
+    if not transitions.stuck(deployment):
         return
     reason = f"it stayed {deployment.observed_state} for {stuck:.0f}s, past its timeout"
-    operations.fail(deployment, driver, instance, reason, "system")
-    Deployment.objects.filter(pk=deployment.pk, observed_state=S.STOPPING).update(
-        observed_state=S.FAILED,
-        state_changed_at=timezone.now(),
-        state_reason=reason[:2000],
-        parked_mode="",
-    )
+    if instance is not None:
+        driver.stop(operations.instance_key(instance), 2.0)
+        transitions.instance_exited(instance.pk)
+    transitions.failed(deployment, reason, expected=[S.STOPPING])
 
 
 def _update_foreign(host: Host, driver: HostDriver) -> None:
     """Count memory used by processes CapyCTL did not start, per pool, from the probe."""
-    figures = driver.foreign(bool((host.inventory or {}).get("unified")))
-    with host_lock(host.pk) as locked:
-        usage_now = {u.pool: u for u in pool_usage(locked)}
-        allowed = {}
-        for pool, foreign in figures.items():
-            if pool not in usage_now:
-                continue
-            current = usage_now[pool]
-            room = current.capacity_bytes - (current.used_bytes - current.foreign_bytes)
-            allowed[pool] = min(foreign, max(room, 0))
-        set_foreign(locked, allowed)
+    transitions.foreign_measured(host, driver.foreign(bool((host.inventory or {}).get("unified"))))
 
 
 def _end_orphans(host: Host, driver: HostDriver) -> None:
@@ -289,15 +246,4 @@ def _confirm_release(deployment: Deployment, driver: HostDriver, key: str, host:
         if now_held is None or now_held > entry.bytes * RELEASED_SHARE:
             return  # still not free: keep counting it
         figures[entry.pool] = now_held
-    with host_lock(host.pk) as locked:
-        set_measured(locked, deployment.pk, figures)
-        LedgerEntry.objects.filter(
-            deployment=deployment, status=LedgerEntry.Status.UNCONFIRMED
-        ).update(status=LedgerEntry.Status.HELD)
-    Deployment.objects.filter(pk=deployment.pk).update(state_reason="")
-    operations.record(
-        deployment,
-        "deployment.released",
-        f"the GPU probe now shows {deployment.name}'s parked memory released",
-        level=Event.Level.INFO,
-    )
+    transitions.release_confirmed(deployment, host, figures)

@@ -1,0 +1,553 @@
+"""Every change of a deployment's observed state and of the ledger: one function each.
+
+A transition makes its conditional update (``UPDATE … WHERE observed_state IN
+(expected)``), and, where memory moves, does it under the host lock together with the
+ledger change; then it records the event and tells whoever waits. It returns whether it
+won: a caller whose update matched nothing changed nothing, and decides again on the row as
+it is now. Two callers can never both make the same change.
+
+Nothing else writes ``observed_state``, an instance's state or a ledger entry
+(``tests/test_layout.py`` holds the code to that): :mod:`operations` decides what to do,
+:mod:`reconcile` finds out what is true, and both change state only through here.
+
+=================  ==========================================  ============================
+transition         from                                        ledger
+=================  ==========================================  ============================
+downloading        stopped, failed                             —
+starting           stopped, failed, downloading                promise (under the lock)
+ready              starting                                    measured figures, held
+draining           ready                                       —
+drain_abandoned    draining → ready                            —
+parking            draining                                    a RAM copy promised
+park_refused       parking → ready                             engine RAM measured again
+parked             parking                                     measured (or unconfirmed)
+waking             parked                                      promise (under the lock)
+woke               waking → ready                              measured figures, held
+stopping           any but stopped                             —
+stopped            stopping                                    released
+failed             the given states                            released
+stuck              (state, since) as read → stopping           —
+download_abandoned downloading → failed                        —
+recovered          any live state → stopped                    released
+release_confirmed  parked                                      unconfirmed → held
+=================  ==========================================  ============================
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from capyctl.deployments.models import Deployment, Instance, ObservedState
+from capyctl.events.models import Event
+from capyctl.events.services import record_event
+from capyctl.hosts.models import Host
+from capyctl.ledger.models import LedgerEntry
+from capyctl.ledger.services import (
+    InsufficientMemoryError,
+    admit,
+    host_lock,
+    mark_unconfirmed,
+    release,
+    set_foreign,
+    set_measured,
+)
+from capyctl.scheduler import inflight, notify
+from hostagent.units import format_size
+
+logger = logging.getLogger("capyctl.scheduler")
+S = ObservedState
+Status = LedgerEntry.Status
+
+# States a deployment passes through, and those it rests in while its engine lives.
+LIVE = (S.STARTING, S.READY, S.DRAINING, S.PARKING, S.PARKED, S.WAKING, S.STOPPING)
+UNREACHABLE_NOTE = "its host does not answer"
+
+
+def _move(
+    deployment_id: int,
+    expected: Iterable[str],
+    new: str,
+    *,
+    wanted: bool = False,
+    since: datetime | None = None,
+    **fields: object,
+) -> bool:
+    """The conditional update: ``new`` only from one of ``expected`` (with ``wanted``, only
+    while its desired state is running; with ``since``, only if it has not changed since)."""
+    rows = Deployment.objects.filter(pk=deployment_id, observed_state__in=list(expected))
+    if wanted:
+        rows = rows.filter(desired_state="running")
+    if since is not None:
+        rows = rows.filter(state_changed_at=since)
+    updated = rows.update(observed_state=new, state_changed_at=timezone.now(), **fields)
+    if updated == 1 and new == S.READY:
+        inflight.reopen(deployment_id)  # the drain gate, closed while it drained
+    return updated == 1
+
+
+def record(
+    deployment: Deployment,
+    kind: str,
+    message: str,
+    *,
+    level: str = Event.Level.INFO,
+    started: float | None = None,
+    actor: str = "system",
+    data: dict[str, object] | None = None,
+) -> None:
+    """The event of a transition (or of a decision about one)."""
+    duration = int((time.monotonic() - started) * 1000) if started is not None else None
+    record_event(
+        kind,
+        message,
+        subject=deployment.name,
+        level=level,
+        actor=actor,
+        deployment_id=deployment.pk,
+        host_id=deployment.host_id,
+        duration_ms=duration,
+        data=data,
+    )
+
+
+def _announce(deployment_id: int, **outcome: Any) -> None:
+    """Tell the requests waiting on the deployment in other processes (server mode: the
+    API's), once what was written is committed. Standalone's waiters await the operation
+    itself."""
+    if not settings.CELERY_TASK_ALWAYS_EAGER:
+        transaction.on_commit(lambda: notify.announce(deployment_id, **outcome))
+
+
+def _held(host: Host, deployment: Deployment, figures: Mapping[str, int], note: str) -> None:
+    """Measured figures as held (under the host lock); an overshoot past a pool's capacity
+    is reported."""
+    over = set_measured(host, deployment.pk, figures, note=note)
+    for pool, extra in over.items():
+        message = (
+            f"{deployment.name} uses {format_size(extra)} more in {pool} than the pool has room "
+            "for; the pool's reserve is absorbing it"
+        )
+        logger.warning(message)
+        record(deployment, "ledger.overshoot", message, level=Event.Level.WARNING)
+
+
+def entries(host: Host, deployment_id: int) -> dict[str, int]:
+    """The deployment's ledger entries on the host (pool -> bytes)."""
+    return dict(
+        LedgerEntry.objects.filter(host=host, deployment_id=deployment_id).values_list(
+            "pool", "bytes"
+        )
+    )
+
+
+# --- starting ----------------------------------------------------------------------------
+
+
+def downloading(deployment: Deployment, host: Host) -> bool:
+    """STOPPED/FAILED -> DOWNLOADING on ``host``, while it should run."""
+    return _move(
+        deployment.pk,
+        [S.STOPPED, S.FAILED],
+        S.DOWNLOADING,
+        wanted=True,
+        host=host,
+        state_reason=f"downloading {deployment.source}",
+    )
+
+
+def starting(
+    locked: Host,
+    deployment: Deployment,
+    figures: Mapping[str, int],
+    gpu_indices: list[int],
+    key: str,
+) -> Instance | None:
+    """STOPPED/FAILED/DOWNLOADING -> STARTING with ``figures`` promised and its instance
+    row made. Runs inside the :func:`host_lock` the placement was planned under, so the
+    plan and the promise see the same ledger; an InsufficientMemoryError rolls all of it
+    back. ``None``: another caller started or stopped it meanwhile."""
+    if not _move(
+        deployment.pk,
+        [S.STOPPED, S.FAILED, S.DOWNLOADING],
+        S.STARTING,
+        wanted=True,
+        host=locked,
+        state_reason="",
+    ):
+        return None
+    admit(locked, deployment.pk, figures, note="promised for a start")
+    return Instance.objects.create(
+        deployment=deployment, host=locked, launch_key="", gpu_indices=gpu_indices, log_path=key
+    )
+
+
+def launched(instance: Instance, *, pid: int, port: int, api_key: str, log_path: str) -> bool:
+    """The instance's engine is running; False: it was ended while it launched."""
+    return bool(
+        Instance.objects.filter(pk=instance.pk, state=Instance.State.LAUNCHING).update(
+            pid=pid, port=port, launch_key=api_key, state=Instance.State.RUNNING, log_path=log_path
+        )
+    )
+
+
+def instance_exited(instance_id: int) -> None:
+    Instance.objects.filter(pk=instance_id).exclude(state=Instance.State.EXITED).update(
+        state=Instance.State.EXITED, ended_at=timezone.now()
+    )
+
+
+def ready(
+    deployment: Deployment,
+    host: Host,
+    figures: Mapping[str, int],
+    pools: list[str],
+    *,
+    started: float,
+    actor: str,
+) -> bool:
+    """STARTING -> READY with the measured figures held."""
+    with host_lock(host.pk) as locked:
+        won = _move(
+            deployment.pk,
+            [S.STARTING],
+            S.READY,
+            measured_gpu_bytes=max((figures[p] for p in pools), default=None),
+        )
+        if won:
+            _held(locked, deployment, figures, "measured")
+            _announce(deployment.pk, ok=True)
+    if won:
+        record(
+            deployment,
+            "deployment.ready",
+            f"{deployment.name} is ready on {host.name} ({', '.join(pools) or 'CPU'})",
+            started=started,
+            actor=actor,
+        )
+    return won
+
+
+# --- draining and parking ----------------------------------------------------------------
+
+
+def draining(deployment_id: int) -> bool:
+    """READY -> DRAINING, and the gate closed: new requests wait for the next wake. False:
+    it was not ready (someone else drains, parks or stops it), and nothing was closed."""
+    if not _move(deployment_id, [S.READY], S.DRAINING):
+        return False
+    inflight.close(deployment_id)
+    return True
+
+
+def drain_abandoned(deployment: Deployment, message: str = "") -> bool:
+    """DRAINING -> READY (its gate open again): a drain that timed out or was left."""
+    won = _move(deployment.pk, [S.DRAINING], S.READY)
+    if won and message:
+        record(deployment, "deployment.drain_timeout", message, level=Event.Level.WARNING)
+    return won
+
+
+def parking(locked: Host, deployment: Deployment, copy_bytes: int | None) -> bool | None:
+    """DRAINING -> PARKING, under the host lock. ``copy_bytes``: a RAM park's weights copy,
+    promised in host RAM here; returns None when it no longer fits (park deep instead:
+    the state is PARKING all the same). False: it was no longer draining."""
+    if not _move(deployment.pk, [S.DRAINING], S.PARKING):
+        return False
+    if copy_bytes is None:
+        return True
+    mine = entries(locked, deployment.pk)
+    try:
+        # admit() checks every pool before writing, so a refusal changes nothing.
+        admit(
+            locked,
+            deployment.pk,
+            {"ram": mine.get("ram", 0) + copy_bytes},
+            note="promised for a copy",
+            held_now=mine,
+        )
+    except InsufficientMemoryError:
+        record(
+            deployment,
+            "deployment.park_mode",
+            f"parking {deployment.name} deep: its copy ({format_size(copy_bytes)}) no longer "
+            "fits in host RAM",
+        )
+        return None
+    return True
+
+
+def park_refused(deployment: Deployment, host: Host, engine_ram: int) -> bool:
+    """PARKING -> READY: the engine could not park; its RAM is what it held before."""
+    with host_lock(host.pk) as locked:
+        won = _move(deployment.pk, [S.PARKING], S.READY)
+        if won:
+            set_measured(locked, deployment.pk, {"ram": engine_ram}, note="measured")
+    return won
+
+
+def parked(
+    deployment: Deployment,
+    host: Host,
+    mode: str,
+    figures: Mapping[str, int] | None,
+    *,
+    reason: str,
+    started: float,
+    actor: str,
+    **remembered: Any,
+) -> bool:
+    """PARKING -> PARKED in ``mode``. ``figures``: what the probe measured it holding now;
+    None: the engine answered but its memory is not seen free, so what it held stays
+    counted, as unconfirmed (``reason`` says why)."""
+    with host_lock(host.pk) as locked:
+        won = _move(
+            deployment.pk,
+            [S.PARKING],
+            S.PARKED,
+            parked_mode=mode,
+            state_reason=reason,
+            **remembered,
+        )
+        if won and figures is None:
+            mark_unconfirmed(locked, deployment.pk, "park answered, memory not seen free")
+        elif won and figures is not None:
+            _held(locked, deployment, figures, f"parked {mode}")
+    if figures is None:
+        record(
+            deployment,
+            "deployment.parked",
+            f"{deployment.name} parked ({mode}) but its memory is not confirmed released: {reason}",
+            level=Event.Level.WARNING,
+            started=started,
+            actor=actor,
+        )
+    else:
+        record(
+            deployment,
+            "deployment.parked",
+            f"parked {deployment.name} ({mode})" + (f" {reason}" if reason else ""),
+            started=started,
+            actor=actor,
+            data={"mode": mode},
+        )
+    return won
+
+
+def release_confirmed(deployment: Deployment, host: Host, figures: Mapping[str, int]) -> bool:
+    """A parked deployment's unconfirmed memory, now seen free: its measured figures are
+    held again. False: it is no longer parked (a wake's promise is not touched)."""
+    with host_lock(host.pk) as locked:
+        if not Deployment.objects.filter(pk=deployment.pk, observed_state=S.PARKED).update(
+            state_reason=""
+        ):
+            return False
+        unconfirmed = LedgerEntry.objects.filter(
+            host=locked, deployment=deployment, status=Status.UNCONFIRMED
+        )
+        if not unconfirmed.exists():
+            return False
+        set_measured(locked, deployment.pk, figures)
+        unconfirmed.update(status=Status.HELD)
+    record(
+        deployment,
+        "deployment.released",
+        f"the GPU probe now shows {deployment.name}'s parked memory released",
+    )
+    return True
+
+
+# --- waking ------------------------------------------------------------------------------
+
+
+def waking(locked: Host, deployment: Deployment, claim: Mapping[str, int]) -> bool:
+    """PARKED -> WAKING with ``claim`` promised (its own entries, held or unconfirmed,
+    replaced by the promise). Runs inside the :func:`host_lock` that checked the claim fits;
+    an InsufficientMemoryError rolls it back. False: no longer parked, or no longer wanted."""
+    mine = entries(locked, deployment.pk)
+    if not _move(deployment.pk, [S.PARKED], S.WAKING, wanted=True):
+        return False
+    admit(locked, deployment.pk, claim, note="promised", held_now=mine)
+    return True
+
+
+def woke(
+    deployment: Deployment,
+    host: Host,
+    figures: Mapping[str, int],
+    mode: str,
+    *,
+    started: float,
+    actor: str,
+) -> bool:
+    """WAKING -> READY with the measured figures held."""
+    with host_lock(host.pk) as locked:
+        won = _move(deployment.pk, [S.WAKING], S.READY, parked_mode="", state_reason="")
+        if won:
+            _held(locked, deployment, figures, "measured")
+            _announce(deployment.pk, ok=True)
+    if won:
+        record(
+            deployment,
+            "deployment.woke",
+            f"woke {deployment.name} from {mode}",
+            started=started,
+            actor=actor,
+            data={"mode": mode},
+        )
+    return won
+
+
+# --- stopping and failing ----------------------------------------------------------------
+
+
+def stopping(deployment_id: int, current: str) -> bool:
+    """``current`` -> STOPPING (a new start waits until its memory is released)."""
+    return _move(deployment_id, [current], S.STOPPING)
+
+
+def stuck(deployment: Deployment) -> bool:
+    """-> STOPPING from exactly the state and moment a reconcile pass read: if it moved on
+    meanwhile (the slow step finished, another pass repaired it), nothing changes."""
+    return _move(
+        deployment.pk,
+        [deployment.observed_state],
+        S.STOPPING,
+        since=deployment.state_changed_at,
+    )
+
+
+def stopped(
+    deployment: Deployment,
+    *,
+    reason: str,
+    level: str = Event.Level.INFO,
+    started: float | None = None,
+    actor: str = "system",
+) -> bool:
+    """STOPPING -> STOPPED, its engine ended: its memory released."""
+    if deployment.host_id is not None:
+        with host_lock(deployment.host_id) as locked:
+            release(locked, deployment.pk)
+            won = _move(deployment.pk, [S.STOPPING], S.STOPPED, parked_mode="", state_reason=reason)
+    else:
+        won = _move(deployment.pk, [S.STOPPING], S.STOPPED, parked_mode="", state_reason=reason)
+    message = (
+        reason
+        if reason.startswith(f"stopped {deployment.name}")
+        else f"stopped {deployment.name}: {reason}"
+    )
+    record(deployment, "deployment.stopped", message, level=level, started=started, actor=actor)
+    return won
+
+
+def failed(
+    deployment: Deployment,
+    reason: str,
+    *,
+    actor: str = "system",
+    expected: Iterable[str] | None = None,
+    level: str = Event.Level.ERROR,
+    code: str = "engine_failed",
+) -> bool:
+    """-> FAILED with the reason, from ``expected`` (default: any state but failed, stopped
+    or stopping). Its engine is gone (the caller ended it, or none ran), so whatever it held
+    is released, whether or not this call won the state."""
+    states = (
+        list(expected)
+        if expected is not None
+        else [s for s in S.values if s not in (S.FAILED, S.STOPPED, S.STOPPING)]
+    )
+    if deployment.host_id is not None:
+        with host_lock(deployment.host_id) as locked:
+            release(locked, deployment.pk)
+            won = _move(deployment.pk, states, S.FAILED, state_reason=reason[:2000], parked_mode="")
+            if won:
+                message = f"{deployment.name}: {reason}"
+                _announce(deployment.pk, ok=False, code=code, message=message)
+    else:
+        won = _move(deployment.pk, states, S.FAILED, state_reason=reason[:2000], parked_mode="")
+    if won:
+        record(deployment, "deployment.failed", f"{deployment.name} failed: {reason}",
+               level=level, actor=actor)  # fmt: skip
+    return won
+
+
+def download_abandoned(deployment: Deployment, reason: str) -> bool:
+    """DOWNLOADING -> FAILED: the process that watched the download ended."""
+    return failed(
+        deployment, reason, expected=[S.DOWNLOADING], level=Event.Level.WARNING, code="unavailable"
+    )
+
+
+def recovered(deployment: Deployment, host: Host, *, shutting_down: bool) -> bool:
+    """Any live (or failed) state -> STOPPED: its engine, of a run that ended (or of this
+    one, at shutdown), was ended; its memory is released."""
+    previous = deployment.observed_state
+    with host_lock(host.pk) as locked:
+        release(locked, deployment.pk)
+        won = _move(
+            deployment.pk,
+            [previous],
+            S.STOPPED,
+            parked_mode="",
+            state_reason=f"was {previous} when CapyCTL stopped; it starts again on demand",
+        )
+    if not won:
+        return False
+    if shutting_down:
+        record(deployment, "deployment.stopped", f"stopped {deployment.name}: CapyCTL stopped")
+    elif previous != S.FAILED:
+        record(
+            deployment,
+            "deployment.recovered",
+            f"{deployment.name} was {previous} when CapyCTL last stopped; its engine was "
+            "ended and it starts again on its next request",
+        )
+    return True
+
+
+# --- the host as a whole -----------------------------------------------------------------
+
+
+def foreign_measured(host: Host, figures: Mapping[str, int]) -> None:
+    """Memory used by processes CapyCTL did not start, per pool, as the probe reads it; a
+    figure never takes a pool past what CapyCTL's own entries leave."""
+    from capyctl.ledger.pools import pool_usage
+
+    with host_lock(host.pk) as locked:
+        usage_now = {u.pool: u for u in pool_usage(locked)}
+        allowed = {}
+        for pool, foreign in figures.items():
+            if pool not in usage_now:
+                continue
+            current = usage_now[pool]
+            room = current.capacity_bytes - (current.used_bytes - current.foreign_bytes)
+            allowed[pool] = min(foreign, max(room, 0))
+        set_foreign(locked, allowed)
+
+
+def host_unreachable(host: Host) -> None:
+    """What the host's models hold stays counted, as memory nobody can confirm now."""
+    with host_lock(host.pk) as locked:
+        LedgerEntry.objects.filter(
+            host=locked,
+            deployment__isnull=False,
+            status__in=[Status.HELD, Status.PROMISED],
+        ).update(status=Status.UNCONFIRMED, note=UNREACHABLE_NOTE)
+
+
+def host_answers(host: Host) -> None:
+    """The host reports again: what was unconfirmed for that reason counts as held;
+    reconcile then finds out which engines are still there."""
+    with host_lock(host.pk) as locked:
+        LedgerEntry.objects.filter(
+            host=locked, status=Status.UNCONFIRMED, note=UNREACHABLE_NOTE
+        ).update(status=Status.HELD, note="")

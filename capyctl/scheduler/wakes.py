@@ -1,0 +1,117 @@
+"""The one thing the gateway awaits: ``await wakes.ready(deployment_id, timeout)``.
+
+How a wake runs is decided here, not by the caller. Standalone runs the scheduler's
+:func:`~capyctl.scheduler.operations.ensure_ready` in this process, on a pool of threads of
+its own: slow starts never take the threads that the gateway's route and key lookups run
+on, so a ready model answers while others start. Server mode sends the wake to a Celery
+worker and waits for its outcome on the channel layer, reading the database every half
+second too, so a lost message (a success or a failure) costs half a second, not the wake
+timeout.
+
+Failures are raised as the scheduler's typed errors (:mod:`capyctl.scheduler.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+
+from capyctl.scheduler.errors import SchedulerError, WakeTimeoutError, error_for
+
+# Starts and wakes wait on engines for minutes; each holds one of these threads meanwhile.
+CONTROL_THREADS = 64
+_pool: ThreadPoolExecutor | None = None
+
+
+def _control_pool() -> ThreadPoolExecutor:
+    global _pool  # noqa: PLW0603 - one pool a process, made on first use
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=CONTROL_THREADS, thread_name_prefix="capyctl-wake")
+    return _pool
+
+
+def _closing(function: Any, *args: Any) -> Any:
+    try:
+        return function(*args)
+    finally:
+        connection.close()  # these threads come and go; no connection outlives the call
+
+
+async def run(function: Any, *args: Any) -> Any:
+    """Run a blocking scheduler call on the control plane's own threads."""
+    return await asyncio.get_running_loop().run_in_executor(
+        _control_pool(), _closing, function, *args
+    )
+
+
+async def ready(deployment_id: int, timeout: float) -> None:
+    """Return once the deployment is ready (started or woken as needed); raise a
+    SchedulerError subclass when it cannot be, WakeTimeoutError past ``timeout``."""
+    from capyctl.scheduler import operations
+
+    if settings.CELERY_TASK_ALWAYS_EAGER:  # here, on the control plane's threads
+        await run(operations.ensure_ready, deployment_id, "system", timeout)
+        return
+    await _on_worker(deployment_id, timeout)
+
+
+def _state(deployment_id: int) -> tuple[str, str] | None:
+    from capyctl.deployments.models import Deployment
+
+    row = (
+        Deployment.objects.filter(pk=deployment_id)
+        .values_list("observed_state", "state_reason")
+        .first()
+    )
+    return (row[0], row[1]) if row else None
+
+
+async def _on_worker(deployment_id: int, timeout: float) -> None:
+    from channels.layers import get_channel_layer
+
+    from capyctl.scheduler import notify, tasks
+
+    layer = get_channel_layer()
+    channel = await layer.new_channel()
+    group = notify.group(deployment_id)
+    await layer.group_add(group, channel)
+    deadline = time.monotonic() + timeout
+    sent_at = time.time()
+    try:
+        await run(tasks.ensure_ready.delay, deployment_id)
+        while time.monotonic() < deadline:  # past it, the next request sends a new wake
+            try:
+                outcome = await asyncio.wait_for(layer.receive(channel), timeout=0.5)
+            except TimeoutError:
+                now = await run(_state, deployment_id)
+                if now is None:
+                    raise SchedulerError("the model no longer exists") from None
+                if now[0] == "ready":
+                    return
+                if now[0] == "failed" and await run(_failed_since, deployment_id, sent_at):
+                    raise error_for("engine_failed", now[1]) from None
+                continue
+            if outcome.get("ok"):
+                return
+            raise error_for(str(outcome.get("code")), str(outcome.get("message")))
+        raise WakeTimeoutError(f"not ready within {timeout:g}s")
+    finally:
+        await layer.group_discard(group, channel)
+
+
+def _failed_since(deployment_id: int, since: float) -> bool:
+    """Whether its failure came after the wake was sent (not an earlier one, which the
+    wake is about to retry)."""
+    from capyctl.deployments.models import Deployment
+
+    changed = (
+        Deployment.objects.filter(pk=deployment_id)
+        .values_list("state_changed_at", flat=True)
+        .first()
+    )
+    return changed is not None and changed.timestamp() >= since

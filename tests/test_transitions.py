@@ -1,0 +1,156 @@
+"""The switching core under interleavings: each state change is made on the row it just won.
+
+A race is replayed deterministically at the database boundary: a hook on the connection
+runs another writer's statement at the exact point between a decision's read and its write
+(what another process could commit there), so each test shows the outcome of that
+interleaving, on SQLite and on PostgreSQL.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import pytest
+from django.db import connection
+
+from capyctl.deployments.models import Deployment
+from capyctl.deployments.services import get_deployment, spec_of, update_deployment
+from capyctl.hosts.models import Host
+from capyctl.ledger.models import LedgerEntry
+from capyctl.scheduler import inflight, operations, reconcile
+from tests.scheduling import GIB, deployment, entries, state, vllm_engine
+
+TABLE = Deployment._meta.db_table
+
+
+@contextlib.contextmanager
+def between(
+    when: Callable[[str, object], bool], meanwhile: Callable[[], None], *, after: bool = False
+) -> Iterator[list[str]]:
+    """Run ``meanwhile`` once, just before (or just after) the first statement on this
+    connection that ``when(sql, params)`` picks. Yields the statements that fired it."""
+    fired: list[str] = []
+
+    def hook(execute, sql, params, many, context):
+        if fired or not when(sql, params):
+            return execute(sql, params, many, context)
+        fired.append(sql)
+        if not after:
+            meanwhile()
+        result = execute(sql, params, many, context)
+        if after:
+            meanwhile()
+        return result
+
+    with connection.execute_wrapper(hook):
+        yield fired
+    assert fired, "the interleaving never happened: the statement it waits for did not run"
+
+
+def _sets_state(sql: str, params: object, new: str) -> bool:
+    return (
+        sql.lstrip().upper().startswith("UPDATE")
+        and TABLE in sql
+        and "observed_state" in sql
+        and new in (params or ())  # type: ignore[operator]
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_changing_settings_keeps_a_state_the_scheduler_wrote_meanwhile(gpu24):
+    """Finding 7: update_deployment read the row before locking it and saved every field,
+    so a start committed in between went back to ``stopped`` (its promise and instance row
+    left behind)."""
+    vllm_engine()
+    a = deployment("a")
+    spec = spec_of(get_deployment("a"))
+    spec.idle_park_seconds = 600
+
+    def read_the_row(sql: str, params: object) -> bool:
+        return sql.lstrip().upper().startswith("SELECT") and TABLE in sql
+
+    def scheduler_starts_it() -> None:
+        Deployment.objects.filter(pk=a.pk).update(observed_state="starting")
+
+    with between(read_the_row, scheduler_starts_it, after=True):
+        update_deployment("a", spec)
+    saved = Deployment.objects.get(pk=a.pk)
+    assert saved.observed_state == "starting"
+    assert saved.idle_park_seconds == 600
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_wake_that_lost_its_transition_promises_nothing(gpu24):
+    """Finding 5: the wake's admission checked ``parked, running`` under the host lock,
+    then ignored whether its parked -> waking update won; a stop that set ``desired``
+    meanwhile left a parked model with the full claim promised (and its engine woken)."""
+    vllm_engine()
+    a, b = deployment("a"), deployment("b")
+    operations.ensure_ready(a.pk)
+    operations.ensure_ready(b.pk)
+    operations.stop(b.pk)  # a's wake needs no room made
+    assert state("a") == ("parked", "ram")
+    before = entries("a")
+
+    def stopped_meanwhile() -> None:
+        Deployment.objects.filter(pk=a.pk).update(desired_state="stopped")
+
+    with (
+        between(lambda sql, params: _sets_state(sql, params, "waking"), stopped_meanwhile),
+        pytest.raises(operations.ModelStoppedError),
+    ):
+        operations.ensure_ready(a.pk)
+    assert state("a") == ("parked", "ram")
+    assert entries("a") == before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_park_whose_drain_lost_closes_no_gate_and_says_so(gpu24):
+    """Finding 5: a drain closed the request gate even when its ready -> draining update
+    lost, and the park then reported success though nothing was parked: a model left with
+    its gate closed turns every request away."""
+    vllm_engine()
+    a = deployment("a")
+    operations.ensure_ready(a.pk)
+
+    def stopping_elsewhere() -> None:
+        Deployment.objects.filter(pk=a.pk).update(observed_state="stopping")
+
+    with (
+        between(lambda sql, params: _sets_state(sql, params, "draining"), stopping_elsewhere),
+        pytest.raises(operations.SchedulerError, match="is stopping; only a ready model"),
+    ):
+        operations.park(a.pk)
+    assert state("a") == ("stopping", "")
+    assert inflight.begin(a.pk), "the gate was closed by a drain that never happened"
+    inflight.end(a.pk)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_reconcile_does_not_overwrite_a_wake_promised_meanwhile(gpu24, monkeypatch):
+    """Finding 2: reconcile decided a model was parked from the list read at the start of
+    its pass, read the probe, then replaced its entries with the small parked figures; a
+    wake admitted in between (parked -> waking, the whole claim promised) lost its promise,
+    and the ledger under-counted the GPU."""
+    vllm_engine()
+    a, b = deployment("a"), deployment("b")
+    operations.ensure_ready(a.pk)
+    operations.ensure_ready(b.pk)
+    operations.stop(b.pk)
+    assert state("a") == ("parked", "ram")
+    # The park answered but its memory was not seen free: the whole claim stays counted.
+    LedgerEntry.objects.filter(deployment=a, pool="gpu0").update(
+        status=LedgerEntry.Status.UNCONFIRMED, bytes=16 * GIB
+    )
+    probe_usage = gpu24.usage
+
+    def usage_then_a_wake_is_admitted(instance_id):
+        seen = probe_usage(instance_id)
+        Deployment.objects.filter(pk=a.pk).update(observed_state="waking")
+        LedgerEntry.objects.filter(deployment=a, pool="gpu0").update(
+            status=LedgerEntry.Status.PROMISED, bytes=16 * GIB
+        )
+        return seen
+
+    monkeypatch.setattr(gpu24, "usage", usage_then_a_wake_is_admitted)
+    reconcile.reconcile(Host.objects.get().pk)
+    assert entries("a")["gpu0"] == ("promised", 16 * GIB)
