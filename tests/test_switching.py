@@ -464,3 +464,35 @@ async def test_starts_in_flight_leave_a_ready_model_answering(
             gate.touch()  # the loads finish, and their threads with them
             answers = await asyncio.gather(*starts)
     assert [a.status_code for a in answers] == [200] * len(starting), [a.text for a in answers]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_wake_promises_what_its_engine_was_launched_with(gpu24):
+    """A parked model's claim lowered from 16 to 8 GiB: its sleeping engine still wakes to
+    the 16 GiB it was started with, so the wake must promise 16 (making room for it), not
+    8 (the ledger under-counted, and the probe's figure overshot the pool)."""
+    from capyctl.deployments.services import get_deployment, spec_of, update_deployment
+
+    vllm_engine()
+    a, b = deployment("a"), deployment("b", gib=10)
+    operations.ensure_ready(a.pk)
+    operations.ensure_ready(b.pk)
+    assert state("a") == ("parked", "ram")
+    spec = spec_of(get_deployment("a"))
+    spec.gpu_memory_bytes = 8 * GIB
+    update_deployment("a", spec)
+    changed = Event.objects.filter(kind="deployment.changed", subject="a").latest("pk")
+    assert changed.message == (
+        "deployment a changed: gpu_memory_bytes; its engine keeps what it was started with "
+        "until its next start"
+    )
+    operations.ensure_ready(a.pk)
+    assert state("a") == ("ready", "")
+    assert state("b") == ("parked", "ram")  # 16 + 10 GiB do not fit in 24
+    assert (
+        list(Event.objects.filter(kind="ledger.overshoot").values_list("message", flat=True)) == []
+    )
+    assert gpu_ledger_matches_probe(gpu24)
+    operations.stop(a.pk)
+    operations.start(a.pk)  # a new start takes the new claim
+    assert abs(entries("a")["gpu0"][1] - 8 * GIB) < 16 * MIB

@@ -180,6 +180,12 @@ class Instance(models.Model):
     pid = models.PositiveIntegerField(null=True, blank=True)
     port = models.PositiveIntegerField(null=True, blank=True)
     launch_key = models.CharField(max_length=128)
+    key = models.CharField(
+        max_length=100, blank=True, help_text="the host's name for this engine process"
+    )
+    claim_bytes = models.BigIntegerField(
+        null=True, blank=True, help_text="GPU memory per GPU it was launched to use"
+    )
     gpu_indices = models.JSONField(default=list, blank=True)
     log_path = models.CharField(max_length=1024, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)

@@ -213,6 +213,10 @@ SETTING_FIELDS = (
     "priority",
     "pinned",
 )
+# What an engine is launched with: a change reaches a running engine at its next start.
+_LAUNCH_FIELDS = frozenset(
+    {"source", "engine_args", "gpu_memory_bytes", "gpu_memory_fraction", "weights_bytes", "gpus"}
+)
 _SPEC_FIELDS = (
     "source",
     "engine_args",
@@ -307,9 +311,13 @@ def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> De
         )
     if moved:
         changed.append("name/engine/host")
+    message = f"deployment {spec.name} changed: {', '.join(changed) or 'nothing'}"
+    running = deployment.observed_state not in (ObservedState.STOPPED, ObservedState.FAILED)
+    if running and _LAUNCH_FIELDS.intersection(changed):
+        message += "; its engine keeps what it was started with until its next start"
     record_event(
         "deployment.changed",
-        f"deployment {spec.name} changed: {', '.join(changed) or 'nothing'}",
+        message,
         subject=spec.name,
         actor=actor,
         deployment_id=deployment.pk,

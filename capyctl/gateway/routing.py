@@ -13,7 +13,6 @@ from django.db.models import Q
 from capyctl.deployments.models import Deployment, Instance
 from capyctl.gateway.cache import WarmCache
 from capyctl.hosts.agents import AGENT_PINS
-from capyctl.scheduler.operations import instance_key
 
 SOFT_TTL_SECONDS = 0.25  # names in use are re-read this often, in the background
 TTL_SECONDS = 1.0  # never used older than this
@@ -46,7 +45,7 @@ def _fetch_many(names: list[str]) -> dict[str, Route]:
         i.deployment_id: i
         for i in Instance.objects.filter(
             deployment__in=deployments, state=Instance.State.RUNNING
-        ).only("deployment_id", "port", "launch_key", "log_path")
+        ).only("deployment_id", "port", "launch_key", "key")
     }
     wanted = set(names)
     routes: dict[str, Route] = {}
@@ -59,7 +58,7 @@ def _fetch_many(names: list[str]) -> dict[str, Route]:
             AGENT_PINS[host.name] = host.cert_fingerprint  # checked at each TLS handshake
         if instance is not None and instance.port:
             base_url = (
-                f"https://{host.address}/relay/{instance_key(instance)}"
+                f"https://{host.address}/relay/{instance.key}"
                 if remote and host is not None
                 else f"http://127.0.0.1:{instance.port}"
             )

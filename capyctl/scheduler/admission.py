@@ -64,7 +64,14 @@ def admit_start(
         ram = snapshots.ram_pool(locked)
         figures[ram] = figures.get(ram, 0) + need.host_ram_bytes
         try:
-            instance = transitions.starting(locked, deployment, figures, result.gpu_indices, key)
+            instance = transitions.starting(
+                locked,
+                deployment,
+                figures,
+                result.gpu_indices,
+                key=key,
+                claim_bytes=need.claim_per_gpu_bytes,
+            )
         except InsufficientMemoryError as exc:
             raise NoCapacityError(f"{deployment.name}: {exc}") from exc
         if instance is None:

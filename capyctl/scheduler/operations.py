@@ -58,7 +58,7 @@ def _live_instance(deployment: Deployment) -> Instance | None:
     return (
         Instance.objects.filter(deployment_id=deployment.pk)
         .exclude(state=Instance.State.EXITED)
-        .only("pk", "pid", "port", "gpu_indices", "log_path", "state")
+        .only("pk", "pid", "port", "gpu_indices", "key", "claim_bytes", "state")
         .first()
     )
 
@@ -218,7 +218,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
     if placed is None:
         return _load(deployment.pk)
     host, placement, instance = placed.host, placed.placement, placed.instance
-    instance_id = instance.log_path
+    instance_id = instance.key
     deployment = _load(deployment.pk)
     record(
         deployment, "deployment.starting", f"starting {deployment.name} on {host.name}", actor=actor
@@ -280,8 +280,8 @@ def fail(
 
 
 def instance_key(instance: Instance) -> str:
-    """The runtime's name for an instance (the stem of its log file)."""
-    return instance.log_path.rsplit("/", 1)[-1].removesuffix(".log")
+    """The host's name for an instance's engine process."""
+    return instance.key
 
 
 def park(
@@ -376,7 +376,11 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
         return _start(deployment, actor)
     started = time.monotonic()
     pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
-    claim = estimates.claim_per_gpu(deployment, snapshots.device_total(host))
+    # What its engine was launched with, not today's setting: a sleeping engine wakes to
+    # the memory it was started to use (a changed claim applies from its next start).
+    claim = instance.claim_bytes
+    if claim is None:
+        claim = estimates.claim_per_gpu(deployment, snapshots.device_total(host))
     for _round in range(MAX_SWITCH_ROUNDS):
         victims = admission.admit_wake(deployment, host, pools, claim)
         if victims is None:

@@ -168,7 +168,9 @@ def starting(
     deployment: Deployment,
     figures: Mapping[str, int],
     gpu_indices: list[int],
+    *,
     key: str,
+    claim_bytes: int,
 ) -> Instance | None:
     """STOPPED/FAILED/DOWNLOADING -> STARTING with ``figures`` promised and its instance
     row made. Runs inside the :func:`host_lock` the placement was planned under, so the
@@ -185,7 +187,12 @@ def starting(
         return None
     admit(locked, deployment.pk, figures, note="promised for a start")
     return Instance.objects.create(
-        deployment=deployment, host=locked, launch_key="", gpu_indices=gpu_indices, log_path=key
+        deployment=deployment,
+        host=locked,
+        launch_key="",
+        key=key,
+        claim_bytes=claim_bytes,
+        gpu_indices=gpu_indices,
     )
 
 
