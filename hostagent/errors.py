@@ -46,3 +46,8 @@ class MemoryNotReleasedError(EngineError):
     def __init__(self, message: str, still_held: dict[int, int | None]) -> None:
         super().__init__(message)
         self.still_held = still_held
+
+
+class EngineStuckError(EngineError):
+    """The engine's process did not end after SIGKILL (stuck in the kernel or a GPU
+    driver): what it holds cannot be confirmed released."""

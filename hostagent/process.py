@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from hostagent.errors import EngineExitedError, StartTimeoutError
+from hostagent.errors import EngineExitedError, EngineStuckError, StartTimeoutError
 
 logger = logging.getLogger("hostagent.process")
 
@@ -277,6 +277,10 @@ def exposed_listeners(pid: int, port: int) -> list[str]:
     return sorted(set(found))
 
 
+# A process that outlives SIGKILL by this much is stuck in the kernel (a GPU driver call).
+KILL_WAIT_SECONDS = 30.0
+
+
 def stop_process(process: EngineProcess, *, grace_seconds: float = 10.0) -> int:
     """SIGTERM the process group, SIGKILL it after ``grace_seconds``; return the exit code."""
     try:
@@ -292,7 +296,14 @@ def stop_process(process: EngineProcess, *, grace_seconds: float = 10.0) -> int:
                 "engine pid %s ignored SIGTERM for %.0fs: killing it", process.pid, grace_seconds
             )
             _signal_group(process.pid, signal.SIGKILL)
-            process.wait(timeout=None)
+            try:
+                process.wait(timeout=KILL_WAIT_SECONDS)
+            except subprocess.TimeoutExpired:
+                raise EngineStuckError(
+                    f"engine pid {process.pid} did not end {KILL_WAIT_SECONDS:.0f}s after "
+                    "SIGKILL (stuck in the kernel or the GPU driver?); its memory stays "
+                    "counted"
+                ) from None
     # Children that outlived the leader in its group go too, and are waited for: they may
     # hold the GPU memory (vLLM's engine core, tensor-parallel workers).
     _signal_group(process.pid, signal.SIGKILL)

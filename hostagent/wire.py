@@ -59,8 +59,12 @@ def error_from_json(data: dict[str, Any]) -> errors.EngineError:
     if kind == "MemoryNotReleasedError":
         held = {int(k): v for k, v in (data.get("still_held") or {}).items()}
         return errors.MemoryNotReleasedError(message, held)
-    if kind == "CannotParkError":
-        return errors.CannotParkError(message)
+    plain: dict[str, type[errors.EngineError]] = {
+        "CannotParkError": errors.CannotParkError,
+        "EngineStuckError": errors.EngineStuckError,
+    }
+    if kind in plain:
+        return plain[kind](message)
     if kind == "EngineCallError":
         return errors.EngineCallError(message, data.get("status"))
     return errors.EngineError(message)

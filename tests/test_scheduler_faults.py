@@ -302,3 +302,58 @@ def test_a_reconcile_lease_outlives_a_long_pass_but_not_a_killed_worker(
     time.sleep(1.2)
     tasks.reconcile_host(host_id)
     assert len(passes) == 2
+
+
+def test_a_process_that_outlives_sigkill_is_reported_within_a_bound(monkeypatch, tmp_path):
+    """A process stuck in the kernel (a GPU driver call) survives SIGKILL: the wait for it
+    once had no bound, so the stop, and the model's lock, never ended."""
+    from hostagent import process as processes
+    from hostagent.errors import EngineStuckError
+
+    script = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    engine = processes.start_process(
+        [sys.executable, "-c", script], env=dict(os.environ), log_path=tmp_path / "stuck.log"
+    )
+
+    def never_ends(timeout: float | None) -> None:  # what waiting on a D-state process does
+        raise subprocess.TimeoutExpired(str(engine.pid), timeout or 0)
+
+    monkeypatch.setattr(processes, "KILL_WAIT_SECONDS", 0.5, raising=False)
+    monkeypatch.setattr(engine, "wait", never_ends)
+    started = time.monotonic()
+    with pytest.raises(EngineStuckError, match=r"did not end .* after SIGKILL"):
+        processes.stop_process(engine, grace_seconds=0.2)
+    assert time.monotonic() - started < 30
+    monkeypatch.undo()
+    engine.wait(timeout=10)  # SIGKILL did end this one: the test's own process is gone
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_whose_engine_will_not_die_fails_the_model_and_keeps_its_memory(gpu24, monkeypatch):
+    """The stop's kill did not end the engine: the model is failed with the reason, what
+    it held stays counted (unconfirmed), and its lock is free for the next operation."""
+    from capyctl.scheduler import flights
+    from hostagent.errors import EngineStuckError
+
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    a = deployment("a")
+    operations.ensure_ready(a.pk)
+    held = entries("a")
+
+    def stuck(instance_id: str, grace_seconds: float) -> int:
+        raise EngineStuckError(f"engine pid 4242 did not end 30s after SIGKILL ({instance_id})")
+
+    monkeypatch.setattr(gpu24, "stop", stuck)
+    with pytest.raises(operations.EngineFailedError, match="did not end 30s after SIGKILL"):
+        operations.stop(a.pk)
+    deployment_now = Deployment.objects.get(pk=a.pk)
+    assert deployment_now.observed_state == "failed"
+    assert "did not end 30s after SIGKILL" in deployment_now.state_reason
+    assert {pool: status for pool, (status, _) in entries("a").items()} == dict.fromkeys(
+        held, "unconfirmed"
+    )
+    assert {pool: size for pool, (_, size) in entries("a").items()} == {
+        pool: size for pool, (_, size) in held.items()
+    }
+    assert flights.flight_free(a.pk)
+    monkeypatch.undo()  # the simulated engine is ended at teardown after all

@@ -1,2 +1,34 @@
-"""The scheduler: placement and eviction policy, ledger admission and the operations
-(start, park, wake, stop, switch, reconcile) that alone change observed state."""
+"""The scheduler: who holds GPU memory, and every change of a deployment's state.
+
+Who may write what (``tests/test_layout.py`` holds the code to it):
+
+==============  =========================================================================
+module          role
+==============  =========================================================================
+transitions     THE writer: a deployment's observed state, its instance rows' state and
+                every ledger entry change only here, one function per state change
+                (conditional update, ledger change, event, notification together).
+operations      the verbs: ensure ready, start, wake, park, stop, evict. They decide
+                and call transitions; they write nothing themselves.
+admission       whether a start or wake fits, planned and promised under the host lock.
+policy          placement and eviction, a pure function of plain data.
+snapshots       the host as policy sees it (reads only); estimates: figures before
+                they are measured.
+reconcile       finds out what is true (dead engines, stuck states, memory seen
+                free, idle models) and corrects it through transitions.
+wakes           the one entry point the gateway awaits (``await wakes.ready(...)``):
+                in this process on threads of its own, or on a Celery worker.
+flights         one lock per deployment in a process; errors: typed failures.
+inflight        requests in flight per deployment, and the drain gate.
+actions,        people's intents (start, stop, park, wake) saved as Operation rows,
+executor,       carried out by the process that owns the engines (standalone), or as
+tasks           Celery tasks (server mode).
+fetching        a deployment's source fetched on its host before a start.
+drivers, notify how hosts are reached; how waiters in other processes are told.
+==============  =========================================================================
+
+A wake, read top to bottom: ``wakes.ready`` → ``operations.ensure_ready`` →
+``operations._wake`` → ``admission.admit_wake`` (``transitions.waking``: PARKED → WAKING,
+the claim it was launched with promised) → the engine's wake call →
+``transitions.woke`` (READY, the measured figures held).
+"""

@@ -37,7 +37,12 @@ from capyctl.scheduler.fetching import SourceFailedError, fetch_source
 from capyctl.scheduler.flights import flight_free
 from capyctl.scheduler.policy import DEEP, RAM, STOP, Victim, park_mode
 from capyctl.scheduler.transitions import record
-from hostagent.errors import CannotParkError, EngineError, MemoryNotReleasedError
+from hostagent.errors import (
+    CannotParkError,
+    EngineError,
+    EngineStuckError,
+    MemoryNotReleasedError,
+)
 from hostagent.runtime import InstanceRequest
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -272,9 +277,14 @@ def fail(
     reason: str,
     actor: str,
 ) -> None:
-    """End the engine, then mark it failed: its memory is released with the process gone."""
+    """End the engine, then mark it failed: its memory is released with the process gone
+    (or, if the process outlived SIGKILL, kept counted)."""
     if instance is not None:
-        driver.stop(instance_key(instance), 2.0)
+        try:
+            driver.stop(instance_key(instance), 2.0)
+        except EngineStuckError as exc:
+            transitions.failed(deployment, f"{reason}; {exc}", actor=actor, engine_gone=False)
+            return
         transitions.instance_exited(instance.pk)
     transitions.failed(deployment, reason, actor=actor)
 
@@ -438,7 +448,13 @@ def _stop(
         deployment = _load(deployment.pk)
         instance = _live_instance(deployment)
         if instance is not None and deployment.host is not None:
-            driver_for(deployment.host).stop(instance_key(instance), STOP_GRACE_SECONDS)
+            try:
+                driver_for(deployment.host).stop(instance_key(instance), STOP_GRACE_SECONDS)
+            except EngineStuckError as exc:
+                transitions.failed(
+                    deployment, str(exc), actor=actor, expected=[S.STOPPING], engine_gone=False
+                )
+                raise EngineFailedError(f"{deployment.name}: {exc}") from exc
             transitions.instance_exited(instance.pk)
         transitions.stopped(deployment, reason=reason, level=level, started=started, actor=actor)
         return _load(deployment.pk)

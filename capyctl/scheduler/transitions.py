@@ -50,6 +50,7 @@ from capyctl.events.models import Event
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
+from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import (
     InsufficientMemoryError,
     admit,
@@ -463,10 +464,12 @@ def failed(
     expected: Iterable[str] | None = None,
     level: str = Event.Level.ERROR,
     code: str = "engine_failed",
+    engine_gone: bool = True,
 ) -> bool:
     """-> FAILED with the reason, from ``expected`` (default: any state but failed, stopped
     or stopping). Its engine is gone (the caller ended it, or none ran), so whatever it held
-    is released, whether or not this call won the state."""
+    is released, whether or not this call won the state. ``engine_gone=False``: its process
+    could not be ended, so what it held stays counted, as unconfirmed."""
     states = (
         list(expected)
         if expected is not None
@@ -474,7 +477,10 @@ def failed(
     )
     if deployment.host_id is not None:
         with host_lock(deployment.host_id) as locked:
-            release(locked, deployment.pk)
+            if engine_gone:
+                release(locked, deployment.pk)
+            else:
+                mark_unconfirmed(locked, deployment.pk, "its engine could not be ended")
             won = _move(deployment.pk, states, S.FAILED, state_reason=reason[:2000], parked_mode="")
             if won:
                 message = f"{deployment.name}: {reason}"
@@ -527,8 +533,6 @@ def recovered(deployment: Deployment, host: Host, *, shutting_down: bool) -> boo
 def foreign_measured(host: Host, figures: Mapping[str, int]) -> None:
     """Memory used by processes CapyCTL did not start, per pool, as the probe reads it; a
     figure never takes a pool past what CapyCTL's own entries leave."""
-    from capyctl.ledger.pools import pool_usage
-
     with host_lock(host.pk) as locked:
         usage_now = {u.pool: u for u in pool_usage(locked)}
         allowed = {}

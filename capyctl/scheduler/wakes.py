@@ -21,6 +21,8 @@ from typing import Any
 from django.conf import settings
 from django.db import connection
 
+from capyctl.deployments.models import Deployment
+from capyctl.scheduler import operations
 from capyctl.scheduler.errors import SchedulerError, WakeTimeoutError, error_for
 
 # Starts and wakes wait on engines for minutes; each holds one of these threads meanwhile.
@@ -52,8 +54,6 @@ async def run(function: Any, *args: Any) -> Any:
 async def ready(deployment_id: int, timeout: float) -> None:
     """Return once the deployment is ready (started or woken as needed); raise a
     SchedulerError subclass when it cannot be, WakeTimeoutError past ``timeout``."""
-    from capyctl.scheduler import operations
-
     if settings.CELERY_TASK_ALWAYS_EAGER:  # here, on the control plane's threads
         await run(operations.ensure_ready, deployment_id, "system", timeout)
         return
@@ -61,8 +61,6 @@ async def ready(deployment_id: int, timeout: float) -> None:
 
 
 def _state(deployment_id: int) -> tuple[str, str] | None:
-    from capyctl.deployments.models import Deployment
-
     row = (
         Deployment.objects.filter(pk=deployment_id)
         .values_list("observed_state", "state_reason")
@@ -72,6 +70,7 @@ def _state(deployment_id: int) -> tuple[str, str] | None:
 
 
 async def _on_worker(deployment_id: int, timeout: float) -> None:
+    # Server mode only: standalone never loads Celery or the channel layer for a wake.
     from channels.layers import get_channel_layer
 
     from capyctl.scheduler import notify, tasks
@@ -107,8 +106,6 @@ async def _on_worker(deployment_id: int, timeout: float) -> None:
 def _failed_since(deployment_id: int, since: float) -> bool:
     """Whether its failure came after the wake was sent (not an earlier one, which the
     wake is about to retry)."""
-    from capyctl.deployments.models import Deployment
-
     changed = (
         Deployment.objects.filter(pk=deployment_id)
         .values_list("state_changed_at", flat=True)
