@@ -32,9 +32,50 @@ def test_a_second_process_sees_redis_counts(redis_url):
     first = RedisInFlight(redis_url)
     second = RedisInFlight(redis_url)
     first.begin(3)
+    second.begin(3)
+    assert second.count(3) == 2
+    first.end(3)  # a request ends in the process that began it
     assert second.count(3) == 1
     second.end(3)
     assert first.count(3) == 0
+
+
+def test_a_crashed_process_s_counts_vanish_with_its_lease(redis_url, tmp_path):
+    """An API process killed with a request in flight: its count held every drain of that
+    model for an hour (the key's expiry); it now lasts only as long as the process's lease."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from capyctl.scheduler import inflight
+
+    here = RedisInFlight(redis_url)
+    code = (
+        "import sys, time\n"
+        "from capyctl.scheduler import inflight\n"
+        "inflight.LEASE_SECONDS = 2\n"
+        f"counter = inflight.RedisInFlight({redis_url!r})\n"
+        "counter.begin(11)\n"
+        "print('in flight', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    api = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert api.stdout is not None
+        assert api.stdout.readline().strip() == "in flight"
+        assert here.count(11) == 1
+        os.kill(api.pid, signal.SIGKILL)
+        api.wait(timeout=10)
+        killed = time.monotonic()
+        while here.count(11) != 0:
+            # its lease lasts 2 s here; renewed before the kill, it may last that long after
+            assert time.monotonic() - killed < 2 + 5, "the dead process's count stayed"
+            time.sleep(0.1)
+    finally:
+        api.kill()
+        api.wait()
+    assert inflight.LEASE_SECONDS == 10  # the default, untouched in this process
 
 
 def test_draining_waits_for_requests_in_flight(settings, monkeypatch):

@@ -140,7 +140,7 @@ class Gateway:
                 outcome=outcome,
             )
         finally:
-            inflight.end(route.deployment_id)
+            await inflight.aend(route.deployment_id)
             self._touch(route.deployment_id)  # idleness counts from a request's end
 
     def _model_named(
@@ -176,7 +176,7 @@ class Gateway:
                 wait_started = time.perf_counter()
                 route = await self._wait_ready(route)
                 waited_ms += (time.perf_counter() - wait_started) * 1000
-            if inflight.begin(route.deployment_id):
+            if await inflight.abegin(route.deployment_id):
                 return route, waited_ms
             ready = False  # it began draining after our route was read: wait for the wake
         raise GatewayError(
