@@ -7,6 +7,7 @@ import json
 import queue
 import signal
 import subprocess
+import sys
 import threading
 from datetime import datetime
 
@@ -263,8 +264,15 @@ def test_events_follow_prints_an_event_that_happens_after_it_started(program_env
         assert added.code == 0, added.err
 
     add_engine("v1")
+    # Started as from a terminal, SIGINT at its default: a shell that ran the tests in the
+    # background left it ignored, and an ignored signal stays ignored across exec.
+    as_from_a_terminal = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
     follower = subprocess.Popen(
-        [CAPYCTL, "events", "--follow", "--json", "--limit", "1"],
+        [sys.executable, "-c", as_from_a_terminal,
+         CAPYCTL, "events", "--follow", "--json", "--limit", "1"],
         env=program_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
