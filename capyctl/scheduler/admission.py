@@ -99,7 +99,7 @@ def admit_wake(
         usage = {u.pool: u for u in pool_usage(locked)}
         if all(usage[p].free_bytes + mine.get(p, 0) >= claim for p in pools if p in usage):
             try:
-                won = transitions.waking(locked, deployment, dict.fromkeys(pools, claim))
+                won = transitions.waking(locked, deployment, dict.fromkeys(pools, claim), mine)
             except InsufficientMemoryError as exc:
                 raise NoCapacityError(f"{deployment.name}: {exc}") from exc
             return () if won else None

@@ -375,11 +375,18 @@ def release_confirmed(deployment: Deployment, host: Host, figures: Mapping[str, 
 # --- waking ------------------------------------------------------------------------------
 
 
-def waking(locked: Host, deployment: Deployment, claim: Mapping[str, int]) -> bool:
+def waking(
+    locked: Host,
+    deployment: Deployment,
+    claim: Mapping[str, int],
+    mine: Mapping[str, int] | None = None,
+) -> bool:
     """PARKED -> WAKING with ``claim`` promised (its own entries, held or unconfirmed,
     replaced by the promise). Runs inside the :func:`host_lock` that checked the claim fits;
-    an InsufficientMemoryError rolls it back. False: no longer parked, or no longer wanted."""
-    mine = entries(locked, deployment.pk)
+    an InsufficientMemoryError rolls it back. False: no longer parked, or no longer wanted.
+    ``mine``: its entries, when the caller read them under this lock."""
+    if mine is None:
+        mine = entries(locked, deployment.pk)
     if not _move(deployment.pk, [S.PARKED], S.WAKING, wanted=True):
         return False
     admit(locked, deployment.pk, claim, note="promised", held_now=mine)
