@@ -386,3 +386,49 @@ def test_a_download_nobody_watches_any_more_is_failed_by_reconcile(gpu24):
     assert orphan.observed_state == "failed"
     assert "stopped being watched" in orphan.state_reason
     assert Deployment.objects.get(name="busy").observed_state == "downloading"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_stopping_a_downloading_model_does_not_wait_for_the_download(gpu24, files):
+    """The start that downloads holds the model's lock for the whole download; a stop once
+    waited for that lock, so for the download (a minute here, hours for real weights)."""
+    import time
+
+    from django.db import connection
+
+    from capyctl.engines.services import add_engine
+    from tests.waiting import wait_until
+
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    files.seconds_per_mib = 15.0  # 4 MiB: about a minute
+    model = deployment("slow", source=f"{files.url}/m/tiny.gguf#sha256={SHA}")
+    outcome: list[str] = []
+
+    def start() -> None:
+        try:
+            operations.ensure_ready(model.pk)
+            outcome.append("ready")
+        except operations.SchedulerError as exc:
+            outcome.append(exc.code)
+        finally:
+            connection.close()
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    try:
+        wait_until(
+            lambda: Deployment.objects.get(pk=model.pk).observed_state == "downloading",
+            "the download to begin",
+        )
+        began = time.monotonic()
+        stopped = operations.stop(model.pk)
+        took = time.monotonic() - began
+        assert took < 20, f"the stop took {took:.0f}s: it waited for the download"
+        assert stopped.observed_state == "stopped"
+        assert stopped.state_reason == f"stopped on request while downloading {model.source}"
+        starter.join(timeout=20)
+        assert not starter.is_alive()
+        assert outcome == ["model_stopped"]
+    finally:
+        files.seconds_per_mib = 0.0  # the rest of the download, at once
+        starter.join(timeout=60)

@@ -423,7 +423,13 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
 def stop(deployment_id: int, actor: str = "system") -> Deployment:
     """The person's intent "stop it": desired stopped, engine ended, memory released."""
     Deployment.objects.filter(pk=deployment_id).update(desired_state="stopped")
-    return _stop(_load(deployment_id), actor, reason="stopped on request")
+    deployment = _load(deployment_id)
+    # A download holds its start's lock for as long as it takes: the stop does not wait.
+    if deployment.observed_state == S.DOWNLOADING and transitions.download_stopped(
+        deployment, actor=actor
+    ):
+        return _load(deployment_id)
+    return _stop(deployment, actor, reason="stopped on request")
 
 
 def _stop(

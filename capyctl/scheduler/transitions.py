@@ -14,6 +14,7 @@ Nothing else writes ``observed_state``, an instance's state or a ledger entry
 transition         from                                        ledger
 =================  ==========================================  ============================
 downloading        stopped, failed                             —
+download_stopped   downloading → stopped                       —
 starting           stopped, failed, downloading                promise (under the lock)
 ready              starting                                    measured figures, held
 draining           ready                                       —
@@ -498,6 +499,17 @@ def failed(
         record(deployment, "deployment.failed", f"{deployment.name} failed: {reason}",
                level=level, actor=actor)  # fmt: skip
     return won
+
+
+def download_stopped(deployment: Deployment, *, actor: str) -> bool:
+    """DOWNLOADING -> STOPPED on request: nothing was admitted or launched yet. The fetch
+    goes on into the host's cache (the next start takes it from there); the start that
+    waited for it gives up within half a second."""
+    reason = f"stopped on request while downloading {deployment.source}"
+    if not _move(deployment.pk, [S.DOWNLOADING], S.STOPPED, parked_mode="", state_reason=reason):
+        return False
+    record(deployment, "deployment.stopped", f"stopped {deployment.name}: {reason}", actor=actor)
+    return True
 
 
 def download_abandoned(deployment: Deployment, reason: str) -> bool:
