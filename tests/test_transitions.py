@@ -154,3 +154,42 @@ def test_reconcile_does_not_overwrite_a_wake_promised_meanwhile(gpu24, monkeypat
     monkeypatch.setattr(gpu24, "usage", usage_then_a_wake_is_admitted)
     reconcile.reconcile(Host.objects.get().pk)
     assert entries("a")["gpu0"] == ("promised", 16 * GIB)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_wake_whose_failure_notice_is_lost_ends_at_the_next_database_read(
+    settings, monkeypatch
+):
+    """Server mode: the worker's wake failed but its notice never came (a Redis blip). The
+    waiter reads the database every half second; it once looked only for ``ready`` there,
+    so it waited out the whole wake timeout for a model that had failed."""
+    import time
+
+    from asgiref.sync import sync_to_async
+    from django.utils import timezone
+
+    from capyctl.scheduler import tasks, wakes
+    from capyctl.scheduler.errors import EngineFailedError
+
+    settings.CELERY_TASK_ALWAYS_EAGER = False
+
+    def set_up() -> int:
+        vllm_engine()
+        a = deployment("a")
+        Deployment.objects.filter(pk=a.pk).update(observed_state="parked")
+        return int(a.pk)
+
+    a_id = await sync_to_async(set_up)()
+
+    def worker_fails_and_its_notice_is_lost(deployment_id: int) -> None:
+        Deployment.objects.filter(pk=deployment_id).update(
+            observed_state="failed",
+            state_reason="wake failed: its engine exited with status 1",
+            state_changed_at=timezone.now(),
+        )
+
+    monkeypatch.setattr(tasks.ensure_ready, "delay", worker_fails_and_its_notice_is_lost)
+    started = time.monotonic()
+    with pytest.raises(EngineFailedError, match="its engine exited with status 1"):
+        await wakes.ready(a_id, timeout=120)
+    assert time.monotonic() - started < 60, "it waited for the wake timeout"
