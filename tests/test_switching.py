@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -496,3 +497,36 @@ def test_a_wake_promises_what_its_engine_was_launched_with(gpu24):
     operations.stop(a.pk)
     operations.start(a.pk)  # a new start takes the new claim
     assert abs(entries("a")["gpu0"][1] - 8 * GIB) < 16 * MIB
+
+
+@pytest.mark.django_db(transaction=True)
+def test_parked_copies_filling_host_ram_make_way_for_a_start(gpu24):
+    """Host RAM almost full of parked copies: each start needs some host RAM for its
+    engine, and parking frees only GPU memory, so every start was refused (no_capacity)
+    while a parked copy sat in the RAM it needed. The least recently used copy now goes:
+    its model is stopped, and the event says why."""
+    vllm_engine()
+    a, b, c, d = (deployment(name, gib=10) for name in "abcd")
+    operations.ensure_ready(a.pk)
+    operations.ensure_ready(b.pk)
+    operations.ensure_ready(c.pk)  # a parks in RAM, its 8 GiB copy there
+    assert state("a") == ("parked", "ram")
+    # Host RAM left: b's 8 GiB copy and 256 MiB, less than an engine's own 512 MiB.
+    host = Host.objects.get(name="local")
+    ram = next(p for p in pool_usage(host) if p.pool == "ram")
+    reserve = ram.reserve_bytes + ram.free_bytes - (8 * GIB + 256 * MIB)
+    Host.objects.filter(pk=host.pk).update(ram_reserve_bytes=reserve)
+
+    operations.ensure_ready(d.pk)  # b parks in RAM for it; then its engine needs RAM
+    assert state("d") == ("ready", "")
+    assert state("b") == ("parked", "ram")
+    assert state("a") == ("stopped", "")
+    assert entries("a") == {}
+    stopped = Event.objects.get(kind="deployment.stopped", subject="a")
+    assert re.fullmatch(
+        r"stopped a \(parked\): its copy in host RAM \(8\.\d GiB\) is needed for another "
+        r"engine \(d\)",
+        stopped.message,
+    ), stopped.message
+    assert overcommitted(Host.objects.get(name="local")) == []
+    assert gpu_ledger_matches_probe(gpu24)

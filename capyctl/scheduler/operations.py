@@ -90,9 +90,16 @@ def _evict(victim: Victim, actor: str, *, for_name: str) -> None:
     """Park or stop one victim, draining it first; one no longer ready is left alone (the
     next round plans again on what it became)."""
     deployment = _load(victim.deployment_id)
+    reason = f"to make room for {for_name}"
+    if deployment.observed_state == S.PARKED and victim.mode == STOP:
+        # A parked copy in host RAM that another engine needs: no request is in flight on
+        # a parked model, so there is nothing to drain.
+        message = f"stopped {deployment.name} (parked): {victim.reason} ({for_name})"
+        logger.info(message)
+        _stop(deployment, actor, reason=message)
+        return
     if deployment.observed_state != S.READY:
         return
-    reason = f"to make room for {for_name}"
     if victim.mode != STOP:
         _park(deployment, victim.mode, actor=actor, reason=reason)
         return

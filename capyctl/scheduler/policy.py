@@ -61,6 +61,7 @@ class Resident:
     last_used: float = 0.0  # seconds; larger is more recent
     ready_for_seconds: float = 0.0
     min_ready_seconds: float = 0.0
+    ram_bytes: int = 0  # what it holds in host RAM (a parked copy, its engine)
 
 
 @dataclass(frozen=True)
@@ -209,15 +210,21 @@ def _try_victims(
     missing = _shortfall(host, pools, need)
     if not missing:
         return ()
+    chosen: list[Victim] = []
+    remaining = dict(missing)
     if host.ram_pool in missing and not host.unified:
-        return None  # parking frees GPU memory; it never makes host RAM for an engine
+        # Parking frees GPU memory, never host RAM; parked copies in host RAM do: the least
+        # recently used are stopped (a sleeping engine cannot drop its copy otherwise).
+        copies = _copies_to_drop(host, remaining)
+        if copies is None:
+            return None
+        chosen = copies
     order = sorted(
         (r for r in host.residents if _evictable(r) and set(r.gpu_bytes) & set(missing)),
         key=lambda r: (r.priority, r.last_used),
     )
     ram_free = host.pools[host.ram_pool].free_bytes if host.ram_pool in host.pools else 0
-    chosen: list[Victim] = []
-    remaining = dict(missing)
+    ram_free += sum(v.frees.get(host.ram_pool, 0) for v in chosen)
     for resident in order:
         if all(v <= 0 for v in remaining.values()):
             break
@@ -240,6 +247,27 @@ def _try_victims(
         if _enough(trial, missing):
             chosen = trial
     return tuple(chosen)
+
+
+def _copies_to_drop(host: HostSnapshot, remaining: dict[str, int]) -> list[Victim] | None:
+    """Parked models whose copies in host RAM, dropped, cover its shortfall (they are
+    stopped: what they held comes back, RAM and GPU), least recently used first; None when
+    all of them would not be enough. ``remaining`` is reduced by what they free."""
+    copies = sorted(
+        (r for r in host.residents if r.state == "parked" and not r.pinned and r.ram_bytes > 0),
+        key=lambda r: (r.priority, r.last_used),
+    )
+    chosen: list[Victim] = []
+    for resident in copies:
+        if remaining.get(host.ram_pool, 0) <= 0:
+            break
+        frees = {**resident.gpu_bytes, host.ram_pool: resident.ram_bytes}
+        reason = f"its copy in host RAM ({_gib(resident.ram_bytes)}) is needed for another engine"
+        chosen.append(Victim(resident.deployment_id, resident.name, STOP, frees, 0, reason))
+        for pool, amount in frees.items():
+            if pool in remaining:
+                remaining[pool] -= amount
+    return chosen if remaining.get(host.ram_pool, 0) <= 0 else None
 
 
 def _value(host: HostSnapshot, victim: Victim) -> tuple[int, float]:

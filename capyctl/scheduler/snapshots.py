@@ -57,9 +57,12 @@ def residents(host: Host, now: float) -> list[Resident]:
     rows = LedgerEntry.objects.filter(host=host, deployment__isnull=False).values_list(
         "deployment_id", "pool", "bytes"
     )
+    ram: dict[int, int] = {}
     for deployment_id, pool, num_bytes in rows:
         if pool != "ram":
             entries.setdefault(int(deployment_id), {})[pool] = num_bytes
+        else:
+            ram[int(deployment_id)] = num_bytes
     residents = []
     wanted = Deployment.objects.filter(pk__in=entries).select_related("engine")
     for deployment in wanted.only(*_RESIDENT_FIELDS):
@@ -85,6 +88,7 @@ def residents(host: Host, now: float) -> list[Resident]:
                 last_used=used.timestamp(),
                 ready_for_seconds=now - changed.timestamp(),
                 min_ready_seconds=deployment.setting("min_ready_seconds"),
+                ram_bytes=ram.get(deployment.pk, 0),
             )
         )
     return residents
