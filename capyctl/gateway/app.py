@@ -13,12 +13,13 @@ import json
 import logging
 import re
 import ssl
+import sys
 import time
 from collections import OrderedDict
 from typing import Any, cast
 
 from django.conf import settings
-from django.db import connection
+from django.db import DatabaseError, connection
 
 from capyctl.errors import UserError
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
@@ -77,6 +78,13 @@ class Gateway:
         except GatewayError as error:
             outcome.status = error.status
             await _respond(send, error.status, error.body(), error.response_headers())
+        except Exception as exc:  # never a bare 500: an OpenAI-shaped answer, logged once
+            logger.exception("%s %s failed in the gateway", scope.get("method"), scope.get("path"))
+            if outcome.headers_at:
+                return  # the answer had begun: it ends here, and its client sees it cut
+            failure = _failure(exc)
+            outcome.status = failure.status
+            await _respond(send, failure.status, failure.body(), failure.response_headers())
         finally:
             if outcome.admitted is not None:
                 await self.limits.leave(*outcome.admitted)
@@ -415,6 +423,28 @@ class Gateway:
         if now - self._touched.get(deployment_id, 0.0) >= 1.0:
             self._touched[deployment_id] = now
             asyncio.get_running_loop().run_in_executor(None, _touch_sync, deployment_id)
+
+
+def _failure(exc: Exception) -> GatewayError:
+    """The answer for an unexpected failure: 503 ``control_plane_unavailable`` when the
+    database or Redis did not answer (a retry soon may succeed), else 500
+    ``internal_error``."""
+    redis = sys.modules.get("redis")
+    control_plane = isinstance(exc, DatabaseError) or (
+        redis is not None and isinstance(exc, redis.exceptions.RedisError)
+    )
+    if control_plane:
+        return GatewayError(
+            503,
+            "control_plane_unavailable",
+            "CapyCTL's database or Redis did not answer; retry shortly.",
+            "server_error",
+            headers=[(b"retry-after", b"1")],
+        )
+    return GatewayError(
+        500, "internal_error", "CapyCTL failed to handle this request; it was logged.",
+        "server_error",
+    )  # fmt: skip
 
 
 def _wake_timeout(route: Route) -> GatewayError:
