@@ -137,3 +137,29 @@ def test_revoke_over_rest_and_refusals(client, alice, settings, tmp_path):
     assert row.cert_fingerprint == ""
     assert row.join_secret_hmac == ""
     assert client.post("/api/hosts/ghost/revoke/").status_code == 404
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_poll_answered_while_the_host_was_revoked_leaves_it_unreachable(monkeypatch):
+    """The periodic poll asked the agent, the host was revoked while the call was under
+    way, then the poll wrote ``online`` from the agent's answer: a revoked host showed
+    online (seen under load in the revoke test above)."""
+    from django.utils import timezone
+
+    from capyctl.hosts import agents
+    from capyctl.hosts.models import Host
+    from capyctl.hosts.services import revoke_host
+
+    Host.objects.create(
+        name="gpu9", address="127.0.0.1:7443", is_local=False, state=Host.State.ONLINE,
+        enrolled_at=timezone.now(), cert_fingerprint="ab" * 32,
+        inventory={"probe": "simulated", "ram_total_bytes": 2**34, "gpus": []},
+    )  # fmt: skip
+
+    def answered_while_revoked(host: Host, method: str, path: str) -> dict[str, object]:
+        revoke_host(host.name)  # committed while the agent's answer was on its way
+        return {"probe": "simulated", "ram_total_bytes": 2**34, "gpus": []}
+
+    monkeypatch.setattr(agents, "agent_call", answered_while_revoked)
+    agents.poll_hosts()
+    assert Host.objects.get(name="gpu9").state == Host.State.UNREACHABLE

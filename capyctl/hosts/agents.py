@@ -104,9 +104,15 @@ def poll_hosts() -> None:
         except AgentUnreachableError as exc:
             mark_unreachable(host, str(exc))
             continue
-        Host.objects.filter(pk=host.pk).update(
-            state=Host.State.ONLINE, inventory=inventory, last_seen_at=timezone.now()
+        # Online only if it still holds the certificate this call trusted: a revoke that
+        # landed while the call was under way is not undone by its answer.
+        answered = Host.objects.filter(pk=host.pk, cert_fingerprint=host.cert_fingerprint).exclude(
+            cert_fingerprint=""
         )
+        if not answered.update(
+            state=Host.State.ONLINE, inventory=inventory, last_seen_at=timezone.now()
+        ):
+            continue
         if host.state == Host.State.UNREACHABLE:
             # It reports again: its entries count as held; reconcile then finds out which
             # engines are still there (and fails the ones that are gone).
