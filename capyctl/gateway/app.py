@@ -79,7 +79,8 @@ class Gateway:
             outcome.status = error.status
             await _respond(send, error.status, error.body(), error.response_headers())
         except Exception as exc:  # never a bare 500: an OpenAI-shaped answer, logged once
-            logger.exception("%s %s failed in the gateway", scope.get("method"), scope.get("path"))
+            # The path as a quoted literal: a client's text never shapes the log's lines.
+            logger.exception("%s %r failed in the gateway", scope.get("method"), scope.get("path"))
             if outcome.headers_at:
                 return  # the answer had begun: it ends here, and its client sees it cut
             failure = _failure(exc)

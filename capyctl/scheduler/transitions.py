@@ -213,6 +213,23 @@ def instance_exited(instance_id: int) -> None:
     )
 
 
+def _to_ready(
+    deployment: Deployment,
+    host: Host,
+    expected: str,
+    figures: Mapping[str, int],
+    **fields: Any,
+) -> bool:
+    """``expected`` -> READY under the host lock, the measured figures held in place of
+    the promise, waiters told; whether this call won."""
+    with host_lock(host.pk) as locked:
+        won = _move(deployment.pk, [expected], S.READY, **fields)
+        if won:
+            _held(locked, deployment, figures, "measured")
+            _announce(deployment.pk, ok=True)
+    return won
+
+
 def ready(
     deployment: Deployment,
     host: Host,
@@ -223,16 +240,8 @@ def ready(
     actor: str,
 ) -> bool:
     """STARTING -> READY with the measured figures held."""
-    with host_lock(host.pk) as locked:
-        won = _move(
-            deployment.pk,
-            [S.STARTING],
-            S.READY,
-            measured_gpu_bytes=max((figures[p] for p in pools), default=None),
-        )
-        if won:
-            _held(locked, deployment, figures, "measured")
-            _announce(deployment.pk, ok=True)
+    measured = max((figures[p] for p in pools), default=None)
+    won = _to_ready(deployment, host, S.STARTING, figures, measured_gpu_bytes=measured)
     if won:
         record(
             deployment,
@@ -404,11 +413,7 @@ def woke(
     actor: str,
 ) -> bool:
     """WAKING -> READY with the measured figures held."""
-    with host_lock(host.pk) as locked:
-        won = _move(deployment.pk, [S.WAKING], S.READY, parked_mode="", state_reason="")
-        if won:
-            _held(locked, deployment, figures, "measured")
-            _announce(deployment.pk, ok=True)
+    won = _to_ready(deployment, host, S.WAKING, figures, parked_mode="", state_reason="")
     if won:
         record(
             deployment,
