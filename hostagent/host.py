@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 
 from hostagent.errors import EngineExitedError
-from hostagent.probe import DeviceReading, Inventory, Probe, ProcessUsage, host_ram
+from hostagent.probe import DeviceReading, Inventory, Probe, ProcessUsage
 from hostagent.runtime import EngineRuntime, Instance, InstanceRequest
 from hostagent.sources import FetchStatus, SourceCache
 
@@ -202,7 +202,7 @@ class HostRuntime:
             pool = "unified" if unified else f"gpu{reading.index}"
             figures[pool] = max(reading.used_bytes - ours.get(reading.index, 0), 0)
         if not unified:
-            total, available = host_ram()
+            total, available = self.probe.ram()
             figures["ram"] = max(total - available - ram_ours - _own_rss(), 0)
         return figures
 

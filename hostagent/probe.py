@@ -106,6 +106,10 @@ class Probe(Protocol):
         """Every process using a GPU: pid → bytes per GPU index (``None`` = unknown)."""
         ...
 
+    def ram(self) -> tuple[int, int]:
+        """(total, available) bytes of host RAM."""
+        ...
+
 
 # Finding descendants scans every process on the host (a few ms); an engine's workers
 # rarely change, so a tree is reused for a short while once its root is known alive.
@@ -170,6 +174,9 @@ class CpuOnlyProbe:
     def gpu_processes(self) -> dict[int, dict[int, int | None]]:
         return {}
 
+    def ram(self) -> tuple[int, int]:
+        return host_ram()
+
 
 class SimulatedProbe:
     """Devices from ``CAPYCTL_SIM_GPUS``; use from what simulated engines record."""
@@ -226,6 +233,17 @@ class SimulatedProbe:
             for allocation in read_allocations(self.state_dir)
             if allocation.gpu
         }
+
+    def ram(self) -> tuple[int, int]:
+        """Host RAM as the simulation has it: the real machine's, less the weights copies
+        simulated engines say they keep there (on a discrete GPU; a unified device counts
+        them as its own use). Without this, a parked copy would count as the engine's
+        RAM but never as RAM in use, and what is left over would look foreign."""
+        total, available = host_ram()
+        if self.spec.unified:
+            return total, available
+        copies = sum(a.host_bytes for a in read_allocations(self.state_dir))
+        return total, max(available - copies, 0)
 
 
 class NvmlProbe:
@@ -324,6 +342,9 @@ class NvmlProbe:
                     else:
                         per_device[index] = (per_device.get(index) or 0) + int(used)
         return found
+
+    def ram(self) -> tuple[int, int]:
+        return host_ram()
 
     def process_usage(self, pid: int) -> ProcessUsage:
         tree = process_tree(pid)

@@ -190,3 +190,21 @@ def test_each_host_agents_simulated_gpus_are_its_own(tmp_path, monkeypatch):
     write_allocation(tmp_path / "a" / "sim-gpus", os.getpid(), {0: 16 * GIB}, 0)
     assert probe_from_env(AgentFiles(tmp_path / "a")).devices()[0].used_bytes == 16 * GIB
     assert probe_from_env(AgentFiles(tmp_path / "b")).devices()[0].used_bytes == 0
+
+
+def test_a_simulated_weights_copy_is_host_ram_in_use(tmp_path):
+    """A simulated engine's weights copy in host RAM counted as the engine's RAM but never
+    as RAM in use, so whatever the machine really used beside it looked smaller by the
+    copy: a process CapyCTL did not start, holding a copy, hid its 8 GiB from the foreign
+    figure. Host RAM as the simulation has it now includes the copies."""
+    from hostagent.host import HostRuntime
+    from hostagent.probe import SimulatedProbe
+    from hostagent.simgpu import SimSpec
+
+    state_dir = tmp_path / "sim"
+    host = HostRuntime(SimulatedProbe(SimSpec(unified=False, sizes=[24 * GIB]), state_dir),
+                       tmp_path / "logs")  # fmt: skip
+    before = host.foreign(unified=False)["ram"]
+    write_allocation(state_dir, os.getpid(), {0: 512 * 1024**2}, 8 * GIB)  # not its engine
+    after = host.foreign(unified=False)["ram"]
+    assert after - before > 7 * GIB, (before, after)

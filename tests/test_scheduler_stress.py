@@ -21,6 +21,7 @@ from django.db import connection
 
 from capyctl.deployments.models import Deployment
 from capyctl.engines.services import add_engine
+from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.services import host_lock, overcommitted
@@ -138,6 +139,10 @@ def test_random_concurrent_operations_keep_the_ledger_true(tmp_path, settings):
         assert errors == [], replay
         assert set(codes) <= DOCUMENTED_CODES, f"{dict(codes)} {replay}"
         assert watcher.verify(min_looks=10) == [], replay
+        overshoots = list(
+            Event.objects.filter(kind="ledger.overshoot").values_list("message", flat=True)
+        )
+        assert overshoots == [], f"{overshoots} {replay}"
 
         deadline = time.monotonic() + 60
         while True:  # a hung wake ends at its timeout; a pass repairs what is stuck

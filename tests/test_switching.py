@@ -44,7 +44,9 @@ def gpu_ledger_matches_probe(driver):
 @pytest.mark.django_db(transaction=True)
 def test_a_then_b_parks_a_in_ram_and_wakes_b(gpu24):
     vllm_engine()
-    a, b = deployment("a"), deployment("b")
+    # a's copy is measured at its first park; b's is said (with a copy of unknown size
+    # counted as all b holds on its GPU, 16 GiB, b would park deep beside a's copy).
+    a, b = deployment("a"), deployment("b", weights_bytes=8 * GIB)
     operations.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
     assert entries("a")["gpu0"][0] == "held"
@@ -213,7 +215,7 @@ def test_the_celery_tasks_run_the_same_operations_in_process(gpu24):
 @pytest.mark.django_db(transaction=True)
 def test_a_ram_park_goes_deep_when_the_ram_was_taken_meanwhile(gpu24):
     vllm_engine()
-    a, b, other = deployment("a"), deployment("b"), deployment("other")
+    a, b, other = deployment("a", weights_bytes=8 * GIB), deployment("b"), deployment("other")
     operations.ensure_ready(a.pk)
     assert inflight.begin(a.pk)  # a request in flight on a holds its drain
     outcome: list[object] = []
@@ -506,7 +508,7 @@ def test_parked_copies_filling_host_ram_make_way_for_a_start(gpu24):
     while a parked copy sat in the RAM it needed. The least recently used copy now goes:
     its model is stopped, and the event says why."""
     vllm_engine()
-    a, b, c, d = (deployment(name, gib=10) for name in "abcd")
+    a, b, c, d = (deployment(name, gib=10, weights_bytes=8 * GIB) for name in "abcd")
     operations.ensure_ready(a.pk)
     operations.ensure_ready(b.pk)
     operations.ensure_ready(c.pk)  # a parks in RAM, its 8 GiB copy there
@@ -530,3 +532,26 @@ def test_parked_copies_filling_host_ram_make_way_for_a_start(gpu24):
     ), stopped.message
     assert overcommitted(Host.objects.get(name="local")) == []
     assert gpu_ledger_matches_probe(gpu24)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_first_ram_park_never_promises_less_than_its_copy(gpu24):
+    """Weights of unknown size: a first ``ram`` park promised half the claim (5 GiB of a
+    10 GiB claim) for a copy that took 8 GiB, so the ledger counted 3 GiB less host RAM
+    than the copy held, and the pool's reserve absorbed it (``ledger.overshoot``). The
+    copy is now bounded by what the model holds on its GPUs, until a park measures it."""
+    vllm_engine()
+    a, b = deployment("a", gib=10), deployment("b", gib=16)
+    operations.ensure_ready(a.pk)
+    host = Host.objects.get(name="local")
+    ram = next(p for p in pool_usage(host) if p.pool == "ram")
+    # 6.5 GiB of host RAM left: room for half a's claim, not for its 8 GiB copy.
+    reserve = ram.reserve_bytes + ram.free_bytes - (6 * GIB + 512 * MIB)
+    Host.objects.filter(pk=host.pk).update(ram_reserve_bytes=reserve)
+
+    operations.ensure_ready(b.pk)
+    assert state("b") == ("ready", "")
+    assert list(Event.objects.filter(kind="ledger.overshoot").values_list("message")) == []
+    assert state("a") == ("parked", "deep")
+    assert entries("a")["ram"][1] < GIB  # no copy kept, none counted
+    assert overcommitted(Host.objects.get(name="local")) == []

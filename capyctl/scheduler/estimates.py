@@ -5,7 +5,9 @@ own fraction flag in its args (vLLM ``--gpu-memory-utilization``, SGLang
 ``--mem-fraction-static``); else what was measured at its last start; else vLLM's default
 of 0.9 of the device; else the model files' size x 1.2 + 1 GiB. Weights copy: explicit
 ``weights_bytes``, else the measured figure, else the weights' size at the source
-(safetensors/GGUF totals of the local or downloaded files), else half the claim.
+(safetensors/GGUF totals of the local or downloaded files), else all it holds on its GPUs:
+the copy is its weights, which never outgrow the GPU memory they sit in. Guessing lower
+would let a first ``ram`` park promise less host RAM than its copy takes.
 """
 
 from __future__ import annotations
@@ -77,10 +79,12 @@ def memory_fraction(deployment: Deployment, device_total: int) -> float | None:
     return min(claim_per_gpu(deployment, device_total) / device_total, 1.0)
 
 
-def weights_bytes(deployment: Deployment, claim: int) -> int:
+def weights_bytes(deployment: Deployment, gpu_held: int) -> int:
+    """The weights copy a ``ram`` park keeps in host RAM (``gpu_held``: what the
+    deployment holds on all its GPUs now, the bound when nothing better is known)."""
     if deployment.weights_bytes is not None:
         return int(deployment.weights_bytes)
     if deployment.measured_weights_bytes is not None:
         return int(deployment.measured_weights_bytes)
     size = files_size(deployment)
-    return size if size else claim // 2
+    return size if size else gpu_held

@@ -342,8 +342,8 @@ def _park(  # noqa: PLR0911 - one operation, read top to bottom
         engine_ram = mine.get("ram", 0)
         copy = None
         if mode == RAM and snapshots.ram_pool(host) == "ram":
-            claim = max((b for p, b in mine.items() if p != "ram"), default=0)
-            copy = estimates.weights_bytes(deployment, claim)
+            gpu_held = sum(b for p, b in mine.items() if p != "ram")
+            copy = estimates.weights_bytes(deployment, gpu_held)
         if not _drain(deployment, "parking"):
             return False
         with host_lock(host.pk) as locked:

@@ -68,7 +68,6 @@ def residents(host: Host, now: float) -> list[Resident]:
     for deployment in wanted.only(*_RESIDENT_FIELDS):
         capabilities = get_kind(deployment.engine.kind).capabilities(deployment.engine.options)
         held = entries[deployment.pk]
-        claim = max(held.values(), default=0)
         changed = deployment.state_changed_at or deployment.created_at
         used = deployment.last_request_at or changed
         residents.append(
@@ -78,7 +77,7 @@ def residents(host: Host, now: float) -> list[Resident]:
                 host_id=host.pk,
                 state=deployment.observed_state,
                 gpu_bytes={p: b for p, b in held.items() if p != "ram"},
-                weights_bytes=estimates.weights_bytes(deployment, claim),
+                weights_bytes=estimates.weights_bytes(deployment, sum(held.values())),
                 residual_bytes=None,
                 park_policy=deployment.park,
                 can_park_ram=capabilities.ram,
