@@ -7,6 +7,7 @@ from typing import Any
 
 from django.conf import settings
 
+from capyctl import controlplane
 from capyctl.access.models import ApiKey
 from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
@@ -170,6 +171,7 @@ def status_data() -> dict[str, Any]:
     ledger = LedgerEntry.objects.select_related("host", "deployment")
     return {
         "mode": settings.MODE,
+        "control_plane": controlplane.state(),
         "hosts": [host_data(host) for host in Host.objects.all()],
         "engines": [engine_data(e) for e in all_engines()],
         "deployments": [deployment_data(d) for d in all_deployments()],

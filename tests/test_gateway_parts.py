@@ -64,6 +64,32 @@ async def test_limits_in_redis_are_shared_by_every_process(redis_url):
         await second.close()
 
 
+async def test_limits_hold_in_this_process_while_redis_is_down(own_redis):
+    """Redis stopped: every limited key's request failed (ConnectionError, a bare 500).
+    Now the process counts alone until Redis is back: limits still hold, per process."""
+    limiter = RedisRateLimiter(own_redis.url)
+    busy: list[tuple[tuple[str, int], int | None]] = [(("key", 43), 1)]
+    try:
+        assert await limiter.retry_after(43, 2) is None
+        own_redis.stop()
+        assert await limiter.retry_after(43, 2) is None  # this process's own window
+        assert await limiter.retry_after(43, 2) is None
+        assert await limiter.retry_after(43, 2) is not None  # the third in a minute here
+        since = limiter.down_since
+        assert since is not None
+        assert await limiter.enter(busy, "m1") is None
+        assert await limiter.enter(busy, "m2") == 0  # one at a time holds too
+        await limiter.leave(busy, "m1")
+        assert await limiter.enter(busy, "m3") is None
+        own_redis.start()
+        await limiter.leave(busy, "m3")  # entered here: left here
+        assert await limiter.enter(busy, "m4") is None  # Redis counts again
+        assert limiter.down_since is None
+        assert await limiter.enter(busy, "m5") == 0
+    finally:
+        await limiter.close()
+
+
 async def test_the_warm_cache_reads_once_and_keeps_names_in_use_fresh(monkeypatch):
     from capyctl.gateway import cache
 

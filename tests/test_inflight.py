@@ -11,8 +11,11 @@ from capyctl.scheduler.inflight import LocalInFlight, RedisInFlight
 @pytest.fixture(params=["local", "redis"])
 def tracker(request):
     if request.param == "local":
-        return LocalInFlight()
-    return RedisInFlight(request.getfixturevalue("redis_url"))
+        yield LocalInFlight()
+        return
+    counter = RedisInFlight(request.getfixturevalue("redis_url"))
+    yield counter
+    counter.stop()
 
 
 def test_begin_end_and_count(tracker):
@@ -38,6 +41,8 @@ def test_a_second_process_sees_redis_counts(redis_url):
     assert second.count(3) == 1
     second.end(3)
     assert first.count(3) == 0
+    first.stop()
+    second.stop()
 
 
 def test_a_crashed_process_s_counts_vanish_with_its_lease(redis_url, tmp_path):
@@ -75,7 +80,8 @@ def test_a_crashed_process_s_counts_vanish_with_its_lease(redis_url, tmp_path):
     finally:
         api.kill()
         api.wait()
-    assert inflight.LEASE_SECONDS == 10  # the default, untouched in this process
+        here.stop()
+    assert inflight.LEASE_SECONDS == 5  # the default, untouched in this process
 
 
 def test_draining_waits_for_requests_in_flight(settings, monkeypatch):
@@ -121,3 +127,66 @@ def test_a_drain_closes_the_gate_and_ready_reopens_it(monkeypatch, db):
     assert not local.begin(deployment.pk)
     assert transitions.drain_abandoned(deployment)
     assert local.begin(deployment.pk)
+
+
+def test_with_redis_down_requests_are_counted_here_and_no_drain_trusts_a_count(
+    own_redis, monkeypatch
+):
+    """Redis stopped: every request failed in ``begin`` (ConnectionError, a bare 500 at the
+    gateway). Now a process counts its own requests meanwhile, the shared count says it is
+    unknown (a drain never takes it for zero), and once Redis is back, empty, the counts
+    begun during the outage are published again before anyone trusts a count."""
+    from capyctl.scheduler import inflight
+
+    api = RedisInFlight(own_redis.url)  # the gateway's process
+    worker = RedisInFlight(own_redis.url)  # the scheduler's
+    try:
+        assert api.begin(21)
+        assert worker.count(21) == 1
+        own_redis.stop()
+        assert api.begin(21)  # a ready model keeps answering: counted in this process
+        assert api.begin(21)
+        api.end(21)
+        since = api.down_since
+        assert since is not None
+        with pytest.raises(inflight.CountsUnknown):
+            worker.count(21)
+        own_redis.start()  # back, and empty: every count and lease is gone
+        seen: list[object] = []
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                seen.append(worker.count(21))
+            except inflight.CountsUnknown:
+                seen.append("unknown")
+            if seen[-1] == 2:
+                break
+            time.sleep(0.05)
+        # Never a count that misses a request: unknown until every process checked in.
+        assert seen[-1] == 2, seen
+        assert all(value in ("unknown", 2) for value in seen), seen
+        assert api.down_since is None
+        api.end(21)
+        api.end(21)
+        assert worker.count(21) == 0
+    finally:
+        api.stop()
+        worker.stop()
+
+
+def test_a_drain_gives_up_on_counts_it_cannot_see(own_redis, monkeypatch):
+    from capyctl.scheduler import inflight
+
+    counter = RedisInFlight(own_redis.url)
+    monkeypatch.setattr(inflight, "_tracker", counter)
+    monkeypatch.setattr(inflight, "UNKNOWN_PATIENCE_SECONDS", 0.5)
+    try:
+        own_redis.stop()
+        started = time.monotonic()
+        with pytest.raises(inflight.CountsUnknown):
+            inflight.wait_drained(31, timeout=30)
+        assert time.monotonic() - started < 10
+        with pytest.raises(inflight.CountsUnknown):
+            inflight.close(31)
+    finally:
+        counter.stop()

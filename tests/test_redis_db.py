@@ -11,11 +11,14 @@ def test_two_runs_get_databases_of_their_own(redis_run: RedisDb, redis_url: str)
     other = claim_database("another-run")
     try:
         assert other.url != redis_url
-        RedisInFlight(other.url).begin(7)  # the other run's request in flight
-        assert RedisInFlight(redis_url).count(7) == 0
+        theirs, ours = RedisInFlight(other.url), RedisInFlight(redis_url)
+        theirs.begin(7)  # the other run's request in flight
+        assert ours.count(7) == 0
         redis_run.clean()
-        assert RedisInFlight(other.url).count(7) == 1  # cleaning ours leaves theirs alone
+        assert theirs.count(7) == 1  # cleaning ours leaves theirs alone
     finally:
+        for tracker in (theirs, ours):
+            tracker.stop()
         other.clean(everything=True)
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -23,11 +24,12 @@ PG = "postgres://postgres@127.0.0.1:5432"
 SIM = f"{sys.executable} -m hostagent.sim vllm"
 
 
-@pytest.fixture
-def server_env(tmp_path, redis_url):
+@contextmanager
+def server_database_env(tmp_path, redis_url, prefix="capyctl_server"):
+    """The environment of a server with a PostgreSQL database of its own (dropped after)."""
     import os
 
-    name = f"capyctl_server_{uuid.uuid4().hex[:10]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
@@ -43,6 +45,12 @@ def server_env(tmp_path, redis_url):
     finally:
         with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def server_env(tmp_path, redis_url):
+    with server_database_env(tmp_path, redis_url) as env:
+        yield env
 
 
 def start(env, tmp_path, port, enrol_port):
@@ -126,28 +134,36 @@ def test_server_mode_needs_postgresql_and_redis(program_env, redis_url):
     assert len(refused.err.strip().splitlines()) == 1
 
 
-def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_path):
-    env, run, (port, enrol_port, agent_port), token = one_host_setup(server_env)
+def two_models(run):
+    """Models ``a`` and ``b`` (16 GiB each, 2 GiB weights) on host ``box``; an admin key."""
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", SIM,
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
     for name in ("a", "b"):
         added = run("deployment", "add", name, "--engine", "sim", "--host", "box", "--source",
                     f"m/{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB")  # fmt: skip
         assert added.code == 0, added.err
-    key = run("key", "create", "--user", "admin", "--admin").out.strip()
+    return run("key", "create", "--user", "admin", "--admin").out.strip()
+
+
+def chat(port, key, model, timeout=60.0):
+    return httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=timeout,
+    )
+
+
+def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_path):
+    env, run, (port, enrol_port, agent_port), token = one_host_setup(server_env)
+    key = two_models(run)
     server = start(env, tmp_path, port, enrol_port)
     agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
     try:
         wait_online(port, key)
 
         def ask(model):
-            return httpx.post(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
-                headers={"Authorization": f"Bearer {key}"},
-                json={"model": model, "messages": [{"role": "user", "content": "hi"}],
-                      "max_tokens": 2},
-                timeout=60,
-            )  # fmt: skip
+            return chat(port, key, model)
 
         # a starts on a worker for the first request; b then takes the 24 GiB GPU from it.
         first = ask("a")

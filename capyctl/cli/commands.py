@@ -186,6 +186,12 @@ def status(args: argparse.Namespace) -> int:
         print_json(data)
         return 0
     print(f"mode: {data['mode']}")
+    plane = data["control_plane"]
+    if plane["redis"] == "down":
+        since = f" since {plane['since']}" if plane["since"] else ""
+        print(f"redis: DOWN{since}: ready models answer; switches wait or are refused")
+    elif plane["redis"] == "ok":
+        print("redis: ok")
     for host in data["hosts"]:
         gpus = ", ".join(f"{g['name']} {format_size(g['total_bytes'])}" for g in host["gpus"])
         print(

@@ -13,13 +13,12 @@ import json
 import logging
 import re
 import ssl
-import sys
 import time
 from collections import OrderedDict
 from typing import Any, cast
 
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import connection
 
 from capyctl.errors import UserError
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
@@ -29,12 +28,14 @@ from capyctl.gateway.upstream import UpstreamError, UpstreamPool
 from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
 from capyctl.scheduler import inflight, operations, wakes
 from capyctl.scheduler.errors import (
+    ControlPlaneUnavailableError,
     EngineFailedError,
     ModelStoppedError,
     NoCapacityError,
     SchedulerError,
     SourceError,
     WakeTimeoutError,
+    is_control_plane_error,
 )
 from capyctl.validation import validate_alias
 from capyctl.web import metrics
@@ -426,22 +427,22 @@ class Gateway:
             asyncio.get_running_loop().run_in_executor(None, _touch_sync, deployment_id)
 
 
+def _control_plane_down(message: str) -> GatewayError:
+    return GatewayError(
+        503,
+        "control_plane_unavailable",
+        message,
+        "server_error",
+        headers=[(b"retry-after", b"1")],
+    )
+
+
 def _failure(exc: Exception) -> GatewayError:
     """The answer for an unexpected failure: 503 ``control_plane_unavailable`` when the
     database or Redis did not answer (a retry soon may succeed), else 500
     ``internal_error``."""
-    redis = sys.modules.get("redis")
-    control_plane = isinstance(exc, DatabaseError) or (
-        redis is not None and isinstance(exc, redis.exceptions.RedisError)
-    )
-    if control_plane:
-        return GatewayError(
-            503,
-            "control_plane_unavailable",
-            "CapyCTL's database or Redis did not answer; retry shortly.",
-            "server_error",
-            headers=[(b"retry-after", b"1")],
-        )
+    if is_control_plane_error(exc):
+        return _control_plane_down("CapyCTL's database or Redis did not answer; retry shortly.")
     return GatewayError(
         500, "internal_error", "CapyCTL failed to handle this request; it was logged.",
         "server_error",
@@ -457,19 +458,25 @@ def _wake_timeout(route: Route) -> GatewayError:
     )
 
 
+# The scheduler's errors as /v1 answers: status, and whether a retry may help.
+_SCHEDULER_ANSWERS: tuple[tuple[type[SchedulerError], int, bool], ...] = (
+    (NoCapacityError, 503, False),
+    (ModelStoppedError, 503, False),
+    (EngineFailedError, 502, True),
+    (SourceError, 502, False),  # weights missing or their download failed
+)
+
+
 def _scheduler_error(exc: SchedulerError, route: Route) -> GatewayError:
     """The /v1 error for a wake that failed with the scheduler's error ``exc``."""
     message = str(exc)
     if isinstance(exc, WakeTimeoutError):
         return _wake_timeout(route)
-    if isinstance(exc, NoCapacityError):
-        return GatewayError(503, "no_capacity", message, "server_error", False)
-    if isinstance(exc, ModelStoppedError):
-        return GatewayError(503, "model_stopped", message, "server_error", False)
-    if isinstance(exc, EngineFailedError):
-        return GatewayError(502, "engine_failed", message, "server_error")
-    if isinstance(exc, SourceError):  # weights missing or their download failed
-        return GatewayError(502, "source_failed", message, "server_error", False)
+    if isinstance(exc, ControlPlaneUnavailableError):
+        return _control_plane_down(message)
+    for kind, status, retry in _SCHEDULER_ANSWERS:
+        if isinstance(exc, kind):
+            return GatewayError(status, kind.code, message, "server_error", retry)
     return GatewayError(503, "unavailable", message, "server_error")
 
 

@@ -4,6 +4,7 @@ limits on requests per minute and requests in flight, per key and per user."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -17,6 +18,8 @@ from django.utils import timezone
 from capyctl.access.models import ApiKey
 from capyctl.gateway.errors import GatewayError
 from capyctl.gateway.keys import KeyInfo
+
+logger = logging.getLogger("capyctl.gateway")
 
 LAST_USED_EVERY = timedelta(minutes=1)
 _TAIL_BYTES = 8192
@@ -208,14 +211,39 @@ def _redis_key(kind: str, bucket: Bucket) -> str:
 
 class RedisRateLimiter:
     """The same windows and counts, kept in Redis (server mode): every API process counts
-    against one window per key and per user, by Redis's clock, in one atomic step."""
+    against one window per key and per user, by Redis's clock, in one atomic step.
+
+    While Redis does not answer, this process counts alone (its own windows and requests
+    in flight, as standalone does), so limits hold per process rather than across them;
+    a request that ends meanwhile is taken out of Redis's count once Redis is back.
+    """
 
     def __init__(self, url: str) -> None:
         import redis.asyncio
 
-        self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=2)
+        self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
         self._script = self._redis.register_script(_LIMIT_SCRIPT)
         self._enter = self._redis.register_script(_ENTER_SCRIPT)
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._local = LocalLimiter()
+        self._entered_here: set[str] = set()  # members counted by this process alone
+        self._leaves_owed: list[tuple[str, str]] = []  # (key, member) to remove when back
+        self.down_since: float | None = None
+
+    def _down(self, exc: BaseException) -> None:
+        if self.down_since is None:
+            self.down_since = time.time()
+            logger.warning("Redis does not answer (%s): limits count in this process alone",
+                           type(exc).__name__)  # fmt: skip
+
+    async def _up(self) -> None:
+        self.down_since = None
+        owed, self._leaves_owed = self._leaves_owed, []
+        for key, member in owed:
+            try:
+                await self._redis.zrem(key, member)
+            except self._errors:
+                self._leaves_owed.append((key, member))
 
     async def retry_after(self, key_pk: int, limit: int | None) -> float | None:
         refused = await self.admit([(("key", key_pk), limit)])
@@ -226,10 +254,16 @@ class RedisRateLimiter:
         if not live:
             return None
         member = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-        refused = await self._script(
-            keys=[_redis_key("rpm", bucket) for _, bucket, _ in live],
-            args=[*(limit for _, _, limit in live), member],
-        )
+        try:
+            refused = await self._script(
+                keys=[_redis_key("rpm", bucket) for _, bucket, _ in live],
+                args=[*(limit for _, _, limit in live), member],
+            )
+        except self._errors as exc:
+            self._down(exc)
+            return await self._local.admit(limits)
+        if self.down_since is not None or self._leaves_owed:
+            await self._up()
         if refused is None:
             return None
         return live[int(refused[0]) - 1][0], max(float(refused[1]), 1.0)
@@ -238,16 +272,34 @@ class RedisRateLimiter:
         live = [(at, bucket, limit) for at, (bucket, limit) in enumerate(limits) if limit]
         if not live:
             return None
-        refused = await self._enter(
-            keys=[_redis_key("busy", bucket) for _, bucket, _ in live],
-            args=[*(limit for _, _, limit in live), member, IN_FLIGHT_LEASE_SECONDS],
-        )
+        try:
+            refused = await self._enter(
+                keys=[_redis_key("busy", bucket) for _, bucket, _ in live],
+                args=[*(limit for _, _, limit in live), member, IN_FLIGHT_LEASE_SECONDS],
+            )
+        except self._errors as exc:
+            self._down(exc)
+            full = await self._local.enter(limits, member)
+            if full is None:
+                self._entered_here.add(member)
+            return full
+        if self.down_since is not None or self._leaves_owed:
+            await self._up()
         return None if refused is None else live[int(refused) - 1][0]
 
     async def leave(self, limits: list[tuple[Bucket, int | None]], member: str) -> None:
+        if member in self._entered_here:
+            self._entered_here.discard(member)
+            await self._local.leave(limits, member)
+            return
         for bucket, limit in limits:
             if limit:
-                await self._redis.zrem(_redis_key("busy", bucket), member)
+                key = _redis_key("busy", bucket)
+                try:
+                    await self._redis.zrem(key, member)
+                except self._errors as exc:
+                    self._down(exc)
+                    self._leaves_owed.append((key, member))
 
     async def close(self) -> None:
         await self._redis.aclose()

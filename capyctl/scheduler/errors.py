@@ -6,7 +6,10 @@ one parses messages.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+
+from django.db import DatabaseError
 
 from capyctl.errors import UserError
 
@@ -58,6 +61,13 @@ class UnavailableError(SchedulerError):
     code = "unavailable"
 
 
+class ControlPlaneUnavailableError(UnavailableError):
+    """Redis (or the database) did not answer, or cannot be trusted yet: nothing was
+    switched; a retry once it is back succeeds."""
+
+    code = "control_plane_unavailable"
+
+
 _BY_CODE: dict[str, type[SchedulerError]] = {
     cls.code: cls
     for cls in (
@@ -67,6 +77,7 @@ _BY_CODE: dict[str, type[SchedulerError]] = {
         SourceError,
         WakeTimeoutError,
         UnavailableError,
+        ControlPlaneUnavailableError,
     )
 }
 
@@ -74,3 +85,15 @@ _BY_CODE: dict[str, type[SchedulerError]] = {
 def error_for(code: str, message: str) -> SchedulerError:
     """The typed error for a ``code`` told by another process (server mode's workers)."""
     return _BY_CODE.get(code, UnavailableError)(message)
+
+
+def is_control_plane_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the database, Redis or the Celery broker not answering."""
+    redis = sys.modules.get("redis")
+    kombu = sys.modules.get("kombu.exceptions")
+    return (
+        isinstance(exc, DatabaseError)
+        or (redis is not None and isinstance(exc, redis.exceptions.RedisError))
+        or (kombu is not None and isinstance(exc, kombu.OperationalError))
+        or isinstance(exc, ConnectionError)  # a socket refused or reset on the way
+    )

@@ -126,10 +126,21 @@ def _drain(deployment: Deployment, doing: str) -> bool:
     if not transitions.draining(deployment.pk):
         return False
     drain = deployment.setting("drain_timeout_seconds")
-    if inflight.wait_drained(deployment.pk, drain):
-        return True
-    left = inflight.count(deployment.pk)
-    message = f"gave up {doing} {deployment.name}: {left} request(s) still in flight after {drain}s"
+    try:
+        if inflight.wait_drained(deployment.pk, drain):
+            return True
+    except inflight.CountsUnknown as exc:  # never taken for zero: it stays ready
+        message = (
+            f"gave up {doing} {deployment.name}: its requests in flight cannot be counted ({exc})"
+        )
+        transitions.drain_abandoned(deployment, message, kind="deployment.drain_abandoned")
+        raise inflight.CountsUnknown(message) from exc
+    left = inflight.count_or_none(deployment.pk)
+    message = (
+        f"gave up {doing} {deployment.name}: "
+        + (f"{left} request(s)" if left is not None else "request(s)")
+        + f" still in flight after {drain}s"
+    )
     transitions.drain_abandoned(deployment, message)
     raise SchedulerError(message)
 

@@ -133,7 +133,7 @@ def reconcile(host_id: int) -> None:
             and not deployment.pinned
             and last is not None
             and now - last >= timedelta(seconds=idle)
-            and inflight.count(deployment.pk) == 0  # it serves: not idle, however long
+            and inflight.count_or_none(deployment.pk) == 0  # it serves (or unknown): not idle
         ):
             try:
                 operations.park(deployment.pk, actor="system", reason=f"after {idle}s idle")

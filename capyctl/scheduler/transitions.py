@@ -261,15 +261,21 @@ def draining(deployment_id: int) -> bool:
     it was not ready (someone else drains, parks or stops it), and nothing was closed."""
     if not _move(deployment_id, [S.READY], S.DRAINING):
         return False
-    inflight.close(deployment_id)
+    try:
+        inflight.close(deployment_id)
+    except inflight.CountsUnknown:  # Redis does not answer: no drain, it stays ready
+        _move(deployment_id, [S.DRAINING], S.READY)
+        raise
     return True
 
 
-def drain_abandoned(deployment: Deployment, message: str = "") -> bool:
+def drain_abandoned(
+    deployment: Deployment, message: str = "", kind: str = "deployment.drain_timeout"
+) -> bool:
     """DRAINING -> READY (its gate open again): a drain that timed out or was left."""
     won = _move(deployment.pk, [S.DRAINING], S.READY)
     if won and message:
-        record(deployment, "deployment.drain_timeout", message, level=Event.Level.WARNING)
+        record(deployment, kind, message, level=Event.Level.WARNING)
     return won
 
 

@@ -14,6 +14,7 @@ Failures are raised as the scheduler's typed errors (:mod:`capyctl.scheduler.err
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,7 +24,13 @@ from django.db import connection
 
 from capyctl.deployments.models import Deployment
 from capyctl.scheduler import operations
-from capyctl.scheduler.errors import SchedulerError, WakeTimeoutError, error_for
+from capyctl.scheduler.errors import (
+    ControlPlaneUnavailableError,
+    SchedulerError,
+    WakeTimeoutError,
+    error_for,
+    is_control_plane_error,
+)
 
 # Starts and wakes wait on engines for minutes; each holds one of these threads meanwhile.
 CONTROL_THREADS = 64
@@ -69,24 +76,32 @@ def _state(deployment_id: int) -> tuple[str, str] | None:
     return (row[0], row[1]) if row else None
 
 
+# How long a request that needs a switch waits for Redis to answer before it is told 503
+# control_plane_unavailable (within its own wake timeout).
+CONTROL_PLANE_PATIENCE_SECONDS = 10.0
+
+
 async def _on_worker(deployment_id: int, timeout: float) -> None:
     # Server mode only: standalone never loads Celery or the channel layer for a wake.
     from channels.layers import get_channel_layer
 
-    from capyctl.scheduler import notify, tasks
+    from capyctl.scheduler import notify
 
     layer = get_channel_layer()
     channel = await layer.new_channel()
     group = notify.group(deployment_id)
-    await layer.group_add(group, channel)
     deadline = time.monotonic() + timeout
     sent_at = time.time()
+    await _send(layer, group, channel, deployment_id, deadline=deadline)
     try:
-        await run(tasks.ensure_ready.delay, deployment_id)
         while time.monotonic() < deadline:  # past it, the next request sends a new wake
             try:
                 outcome = await asyncio.wait_for(layer.receive(channel), timeout=0.5)
-            except TimeoutError:
+            except Exception as exc:
+                if not isinstance(exc, TimeoutError):
+                    if not is_control_plane_error(exc):
+                        raise
+                    await asyncio.sleep(0.5)  # no outcome over Redis: the database says
                 now = await run(_state, deployment_id)
                 if now is None:
                     raise SchedulerError("the model no longer exists") from None
@@ -100,7 +115,31 @@ async def _on_worker(deployment_id: int, timeout: float) -> None:
             raise error_for(str(outcome.get("code")), str(outcome.get("message")))
         raise WakeTimeoutError(f"not ready within {timeout:g}s")
     finally:
-        await layer.group_discard(group, channel)
+        with contextlib.suppress(Exception):  # Redis away: the group's entry expires
+            await layer.group_discard(group, channel)
+
+
+async def _send(
+    layer: Any, group: str, channel: str, deployment_id: int, *, deadline: float
+) -> None:
+    """Listen for the outcome, and send the wake to a worker; while Redis (the broker and
+    the channel layer) does not answer, try again for a while."""
+    from capyctl.scheduler import tasks  # server mode only, as above
+
+    patience = min(deadline, time.monotonic() + CONTROL_PLANE_PATIENCE_SECONDS)
+    while True:
+        try:
+            await layer.group_add(group, channel)
+            await run(tasks.ensure_ready.delay, deployment_id)
+            return
+        except Exception as exc:
+            if not is_control_plane_error(exc):
+                raise
+            if time.monotonic() >= patience:
+                raise ControlPlaneUnavailableError(
+                    "Redis does not answer, so the model could not be switched; retry shortly"
+                ) from exc
+            await asyncio.sleep(0.5)
 
 
 def _failed_since(deployment_id: int, since: float) -> bool:

@@ -17,6 +17,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET
 
+from capyctl import controlplane
 from capyctl.deployments.models import Deployment
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
@@ -213,7 +214,7 @@ def _deployments(ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "pinned": found["pinned"],
                 "memory": own,
                 "memory_bytes": sum(part["bytes"] for part in own),
-                "in_flight": inflight.count(found["id"]),
+                "in_flight": inflight.count_or_none(found["id"]),
                 "waiting": int(waiting.get(found["name"], 0)),
                 "last_switch": last_switch,
             }
@@ -249,11 +250,13 @@ def dashboard_data() -> dict[str, Any]:
     ``promised``, ``unconfirmed``), then ``foreign``, then ``free`` (capacity - used).
     ``deployments``: each model's states, its ledger bytes per pool, requests in flight
     and waiting, and its last switch (start, park, wake or stop) with how long it took.
-    ``events``: the most recent events, newest first. A few queries in all, plus one per
+    ``events``: the most recent events, newest first. ``control_plane``: whether Redis
+    answers (server mode), and since when it does not. A few queries in all, plus one per
     host for its pools.
     """
     ledger = _ledger_rows()
     return {
+        "control_plane": controlplane.state(),
         "hosts": _hosts(ledger),
         "deployments": _deployments(ledger),
         "events": _events(),

@@ -202,7 +202,18 @@
     list.replaceChildren(...items);
   }
 
+  function drawControlPlane(plane) {
+    const banner = document.getElementById("control-plane");
+    if (!banner || !plane) return;
+    banner.hidden = plane.redis !== "down";
+    if (banner.hidden) return;
+    const since = plane.since ? [" since ", timeNode(plane.since)] : [];
+    banner.replaceChildren("Redis does not answer", ...since,
+      ": ready models keep answering; switches wait or are refused until it is back.");
+  }
+
   function draw(data) {
+    drawControlPlane(data.control_plane);
     drawHosts(data.hosts);
     drawDeployments(data.deployments);
     drawEvents(data.events);
