@@ -85,6 +85,12 @@ def test_redis_stopped_under_traffic(outage_env, own_redis, tmp_path):
             assert during.headers["retry-after"] == "1"
             status = run("status")
             assert "redis: DOWN since" in status.out, status.out
+            parked = run("deployment", "park", "a")  # an intent nobody can be handed
+            assert parked.code == 1, parked.out
+            assert parked.err.strip() == (
+                "capyctl: error: Redis does not answer, so nothing can be handed to the "
+                "workers now; retry when it is back"
+            )
             time.sleep(max(0.0, 10 - (time.monotonic() - stopped)))
         finally:
             traffic_done.set()

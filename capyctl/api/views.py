@@ -33,13 +33,19 @@ from capyctl.hosts import services as hosts
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.scheduler import actions
+from capyctl.scheduler.errors import ControlPlaneUnavailableError
 from capyctl.scheduler.models import Operation
 from capyctl.validation import parse_duration, parse_gpu_memory, parse_size_value
 
 
 def handle_errors(exc: Exception, context: dict[str, Any]) -> Response | None:
     """A service's :class:`UserError` becomes a 400 naming its field (404 when the thing
-    named does not exist); the rest is DRF's usual JSON."""
+    named does not exist; 503 with Retry-After when Redis or the database did not answer);
+    the rest is DRF's usual JSON."""
+    if isinstance(exc, ControlPlaneUnavailableError):  # nothing wrong with the request
+        return Response(
+            {"detail": exc.message, "code": exc.code}, status=503, headers={"Retry-After": "1"}
+        )
     if isinstance(exc, NotFoundError):
         exc = exceptions.NotFound(exc.message)
     elif isinstance(exc, UserError):

@@ -91,8 +91,9 @@ def _run_with_django(args: argparse.Namespace) -> int:
 
     try:
         return int(args.handler(args) or 0)
-    except UserError as exc:
-        return _fail(str(exc), EXIT_USAGE)
+    except UserError as exc:  # a mistake; or Redis not answering, which is not one
+        outage = getattr(exc, "code", "") == "control_plane_unavailable"
+        return _fail(str(exc), EXIT_FAILURE if outage else EXIT_USAGE)
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE)
     except DatabaseError as exc:

@@ -374,8 +374,13 @@ def _beat(beat: Any) -> None:
             status=Operation.Status.PENDING, created_at__lt=stale
         ).values_list("pk", flat=True)[:32]:
             tasks.run_operation.delay(op_id)
-    except Exception:  # the supervisor outlives a Redis or database hiccup
-        logger.exception("server beat failed")
+    except Exception as exc:  # the supervisor outlives a Redis or database hiccup
+        from capyctl.scheduler.errors import is_control_plane_error
+
+        if not is_control_plane_error(exc):
+            logger.exception("server beat failed")
+        else:  # one line a beat, not a traceback every two seconds of an outage
+            logger.warning("server beat skipped: %s: %s", type(exc).__name__, exc)
 
 
 def _version() -> str:

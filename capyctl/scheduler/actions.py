@@ -31,10 +31,11 @@ def request_action(
             f"mode {mode!r} is not allowed here: only a park takes a mode (ram or deep)",
             field="mode",
         )
+    alive = server_alive()  # first: an intent nobody can be told changes nothing
     if action in ("start", "stop"):
         desired = "running" if action == "start" else "stopped"
         Deployment.objects.filter(pk=deployment.pk).update(desired_state=desired)
-    if not server_alive():
+    if not alive:
         if action in ("start", "stop"):
             return None
         raise UserError(

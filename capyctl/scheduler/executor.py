@@ -20,6 +20,7 @@ from django.utils import timezone
 from capyctl.hosts.agents import AgentUnreachableError, poll_hosts
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 from capyctl.scheduler import operations
+from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error
 from capyctl.scheduler.models import Operation
 from capyctl.scheduler.reconcile import reconcile
 
@@ -130,14 +131,23 @@ SERVER_ALIVE_KEY = "capyctl:server-alive"  # refreshed by `capyctl start server`
 
 def server_alive() -> bool:
     """Whether a server is running on this database: standalone's loop beat recently, or
-    (server mode) the supervisor's beat is in Redis."""
+    (server mode) the supervisor's beat is in Redis. Raises ControlPlaneUnavailableError
+    when Redis does not answer: then nobody can say, nor be handed anything."""
     if settings.MODE == "server":
         import redis
 
+        client = redis.Redis.from_url(
+            settings.REDIS_URL or "", socket_timeout=2, socket_connect_timeout=2
+        )
         try:
-            return bool(redis.Redis.from_url(settings.REDIS_URL or "").exists(SERVER_ALIVE_KEY))
-        except redis.RedisError:
-            return False
+            return bool(client.exists(SERVER_ALIVE_KEY))
+        except (redis.RedisError, OSError) as exc:
+            raise ControlPlaneUnavailableError(
+                "Redis does not answer, so nothing can be handed to the workers now; "
+                "retry when it is back"
+            ) from exc
+        finally:
+            client.close()
     host = Host.objects.filter(name=LOCAL_HOST_NAME).first()
     return bool(host and host.heartbeat_at and timezone.now() - host.heartbeat_at < ALIVE_WITHIN)
 
@@ -150,4 +160,12 @@ def submit(operation: Operation) -> None:
 
         from capyctl.scheduler import tasks
 
-        transaction.on_commit(lambda: tasks.run_operation.delay(operation.pk))
+        def hand_over() -> None:
+            try:
+                tasks.run_operation.delay(operation.pk)
+            except Exception as exc:  # saved: the next pass sends what was not handed over
+                if not is_control_plane_error(exc):
+                    raise
+                logger.warning("operation %s waits for the next pass: %s", operation.pk, exc)
+
+        transaction.on_commit(hand_over)
