@@ -9,7 +9,8 @@ import pytest
 from sybil import Sybil
 
 from tests.docshell import ConsoleBlocks, page_teardown
-from tests.redis_db import own_redis, redis_run, redis_url  # noqa: F401 - fixtures for every test and page
+from tests.own_servers import own_postgres, own_redis  # noqa: F401 - fixtures for every test
+from tests.redis_db import redis_run, redis_url  # noqa: F401 - fixtures for every test and page
 
 pytest_collect_file = Sybil(
     parsers=[ConsoleBlocks()],

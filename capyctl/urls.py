@@ -13,6 +13,8 @@ admin.site.site_title = "CapyCTL admin"
 admin.site.index_title = "Models, engines, hosts and keys"
 admin.site.login_form = login.ThrottledAdminLoginForm
 
+handler500 = "capyctl.web.views.server_error"
+
 urlpatterns = [
     path("", dashboard, name="dashboard"),
     path("admin/", admin.site.urls),

@@ -10,14 +10,9 @@ another run may use.
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import redis
@@ -78,56 +73,3 @@ def redis_url(redis_run: RedisDb) -> Iterator[str]:
     redis_run.clean()
     yield redis_run.url
     redis_run.clean()
-
-
-class OwnRedis:
-    """A redis-server of a test's own, on a free port, that the test may stop and start
-    again (as an outage does: it comes back empty, like the machine's, which keeps no
-    data on disk)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        options = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        options += ["--appendonly", "no", "--dir", str(self.workdir)]
-        self.process = subprocess.Popen(
-            [binary, *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        client.close()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(timeout=30)
-            self.process = None
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
-    server = OwnRedis(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()

@@ -288,6 +288,11 @@ def test_server_errors_hide_addresses_that_messages_quote():
     body = json.loads(GatewayError(502, "engine_failed", quoted, "server_error").body())
     assert "127.0.0.1" not in body["error"]["message"]
     assert body["error"]["message"].startswith("start failed: listening on ")
+    # A database driver names the host and the port apart (the port went through).
+    driver = 'connection to server at "10.0.0.7", port 40831 failed: Connection refused'
+    body = json.loads(GatewayError(503, "unavailable", driver, "server_error").body())
+    assert "10.0.0.7" not in body["error"]["message"]
+    assert "40831" not in body["error"]["message"], body
 
 
 # -- the fuzz: no answer of CapyCTL's own is a 5xx -------------------------------------------

@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from tests.test_server_mode import (
     chat,
     one_host_setup,
     server_database_env,
+    server_env_for,
     start,
     stop,
     two_models,
@@ -38,92 +40,152 @@ def outage_env(tmp_path, own_redis):
         yield env
 
 
-def test_redis_stopped_under_traffic(outage_env, own_redis, tmp_path):
-    env, run, (port, enrol_port, agent_port), token = one_host_setup(outage_env)
+class _Traffic:
+    def __init__(self, thread: threading.Thread, done: threading.Event) -> None:
+        self.thread, self.done = thread, done
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=120)
+
+
+def steady_traffic(port, key, model):
+    """Requests to ``model`` one after another (a pause of 0.1 s between them) until
+    stopped: the answers' statuses, the bodies of those not 200, and the handle."""
+    answers: list[int] = []
+    bodies: list[str] = []
+    done = threading.Event()
+
+    def traffic():
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}
+        ) as client:
+            while not done.is_set():
+                reply = client.post(
+                    "/v1/chat/completions",
+                    json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 2},
+                    timeout=60,
+                )  # fmt: skip
+                answers.append(reply.status_code)
+                if reply.status_code != 200:
+                    bodies.append(reply.text)
+                time.sleep(0.1)
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    return answers, bodies, _Traffic(thread, done)
+
+
+def switch_back(port, key, model):
+    """Ask for ``model`` until it answers 200 (each answer meanwhile a documented error);
+    the seconds it took."""
+    back = time.monotonic()
+    switched = None
+    while switched is None or switched.status_code != 200:
+        assert time.monotonic() - back < 60, switched.text if switched else ""
+        switched = chat(port, key, model)
+        assert switched.status_code == 200 or (switched.json()["error"]["code"] in DOCUMENTED), (
+            switched.text
+        )
+    return time.monotonic() - back
+
+
+@dataclass
+class Drill:
+    """What a drill saw: the ready model's answers during the outage (and the bodies of
+    those not 200), and how long a switch took once the service was back."""
+
+    answers: list[int]
+    bodies: list[str]
+    switch_seconds: float
+
+
+def drill(env, tmp_path, *, outage, back, during, what):
+    """Host ``box`` with models ``a`` (ready) and ``b`` (parked) under steady traffic to
+    ``a``; ``outage()``, then ``during(port, key, run)`` checks what answers, 10 s in all;
+    then ``back()`` and a switch to ``b``. ``during`` gets an unused key as ``key2``."""
+    env, run, (port, enrol_port, agent_port), token = one_host_setup(env)
     key = two_models(run)
+    unused = run("key", "create", "--user", "admin").out.strip()
     server = start(env, tmp_path, port, enrol_port)
     agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
-
-    def ask(model):
-        return chat(port, key, model)
-
     try:
         wait_online(port, key)
         for model in ("a", "b", "a"):  # both have run; a is ready, b parked
-            answer = ask(model)
+            answer = chat(port, key, model)
             assert answer.status_code == 200, answer.text
-
-        answers: list[int] = []
-        bodies: list[str] = []
-        traffic_done = threading.Event()
-
-        def traffic():
-            with httpx.Client(
-                base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}
-            ) as steady:
-                while not traffic_done.is_set():
-                    reply = steady.post(
-                        "/v1/chat/completions",
-                        json={"model": "a", "messages": [{"role": "user", "content": "hi"}],
-                              "max_tokens": 2},
-                        timeout=60,
-                    )  # fmt: skip
-                    answers.append(reply.status_code)
-                    if reply.status_code != 200:
-                        bodies.append(reply.text)
-                    time.sleep(0.1)
-
-        steady = threading.Thread(target=traffic)
-        steady.start()
+        answers, bodies, traffic = steady_traffic(port, key, "a")
         try:
             time.sleep(1)
-            own_redis.stop()
+            outage()
             stopped = time.monotonic()
-            during = ask("b")  # needs a switch, which needs Redis
-            assert during.status_code == 503, during.text
-            assert during.json()["error"]["code"] == "control_plane_unavailable"
-            assert during.headers["retry-after"] == "1"
-            status = run("status")
-            assert "redis: DOWN since" in status.out, status.out
-            parked = run("deployment", "park", "a")  # an intent nobody can be handed
-            assert parked.code == 1, parked.out
-            assert parked.err.strip() == (
-                "capyctl: error: Redis does not answer, so nothing can be handed to the "
-                "workers now; retry when it is back"
-            )
+            switch = chat(port, key, "b")  # a switch needs what is away
+            assert switch.status_code == 503, switch.text
+            assert switch.json()["error"]["code"] == "control_plane_unavailable", switch.text
+            assert switch.headers["retry-after"] == "1"
+            during(port, key, unused, run)
             time.sleep(max(0.0, 10 - (time.monotonic() - stopped)))
         finally:
-            traffic_done.set()
-            steady.join(timeout=120)
-        during_outage = len(answers)
-        own_redis.start()
-        back = time.monotonic()
-        switched = None
-        while switched is None or switched.status_code != 200:
-            assert time.monotonic() - back < 60, switched.text if switched else ""
-            switched = ask("b")
-            assert switched.status_code == 200 or (
-                switched.json()["error"]["code"] in DOCUMENTED
-            ), switched.text
-        took = time.monotonic() - back
+            traffic.stop()
+        seen = Drill(list(answers), list(bodies), 0.0)
+        back()
+        seen.switch_seconds = switch_back(port, key, "b")
         logger.warning(
-            "requests to the ready model during the 10 s outage: %d, all answered: %s; a "
-            "switch answered %.1fs after Redis returned",
-            during_outage,
-            sorted(set(answers)),
-            took,
+            "%s for 10 s: %d requests to the ready model, all answered: %s; a switch answered "
+            "%.1fs after it was back",
+            what,
+            len(seen.answers),
+            sorted(set(seen.answers)),
+            seen.switch_seconds,
         )
-        assert set(answers) == {200}, bodies[:3]
-        assert during_outage >= 20
-        assert took < 15  # the promise is 5 s; a loaded machine gets a margin
+        assert set(seen.answers) == {200}, seen.bodies[:3]
+        assert len(seen.answers) >= 20
+        assert seen.switch_seconds < 15  # the promise is 5 s; a loaded machine gets a margin
+        assert server.poll() is None  # no process exits
         rows = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
-        assert rows["b"]["observed_state"] == "ready"
-        assert rows["a"]["observed_state"] == "parked"
-        wait_for(lambda: "redis: ok" in run("status").out, "status to say redis is back")
-        events = run("events", "--limit", "50").out
-        assert "redis.down" in events
-        assert "redis.back" in events
+        assert (rows["a"]["observed_state"], rows["b"]["observed_state"]) == ("parked", "ready")
+        return run
     finally:
         agent.terminate()
         agent.wait(timeout=15)
         stop(server)
+
+
+def test_redis_stopped_under_traffic(outage_env, own_redis, tmp_path):
+    def during(port, key, unused, run):
+        status = run("status")
+        assert "redis: DOWN since" in status.out, status.out
+        parked = run("deployment", "park", "a")  # an intent nobody can be handed
+        assert parked.code == 1, parked.out
+        assert parked.err.strip() == (
+            "capyctl: error: Redis does not answer, so nothing can be handed to the workers "
+            "now; retry when it is back"
+        )
+
+    run = drill(outage_env, tmp_path, outage=own_redis.stop, back=own_redis.start,
+                during=during, what="Redis stopped")  # fmt: skip
+    wait_for(lambda: "redis: ok" in run("status").out, "status to say redis is back")
+    events = run("events", "--limit", "50").out
+    assert "redis.down" in events
+    assert "redis.back" in events
+
+
+@pytest.fixture
+def postgres_outage_env(tmp_path, own_postgres, redis_url):
+    return server_env_for(tmp_path, f"{own_postgres.url}/postgres", redis_url)
+
+
+def test_postgresql_restarted_under_traffic(postgres_outage_env, own_postgres, tmp_path):
+    def during(port, key, unused, run):
+        stranger = chat(port, unused, "a")  # a key this server has not read yet
+        assert stranger.status_code == 503, stranger.text
+        rest = httpx.get(
+            f"http://127.0.0.1:{port}/api/deployments/",
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert rest.status_code == 503, rest.text
+        assert rest.json()["code"] == "control_plane_unavailable"
+
+    drill(postgres_outage_env, tmp_path, outage=own_postgres.stop, back=own_postgres.start,
+          during=during, what="PostgreSQL stopped")  # fmt: skip

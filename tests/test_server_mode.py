@@ -24,24 +24,29 @@ PG = "postgres://postgres@127.0.0.1:5432"
 SIM = f"{sys.executable} -m hostagent.sim vllm"
 
 
-@contextmanager
-def server_database_env(tmp_path, redis_url, prefix="capyctl_server"):
-    """The environment of a server with a PostgreSQL database of its own (dropped after)."""
+def server_env_for(tmp_path, database_url, redis_url):
+    """A server's environment: this one without CAPYCTL_*, then the server's own."""
     import os
 
-    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
     env.update(
         CAPYCTL_DATA_DIR=str(tmp_path / "server"),
-        CAPYCTL_DATABASE_URL=f"{PG}/{name}",
+        CAPYCTL_DATABASE_URL=database_url,
         CAPYCTL_REDIS_URL=redis_url,
         CAPYCTL_MIN_READY_SECONDS="0",
         PYTHONUNBUFFERED="1",
     )
+    return env
+
+
+@contextmanager
+def server_database_env(tmp_path, redis_url, prefix="capyctl_server"):
+    """The environment of a server with a PostgreSQL database of its own (dropped after)."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
     try:
-        yield env
+        yield server_env_for(tmp_path, f"{PG}/{name}", redis_url)
     finally:
         with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

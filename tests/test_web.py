@@ -1,5 +1,7 @@
 """Liveness, readiness, the admin and static assets, through the ASGI application."""
 
+import json
+
 import httpx
 import pytest
 from django.test import override_settings
@@ -131,3 +133,25 @@ def test_the_admin_validates_through_the_service_layer(client, alice):
         },
     )
     assert "must contain {port}" in bad_engine.content.decode()
+
+
+def test_a_database_that_does_not_answer_is_a_503_page_not_a_bare_500(rf):
+    """Any page failing because the database (or Redis) did not answer: Django's bare 500
+    before; 503 with Retry-After now, JSON under /api/. Any other failure stays a 500."""
+    from django.db import OperationalError
+
+    from capyctl.web.views import server_error
+
+    def answer(path, failure):
+        try:
+            raise failure
+        except Exception:  # Django calls the handler while the failure is being handled
+            return server_error(rf.get(path))
+
+    page = answer("/admin/", OperationalError("connection refused"))
+    assert (page.status_code, page["Retry-After"]) == (503, "1")
+    assert b"did not answer; retry shortly" in page.content
+    api = answer("/api/deployments/", OperationalError("connection refused"))
+    assert api.status_code == 503
+    assert json.loads(api.content)["code"] == "control_plane_unavailable"
+    assert answer("/admin/", ValueError("a bug")).status_code == 500

@@ -417,8 +417,14 @@ class Gateway:
     async def _flush_usage_soon(self) -> None:
         await asyncio.sleep(1.0)  # one write per second, however many requests
         pending = self.usage.take()
-        if pending:
+        if not pending:
+            return
+        try:
             await asyncio.get_running_loop().run_in_executor(None, write_usage, pending)
+        except Exception as exc:  # kept, and written with the next flush
+            self.usage.put_back(pending)
+            logger.warning("usage not written yet (%s); it is kept for the next try", exc)
+            self._usage_flush = asyncio.ensure_future(self._flush_usage_soon())
 
     def _touch(self, deployment_id: int) -> None:
         now = time.monotonic()
@@ -483,6 +489,8 @@ def _scheduler_error(exc: SchedulerError, route: Route) -> GatewayError:
 def _touch_sync(deployment_id: int) -> None:
     try:
         operations.touch(deployment_id)
+    except Exception as exc:  # idleness only: the next request touches it again
+        logger.debug("could not note a request's end on %s: %s", deployment_id, exc)
     finally:
         connection.close()
 

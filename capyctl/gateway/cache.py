@@ -5,7 +5,9 @@ in one batch, every ``soft`` seconds by one background task, so requests find fr
 and never wait on the database. A value older than ``hard`` is never used: the request
 waits for a read. Names that need a read at the same moment share one (one query per
 ``CHUNK`` names, however many requests wait). That bounds how stale anything can be,
-e.g. how long a revoked key keeps working, on every process.
+e.g. how long a revoked key keeps working, on every process. While the database does not
+answer, the last value read of a name stands (nothing can change it meanwhile), so ready
+models keep answering their callers.
 
 What is kept is bounded, so names nobody can own (random key ids) cannot grow it: at most
 ``max_names`` names are kept warm, the least recently used giving way; with
@@ -22,8 +24,10 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from asgiref.sync import sync_to_async
+from django.db import connection
 
 from capyctl.access.guessing import RecentMisses
+from capyctl.scheduler.errors import is_control_plane_error
 
 logger = logging.getLogger("capyctl.gateway")
 T = TypeVar("T")
@@ -82,7 +86,14 @@ class WarmCache(Generic[T]):
             self._reading[name] = reading
         elif reading is None:
             reading = self._queue(name)
-        return await asyncio.shield(reading)
+        try:
+            return await asyncio.shield(reading)
+        except Exception as exc:
+            # The database does not answer: the last value read stands until it does (a
+            # change made meanwhile could not have been made). A name never read fails.
+            if name in self._read_at and is_control_plane_error(exc):
+                return self._values.get(name)
+            raise
 
     def _use(self, name: str, now: float) -> None:
         used = self._used_at
@@ -129,8 +140,14 @@ class WarmCache(Generic[T]):
 
     def _fetch_chunks(self, names: list[str]) -> dict[str, T]:
         found: dict[str, T] = {}
-        for start in range(0, len(names), CHUNK):
-            found.update(self._fetch_many(names[start : start + CHUNK]))
+        try:
+            for start in range(0, len(names), CHUNK):
+                found.update(self._fetch_many(names[start : start + CHUNK]))
+        except Exception:
+            # A connection the database dropped (a restart) stays broken on this thread
+            # until closed: the next read connects afresh.
+            connection.close()
+            raise
         return found
 
     async def _read(self, names: list[str]) -> dict[str, T]:

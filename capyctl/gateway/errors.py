@@ -7,10 +7,11 @@ import re
 from dataclasses import dataclass, field
 
 # What an internal address looks like in a message (a URL, an IP address or localhost,
-# with a port or not): the log keeps it, a client is not told it.
+# with a port or not, or a port named on its own as database drivers do): the log keeps
+# it, a client is not told it.
 _ADDRESS = re.compile(
     r"\b[a-z][a-z0-9+.-]*://\S+|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"
-    r"|\[[0-9a-f:.]+\](?::\d+)?|\blocalhost(?::\d+)?\b",
+    r"|\[[0-9a-f:.]+\](?::\d+)?|\blocalhost(?::\d+)?\b|\bport \d+\b",
     re.IGNORECASE,
 )
 

@@ -88,6 +88,14 @@ class UsageBook:
         pending, self._pending = self._pending, {}
         return pending
 
+    def put_back(self, pending: dict[int, list[int]]) -> None:
+        """Counts taken but not written (the database did not answer): kept for the next."""
+        for key_pk, (requests, prompt, completion) in pending.items():
+            counts = self._pending.setdefault(key_pk, [0, 0, 0])
+            counts[0] += requests
+            counts[1] += prompt
+            counts[2] += completion
+
 
 def write_usage(pending: dict[int, list[int]]) -> None:
     """Add the counted requests and tokens to their keys (runs on a worker thread)."""

@@ -16,6 +16,7 @@ from celery import shared_task
 # load Celery.
 from capyctl import celery as _celery  # noqa: F401
 from capyctl.scheduler import executor, notify, operations, reconcile
+from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,16 @@ def ensure_ready(deployment_id: int) -> None:
     except operations.SchedulerError as exc:
         notify.announce(deployment_id, ok=False, code=exc.code, message=str(exc))
     except Exception as exc:
-        notify.announce(
-            deployment_id, ok=False, code="unavailable", message=f"{type(exc).__name__}: {exc}"
-        )
+        if is_control_plane_error(exc):  # the waiters learn that much, not the address
+            notify.announce(
+                deployment_id,
+                ok=False,
+                code=ControlPlaneUnavailableError.code,
+                message="CapyCTL's database or Redis did not answer; retry shortly.",
+            )
+        else:
+            notify.announce(deployment_id, ok=False, code="unavailable",
+                            message=f"{type(exc).__name__}: {exc}")  # fmt: skip
         raise
     else:
         notify.announce(deployment_id, ok=True)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import redis
 from django.conf import settings
 from django.db import connection
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views import defaults
 from django.views.decorators.http import require_GET
+
+from capyctl.scheduler.errors import is_control_plane_error
 
 logger = logging.getLogger("capyctl.web")
 
@@ -53,3 +57,21 @@ def readyz(request: HttpRequest) -> JsonResponse:
     return JsonResponse(
         {"status": "ok" if ready else "unavailable", "checks": checks}, status=200 if ready else 503
     )
+
+
+UNAVAILABLE = "CapyCTL's database or Redis did not answer; retry shortly."
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    """The 500 handler: a failure because the database or Redis did not answer is 503 with
+    Retry-After (JSON under /api/, a short page elsewhere), not a bare 500; the error was
+    logged once by Django with its cause."""
+    failure = sys.exc_info()[1]
+    if failure is None or not is_control_plane_error(failure):
+        return defaults.server_error(request)
+    headers = {"Retry-After": "1"}
+    if request.path.startswith("/api/"):
+        body = {"detail": UNAVAILABLE, "code": "control_plane_unavailable"}
+        return JsonResponse(body, status=503, headers=headers)
+    page = f"<!doctype html><title>Unavailable</title><h1>Unavailable</h1><p>{UNAVAILABLE}</p>"
+    return HttpResponse(page, status=503, headers=headers)

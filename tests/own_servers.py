@@ -1,0 +1,127 @@
+"""Servers of a test's own, on spare ports, that a test may stop and start again: a Redis
+and a PostgreSQL cluster. Drills of outages use these, never the machine's shared ones."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+
+class OwnRedis:
+    """A redis-server of a test's own, on a free port, that the test may stop and start
+    again (as an outage does: it comes back empty, like the machine's, which keeps no
+    data on disk)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        options = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        options += ["--appendonly", "no", "--dir", str(self.workdir)]
+        self.process = subprocess.Popen(
+            [binary, *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+            self.process = None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
+    server = OwnRedis(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class OwnPostgres:
+    """A PostgreSQL cluster made for the test (``initdb``; as the ``postgres`` user when the
+    tests run as root, which PostgreSQL refuses to run as)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = _free_port()
+        self.url = f"postgres://postgres@127.0.0.1:{self.port}"
+        self.workdir = workdir
+        self.data = workdir / "data"
+        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+        self.bin = Path(found[-1]).parent if found else Path(shutil.which("initdb") or "").parent
+        self._as = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if os.geteuid() == 0:
+            shutil.chown(workdir, user="postgres")
+        subprocess.run(
+            [*self._as, str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U",
+             "postgres", "--no-sync", "-E", "UTF8"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def _ctl(self, *args: str) -> None:
+        command = [*self._as, str(self.bin / "pg_ctl"), "-D", str(self.data), *args]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.workdir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._ctl("-o", options, "-l", str(self.workdir / "log"), "-w", "start")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                psycopg.connect(f"{self.url}/postgres", connect_timeout=2).close()
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        """As a crash or a restart looks to its clients: every connection cut at once."""
+        self._ctl("-m", "immediate", "-w", "stop")
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[OwnPostgres]:
+    # Not under pytest's own temporary folder: the postgres user could not reach into it.
+    workdir = Path(tempfile.mkdtemp(prefix="capyctl-pg-"))
+    server = OwnPostgres(workdir)
+    try:
+        server.start()
+        yield server
+    finally:
+        with contextlib.suppress(subprocess.CalledProcessError):  # stopped by the test
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
