@@ -12,7 +12,6 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
 
 logger = logging.getLogger("capyctl.scheduler")
 
@@ -22,7 +21,7 @@ BACK = "redis.back"
 
 def note_outage(down: bool, detail: str = "") -> None:
     """Record that Redis stopped (or started again) answering, unless the last such event
-    says so already. Called from a thread of its own; never raises."""
+    says so already. Never raises."""
     from capyctl.events.models import Event
     from capyctl.events.services import record_event
 
@@ -44,8 +43,6 @@ def note_outage(down: bool, detail: str = "") -> None:
             record_event(BACK, "Redis answers again: switching works again")
     except Exception as exc:  # the database may be away too; the log says it
         logger.warning("could not record that Redis %s: %s", "is down" if down else "is back", exc)
-    finally:
-        connection.close()  # this thread's own connection: none is left open
 
 
 def state() -> dict[str, Any]:

@@ -236,6 +236,23 @@ def test_staff_see_the_whole_picture_without_javascript(client, alice, two_model
     assert response.context["data"]["deployments"][0]["name"] == "chat"
 
 
+def test_the_page_says_since_when_redis_does_not_answer(client, alice, settings):
+    """Server mode with its Redis away: the dashboard said nothing of it."""
+    from capyctl import controlplane
+
+    client.force_login(alice)
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    controlplane.note_outage(True, "ConnectionError: refused")
+    since = Event.objects.get(kind="redis.down").created_at.isoformat()
+    html = client.get("/").content.decode()
+    banner = html.split('id="control-plane"')[1].split("</p>")[0]
+    assert " hidden" not in banner.split(">")[0]
+    assert f'Redis does not answer since <time datetime="{since}">' in banner
+    settings.REDIS_URL = None  # standalone: nothing to say
+    html = client.get("/").content.decode()
+    assert 'id="control-plane" class="card control-plane" role="status" hidden>' in html
+
+
 # --- the live feed -----------------------------------------------------------------------
 
 

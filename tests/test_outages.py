@@ -18,7 +18,9 @@ import pytest
 from tests.test_hosts_join import start_agent
 from tests.test_server_mode import (
     chat,
+    gated_model,
     one_host_setup,
+    rest,
     server_database_env,
     server_env_for,
     start,
@@ -189,3 +191,66 @@ def test_postgresql_restarted_under_traffic(postgres_outage_env, own_postgres, t
 
     drill(postgres_outage_env, tmp_path, outage=own_postgres.stop, back=own_postgres.start,
           during=during, what="PostgreSQL stopped")  # fmt: skip
+
+
+@pytest.fixture
+def restart_env(tmp_path, redis_url):
+    with server_database_env(tmp_path, redis_url, "capyctl_restart") as env:
+        yield env
+
+
+def test_a_server_restarted_while_requests_wait_for_a_wake(restart_env, tmp_path):
+    """Requests waiting for a wake when the server is stopped each get an answer (503
+    ``unavailable``, retry) before it exits: they got a bare 500 ``Internal Server Error``
+    when uvicorn cut them. Started again, nothing is left waking past its timeout and a
+    request is served."""
+    env, run, (port, enrol_port, agent_port), token = one_host_setup(restart_env)
+    gate = tmp_path / "wake-gate"  # the engine holds each wake until this file exists
+    key = gated_model(run, gate, wake_timeout=20)
+    server = start(env, tmp_path, port, enrol_port)
+    agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
+    try:
+        wait_online(port, key)
+        assert run("deployment", "start", "a").code == 0
+        assert run("deployment", "park", "a").code == 0
+        answers: list[httpx.Response | Exception] = []
+
+        def ask():
+            try:
+                answers.append(chat(port, key, "a", timeout=120))
+            except httpx.HTTPError as exc:
+                answers.append(exc)
+
+        waiting = [threading.Thread(target=ask) for _ in range(3)]
+        for thread in waiting:
+            thread.start()
+        wait_for(gate.with_name("wake-gate.waiting").exists, "the engine to receive the wake")
+        stopped_at = time.monotonic()
+        assert stop(server) == 0
+        took = time.monotonic() - stopped_at
+        for thread in waiting:
+            thread.join(timeout=60)
+        assert len(answers) == 3
+        for answer in answers:
+            assert isinstance(answer, httpx.Response), f"no answer: {answer!r}"
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "unavailable"
+            assert answer.headers["retry-after"] == "1"
+        assert took < 15, took  # the promise is a stop within 5 s; a loaded machine's margin
+        gate.touch()
+        restarted = time.monotonic()
+        server = start(env, tmp_path, port, enrol_port)
+        # The wake the stopped worker had under way is left waking; past its timeout a pass
+        # repairs it, and a request is served (a new start if need be).
+        again = chat(port, key, "a", timeout=120)
+        if again.status_code != 200:
+            assert again.json()["error"]["code"] in DOCUMENTED | {"engine_failed"}, again.text
+            again = chat(port, key, "a", timeout=120)
+        assert again.status_code == 200, again.text
+        assert time.monotonic() - restarted < 20 + 30  # its wake timeout, a pass, a margin
+        assert rest(port, key, "deployments/a/")["observed_state"] == "ready"
+    finally:
+        gate.touch()
+        agent.terminate()
+        agent.wait(timeout=15)
+        stop(server)

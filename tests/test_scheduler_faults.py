@@ -165,6 +165,49 @@ def test_a_transition_stuck_past_its_timeout_is_repaired(gpu24):
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_passing_state_nobody_drives_is_repaired_before_its_timeout(gpu24):
+    """A wake whose driver died (no lock held, no lease) stayed ``waking`` for its whole
+    timeout plus 30 s, and every request meanwhile waited it out; a pass now repairs it
+    once it is 5 s old. One still driven is left alone until its timeout."""
+    import threading
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from capyctl.scheduler import flights
+
+    sim_engine("sim-vllm")
+    a = deployment("a", wake_timeout_seconds=60)
+    operations.ensure_ready(a.pk)
+    host = Host.objects.get(name="local").pk
+    six_seconds_ago = timezone.now() - timedelta(seconds=6)
+    Deployment.objects.filter(pk=a.pk).update(
+        observed_state="waking", state_changed_at=six_seconds_ago
+    )
+    holding, done = threading.Event(), threading.Event()
+
+    def drive() -> None:  # a wake under way in this process, on another thread
+        with flights.operating(a.pk, "a"):
+            holding.set()
+            done.wait(30)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    try:
+        assert holding.wait(30)
+        reconcile(host)
+        assert state("a")[0] == "waking"  # driven: left alone
+    finally:
+        done.set()
+        driver.join(30)
+    reconcile(host)  # nobody drives it any more
+    assert state("a")[0] == "failed"
+    assert "stayed waking for 6s" in Deployment.objects.get(pk=a.pk).state_reason
+    operations.ensure_ready(a.pk)
+    assert state("a") == ("ready", "")
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_model_can_wake_over_its_own_unconfirmed_memory(gpu24):
     sim_engine("sticky", CAPYCTL_SIM_KEEP_MEMORY="1")
     gpu24.runtime.release_timeout = 0.5

@@ -421,6 +421,12 @@ def _serve_uvicorn(host: str, port: int, listening: socket.socket) -> int:
             if self.started and sockets:
                 self._log_started_message(sockets)
 
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            from capyctl.gateway.app import gateway
+
+            gateway.stopping()  # requests waiting for a wake are answered, not cut
+            await super().shutdown(sockets)
+
     server = Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down; with SIGTERM's
     # default action that would end the process before the engines are stopped. A no-op

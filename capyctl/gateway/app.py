@@ -68,6 +68,7 @@ class Gateway:
         self._usage_flush: asyncio.Task[None] | None = None
         self.stored_responses = StoredResponses()
         self._tls: ssl.SSLContext | None = None
+        self._stopping: asyncio.Future[None] | None = None  # set when the server stops
 
     # -- the ASGI entry point ----------------------------------------------------------------
 
@@ -227,6 +228,31 @@ class Gateway:
 
     # -- waiting for a wake --------------------------------------------------------------------
 
+    def stopping(self) -> None:
+        """The server is stopping: requests waiting for a wake are answered now (503, retry)
+        rather than cut when it exits; a wake under way goes on without them."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_future()
+        if not self._stopping.done():
+            self._stopping.set_result(None)
+
+    async def _unless_stopping(self, waiting: Any) -> None:
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(waiting)
+        await asyncio.wait([task, self._stopping], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # its outcome, or its error
+            return
+        task.cancel()
+        raise GatewayError(
+            503,
+            "unavailable",
+            "CapyCTL is restarting; retry shortly.",
+            "server_error",
+            headers=[(b"retry-after", b"1")],
+        )
+
     async def _wait_ready(self, route: Route) -> Route:
         deployment_id = route.deployment_id
         if self._waiting.get(deployment_id, 0) >= route.max_waiting:
@@ -246,7 +272,9 @@ class Gateway:
                 wake = asyncio.ensure_future(wakes.ready(deployment_id, route.wake_timeout_seconds))
                 self._wakes[deployment_id] = wake
             try:
-                await asyncio.wait_for(asyncio.shield(wake), timeout=route.wake_timeout_seconds)
+                await self._unless_stopping(
+                    asyncio.wait_for(asyncio.shield(wake), timeout=route.wake_timeout_seconds)
+                )
             except TimeoutError:
                 raise _wake_timeout(route) from None
             except SchedulerError as exc:

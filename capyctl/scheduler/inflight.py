@@ -30,6 +30,7 @@ import uuid
 from typing import Protocol
 
 from django.conf import settings
+from django.db import connection
 
 from capyctl.scheduler.errors import ControlPlaneUnavailableError
 
@@ -281,10 +282,12 @@ class RedisInFlight:
                 if not noted:
                     noted = True
                     controlplane.note_outage(True, f"{type(exc).__name__}: {exc}")
+                    connection.close()  # this thread's own: none is left open
                 continue
             if noted:
                 noted = False
                 controlplane.note_outage(False)
+                connection.close()
 
     # -- the gateway's side ---------------------------------------------------------------
 

@@ -78,6 +78,20 @@ _STUCK_LIMITS: dict[str, str | None] = {
 _PARK_CALL_SECONDS = 600  # a park call's own limit (see operations.park)
 
 
+# A passing state nobody drives any more (the process that drove it died: no lock here,
+# no lease in Redis) is repaired once it is this old, not after its whole timeout.
+ORPHAN_GRACE_SECONDS = 5.0
+
+
+def _orphaned_for(deployment: Deployment, now: datetime) -> float | None:
+    """Seconds in a passing state, if past the grace (whether anyone drives it is asked
+    apart)."""
+    if deployment.observed_state not in _STUCK_LIMITS or deployment.state_changed_at is None:
+        return None
+    held = (now - deployment.state_changed_at).total_seconds()
+    return held if held >= ORPHAN_GRACE_SECONDS else None
+
+
 def _stuck_for(deployment: Deployment, now: datetime) -> float | None:
     """Seconds past its limit a deployment has stayed in a passing state, else None."""
     if deployment.observed_state not in _STUCK_LIMITS or deployment.state_changed_at is None:
@@ -106,6 +120,10 @@ def reconcile(host_id: int) -> None:
         stuck = _stuck_for(deployment, now)
         if stuck is not None and flights.flight_free(deployment.pk):
             _repair_stuck(deployment, driver, stuck)
+            continue
+        orphaned = _orphaned_for(deployment, now)
+        if orphaned is not None and not flights.driven_anywhere(deployment.pk):
+            _repair_stuck(deployment, driver, orphaned)
             continue
         instance = deployment.instances.exclude(state=Instance.State.EXITED).first()
         if instance is None:
