@@ -9,7 +9,7 @@ import pytest
 from sybil import Sybil
 
 from tests.docshell import ConsoleBlocks, page_teardown
-from tests.own_servers import own_postgres, own_redis  # noqa: F401 - fixtures for every test
+from tests.own_servers import own_postgres, own_redis, small_disk  # noqa: F401 - fixtures
 from tests.redis_db import redis_run, redis_url  # noqa: F401 - fixtures for every test and page
 
 pytest_collect_file = Sybil(

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,15 +191,25 @@ def start_server(
     timeout: float = 60,
     listen: str = "127.0.0.1:{port}",
     url: str = "http://127.0.0.1:{port}",
+    wrapper: Sequence[str] = (),
 ) -> Server:
     """Start ``capyctl start standalone`` on a free port and wait until /healthz answers
-    at ``url``. ``listen`` is what ``--listen`` gets; ``{port}`` in either is the port."""
+    at ``url``. ``listen`` is what ``--listen`` gets; ``{port}`` in either is the port.
+    ``wrapper`` runs the program (``nsenter …``: it sees a small disk of its own)."""
     port = free_port()
     log_path = Path(env["CAPYCTL_DATA_DIR"]).parent / f"server-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [CAPYCTL, "start", "standalone", "--listen", listen.format(port=port), *extra],
+            [
+                *wrapper,
+                CAPYCTL,
+                "start",
+                "standalone",
+                "--listen",
+                listen.format(port=port),
+                *extra,
+            ],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

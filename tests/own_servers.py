@@ -125,3 +125,51 @@ def own_postgres() -> Iterator[OwnPostgres]:
         with contextlib.suppress(subprocess.CalledProcessError):  # stopped by the test
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+class SmallDisk:
+    """A tmpfs of ``size`` mounted on ``path`` in a mount namespace of its own (``unshare``
+    as an unprivileged user: nothing on the machine is mounted or changed). Programs that
+    should see it run through :meth:`inside`; the test fills it and frees it again, so the
+    disk is really full (ENOSPC), as a full disk is."""
+
+    def __init__(self, path: Path, size: str = "64m") -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        mount = f'mount -t tmpfs -o size={size},mode=0700 tmpfs "$1"'
+        script = f"{mount} && echo mounted && exec sleep infinity"
+        self.holder = subprocess.Popen(
+            ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private",
+             "sh", "-c", script, "sh", str(path)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.holder.stdout is not None
+        line = self.holder.stdout.readline().strip()
+        assert line == "mounted", f"could not mount a tmpfs in a namespace of its own: {line!r}"
+
+    def inside(self, *argv: str) -> list[str]:
+        """``argv`` run where the small disk is mounted on ``path``."""
+        return ["nsenter", "--target", str(self.holder.pid), "--user", "--mount", *argv]
+
+    def fill(self) -> None:
+        """Write a file until the disk is full."""
+        filler = self.path / "filler"
+        done = subprocess.run(self.inside("sh", "-c", f'cat /dev/zero > "{filler}"'),
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        assert "No space left on device" in done.stderr, done.stderr
+
+    def free(self) -> None:
+        subprocess.run(self.inside("rm", "-f", str(self.path / "filler")), check=True)
+
+    def close(self) -> None:
+        self.holder.kill()
+        self.holder.wait(timeout=30)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[SmallDisk]:
+    disk = SmallDisk(tmp_path / "small-disk")
+    try:
+        yield disk
+    finally:
+        disk.close()

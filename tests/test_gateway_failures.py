@@ -3,19 +3,25 @@
 route lookup, the in-flight count, the engine call), as Redis or the database failing
 there would raise it."""
 
+import asyncio
+import contextlib
 import logging
+import sqlite3
+from collections.abc import Iterator
 from typing import Any, cast
 
 import httpx
 import pytest
 import redis
 from asgiref.sync import sync_to_async
-from django.db import OperationalError
+from django.db import OperationalError, connection
 
+from capyctl.access.models import ApiKey
 from capyctl.access.services import issue_api_key
 from capyctl.gateway.app import Gateway
 from capyctl.scheduler import inflight, operations
-from tests.scheduling import deployment, vllm_engine
+from tests.conftest import table_counts
+from tests.scheduling import deployment, state, vllm_engine
 
 REDIS_DOWN = redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379.")
 
@@ -87,3 +93,96 @@ async def test_a_failure_at_any_step_is_an_openai_error(  # noqa: PLR0917 - fixt
     assert len(logged) == 1  # once, with its cause
     assert logged[0].exc_info is not None
     assert logged[0].exc_info[1] is exc
+
+
+@contextlib.contextmanager
+def locked_by_another_program(wait_seconds: float) -> Iterator[None]:
+    """SQLite's write lock held by another program (a person's ``sqlite3`` shell in the
+    middle of a write, a backup), while CapyCTL waits ``wait_seconds`` for a lock (its
+    default: 20 s), so a test need not wait that long."""
+    options = connection.settings_dict["OPTIONS"]  # every thread's connection reads these
+    saved = options["timeout"]
+    options["timeout"] = wait_seconds  # from each thread's next connection
+    holder = sqlite3.connect(connection.settings_dict["NAME"], isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        holder.rollback()
+        holder.close()
+        options["timeout"] = saved
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_database_locked_by_another_program(gpu24, bob):
+    """Standalone's SQLite locked by another program for longer than CapyCTL waits: the
+    ready model keeps answering; a request that needs a start gets 503
+    control_plane_unavailable saying the database is locked (Retry-After 1) and nothing is
+    half-written; once the lock is gone, the same request is served."""
+
+    def set_up() -> str:
+        vllm_engine()
+        operations.ensure_ready(deployment("chat", gib=8).pk)
+        deployment("other", gib=8)
+        return issue_api_key("bob")[1]
+
+    key = await sync_to_async(set_up)()
+    gateway = Gateway()
+    transport = httpx.ASGITransport(app=cast("Any", gateway))
+
+    def ask(model: str) -> dict[str, Any]:
+        return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://testserver",
+        headers={"Authorization": f"Bearer {key}"},
+    ) as client:  # fmt: skip
+        assert (await client.post("/v1/chat/completions", json=ask("chat"))).status_code == 200
+        before = await sync_to_async(table_counts)()
+        with locked_by_another_program(0.5):
+            for _ in range(3):
+                ready = await client.post("/v1/chat/completions", json=ask("chat"))
+                assert ready.status_code == 200, ready.text
+            refused = await client.post("/v1/chat/completions", json=ask("other"))
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "control_plane_unavailable"
+            assert refused.json()["error"]["message"] == (
+                "CapyCTL's database is locked by another program; retry shortly."
+            )
+            assert refused.headers["retry-after"] == "1"
+        assert await sync_to_async(table_counts)() == before  # nothing half-written
+        assert await sync_to_async(state)("other") == ("stopped", "")
+        served = await client.post("/v1/chat/completions", json=ask("other"))
+        assert served.status_code == 200, served.text
+
+        def counted() -> int:
+            return ApiKey.objects.get(user__username="bob").request_count
+
+        for _ in range(100):  # the requests served under the lock are written once it goes
+            if await sync_to_async(counted)() == 5:
+                break
+            await asyncio.sleep(0.1)
+        assert await sync_to_async(counted)() == 5
+    await gateway.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_cli_says_the_database_is_locked(cli, data_dir):
+    """A command that must write while another program holds the lock: one line naming the
+    database and what to do, exit 1, nothing changed."""
+    assert cli("engine", "add", "sim", "--kind", "vllm", "--command", "sim-engine").code == 0
+    before = table_counts()
+    with locked_by_another_program(0.5):
+        connection.close()  # this thread's next connection waits as briefly
+        added = cli("deployment", "add", "a", "--engine", "sim", "--source", "a",
+                    "--gpu-memory", "8GiB")  # fmt: skip
+        listed = cli("engine", "list")  # reading needs no lock
+    assert (added.code, added.out) == (1, "")
+    assert added.err == (
+        f"capyctl: error: the database ({connection.settings_dict['NAME']}) is locked by "
+        "another program (waited for 0.5s): nothing was changed; retry when it is done\n"
+    )
+    assert listed.code == 0
+    assert "sim" in listed.out
+    connection.close()
+    assert table_counts() == before

@@ -1,5 +1,7 @@
 """Drills: server mode's Redis stopped and started again under traffic, with a Redis of the
-test's own on a spare port (never the machine's shared one).
+test's own on a spare port (never the machine's shared one); its PostgreSQL restarted; the
+server stopped while requests wait for a wake; standalone's disk full and its database
+locked by another program.
 
 Each drill asserts what a user relies on: every request got an answer (200, or a
 documented error: never a bare 500), no model stays in a passing state, and switching
@@ -8,6 +10,10 @@ works again soon after the outage ends.
 
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from hostagent.simgpu import read_allocations
+from tests.conftest import CAPYCTL, CliResult, start_server, stop_server
 from tests.test_hosts_join import start_agent
 from tests.test_server_mode import (
     chat,
@@ -29,6 +37,7 @@ from tests.test_server_mode import (
     wait_for,
     wait_online,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -254,3 +263,108 @@ def test_a_server_restarted_while_requests_wait_for_a_wake(restart_env, tmp_path
         agent.terminate()
         agent.wait(timeout=15)
         stop(server)
+
+
+def _plain_env(data_dir, sim_dir):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+    return env | {"CAPYCTL_DATA_DIR": str(data_dir), "CAPYCTL_SIM_GPUS": "24GiB",
+                  "CAPYCTL_SIM_STATE_DIR": str(sim_dir), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+
+
+def standalone_models(run):
+    """Models ``a`` and ``b`` of 8 GiB each (both fit) on the simulated engine; a key."""
+    sim = f"{sys.executable} -m hostagent.sim vllm"
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", sim).code == 0
+    for name in ("a", "b"):
+        added = run("deployment", "add", name, "--engine", "sim", "--source", name,
+                    "--gpu-memory", "8GiB", "--min-ready-seconds", "0")  # fmt: skip
+        assert added.code == 0, added.err
+    made = run("key", "create", "--user", "admin")
+    assert made.code == 0, made.err
+    return made.out.strip()
+
+
+def assert_ledger_is_the_device(run, sim_dir, host="local"):
+    """Once things settle, the ledger counts on each GPU what the simulated device shows
+    the engines holding there: nothing promised, unconfirmed or foreign left over."""
+
+    deadline = time.monotonic() + 60
+    while True:
+        status = json.loads(run("status", "--json").out)
+        pools = {p["pool"]: p for h in status["hosts"] if h["name"] == host for p in h["pools"]}
+        on_device = sum(a.gpu.get(0, 0) for a in read_allocations(sim_dir))
+        gpu = pools["gpu0"]
+        counted = {k: gpu[f"{k}_bytes"] for k in ("held", "promised", "unconfirmed", "foreign")}
+        if counted == {"held": on_device, "promised": 0, "unconfirmed": 0, "foreign": 0}:
+            return
+        assert time.monotonic() < deadline, f"ledger {counted}, on the device {on_device}"
+        time.sleep(0.5)
+
+
+def test_standalone_rides_out_a_full_disk(small_disk, tmp_path):
+    """Standalone's SQLite on a disk that fills up (a real ENOSPC, on a tmpfs of the test's
+    own): the ready model keeps answering; a start is refused 503
+    ``control_plane_unavailable`` naming the full disk, and the CLI says so in one line;
+    nothing is half-written (the model stays stopped, nothing counted for it); once space
+    is freed, the start succeeds and the requests served meanwhile are counted."""
+    sim_dir = tmp_path / "sim"
+    env = _plain_env(small_disk.path / "data", sim_dir)
+
+    def run(*argv):
+        done = subprocess.run(small_disk.inside(CAPYCTL, *argv), env=env, capture_output=True,
+                              text=True, timeout=120, check=False)  # fmt: skip
+        return CliResult(done.returncode, done.stdout, done.stderr)
+
+    key = standalone_models(run)
+    server = start_server(env, wrapper=small_disk.inside())
+    port = int(server.base_url.rsplit(":", 1)[1])
+    try:
+        assert chat(port, key, "a").status_code == 200
+        b_before = models(run)["b"]
+        assert b_before["observed_state"] == "stopped"
+        answers, bodies, traffic = steady_traffic(port, key, "a")
+        try:
+            time.sleep(1)
+            small_disk.fill()
+            full_at = time.monotonic()
+            refused = chat(port, key, "b")
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"] == {
+                "message": "CapyCTL's database cannot be written: its disk is full.",
+                "type": "server_error", "param": None, "code": "control_plane_unavailable",
+            }  # fmt: skip
+            assert refused.headers["retry-after"] == "10"
+            started = run("deployment", "start", "b")
+            assert (started.code, started.out) == (1, "")
+            assert started.err == (
+                f"capyctl: error: the disk holding the database ({env['CAPYCTL_DATA_DIR']}/"
+                "capyctl.sqlite3) is full: nothing was changed; free space and retry\n"
+            )
+            assert models(run)["b"] == b_before  # nothing half-written
+            time.sleep(max(0.0, 6 - (time.monotonic() - full_at)))
+        finally:
+            traffic.stop()
+        assert set(answers) == {200}, bodies[:3]
+        served = len(answers) + 1
+        small_disk.free()
+        took = switch_back(port, key, "b")
+        logger.warning(
+            "disk full for 6 s: %d requests to the ready model, all 200; b started %.1fs "
+            "after space was freed", len(answers), took,
+        )  # fmt: skip
+        assert took < 15
+        rows = models(run)
+        assert (rows["a"]["observed_state"], rows["b"]["observed_state"]) == ("ready", "ready")
+        assert_ledger_is_the_device(run, sim_dir)
+        wait_until(lambda: _requests_counted(run) >= served + 1, "the usage kept to be written")
+    finally:
+        stop_server(server, signal.SIGTERM)
+
+
+def models(run):
+    return {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
+
+
+def _requests_counted(run):
+    keys = json.loads(run("key", "list", "--json").out)
+    return sum(k["requests"] for k in keys)

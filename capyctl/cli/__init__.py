@@ -97,8 +97,35 @@ def _run_with_django(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE)
     except DatabaseError as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return _fail(f"database error: {first_line}", EXIT_FAILURE)
+        return _fail(_database_failure(exc), EXIT_FAILURE)
+
+
+def _database_failure(exc: Exception) -> str:
+    """One line for a database failure, with the cause in plain words where it is one a
+    person can act on (nothing was changed: the transaction was rolled back)."""
+    from django.conf import settings
+
+    from capyctl.scheduler.errors import database_trouble
+
+    db = settings.DATABASES["default"]
+    where = str(db["NAME"])
+    trouble = database_trouble(exc)
+    if trouble == "disk full":
+        return (
+            f"the disk holding the database ({where}) is full: nothing was changed; free "
+            "space and retry"
+        )
+    if trouble == "read-only":
+        return f"the database ({where}) is on a read-only disk: nothing was changed"
+    if trouble == "locked":
+        waited = db.get("OPTIONS", {}).get("timeout")
+        after = f" for {waited:g}s" if isinstance(waited, int | float) else ""
+        return (
+            f"the database ({where}) is locked by another program (waited{after}): nothing "
+            "was changed; retry when it is done"
+        )
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"database error: {first_line}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -36,6 +36,7 @@ from capyctl.scheduler.errors import (
     SourceError,
     WakeTimeoutError,
     is_control_plane_error,
+    outage,
 )
 from capyctl.validation import validate_alias
 from capyctl.web import metrics
@@ -461,13 +462,13 @@ class Gateway:
             asyncio.get_running_loop().run_in_executor(None, _touch_sync, deployment_id)
 
 
-def _control_plane_down(message: str) -> GatewayError:
+def _control_plane_down(message: str, retry_after: int = 1) -> GatewayError:
     return GatewayError(
         503,
         "control_plane_unavailable",
         message,
         "server_error",
-        headers=[(b"retry-after", b"1")],
+        headers=[(b"retry-after", str(retry_after).encode())],
     )
 
 
@@ -476,7 +477,8 @@ def _failure(exc: Exception) -> GatewayError:
     database or Redis did not answer (a retry soon may succeed), else 500
     ``internal_error``."""
     if is_control_plane_error(exc):
-        return _control_plane_down("CapyCTL's database or Redis did not answer; retry shortly.")
+        told = outage(exc)
+        return _control_plane_down(told.message, told.retry_after)
     return GatewayError(
         500, "internal_error", "CapyCTL failed to handle this request; it was logged.",
         "server_error",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from django.db import DatabaseError
 
@@ -97,3 +98,45 @@ def is_control_plane_error(exc: BaseException) -> bool:
         or (kombu is not None and isinstance(exc, kombu.OperationalError))
         or isinstance(exc, ConnectionError)  # a socket refused or reset on the way
     )
+
+
+@dataclass(frozen=True)
+class Outage:
+    """What a client is told about a control-plane failure (no address, no path) and how
+    long it is asked to wait before trying again."""
+
+    message: str
+    retry_after: int
+
+
+# What SQLite (and PostgreSQL) say when the database cannot be written, as plain causes.
+# Matched on the driver's message: sqlite3 gives one class for all of them.
+_DISK_FULL = ("database or disk is full", "no space left on device", "disk full")
+_LOCKED = ("database is locked", "database table is locked")
+_READ_ONLY = ("readonly database", "read-only file system", "read-only transaction")
+
+
+def database_trouble(exc: BaseException) -> str | None:
+    """``"disk full"``, ``"locked"`` or ``"read-only"`` when ``exc`` says the database
+    cannot be written for that reason; None for anything else."""
+    if not isinstance(exc, DatabaseError):
+        return None
+    text = str(exc).lower()
+    for trouble, signs in (("disk full", _DISK_FULL), ("locked", _LOCKED),
+                           ("read-only", _READ_ONLY)):  # fmt: skip
+        if any(sign in text for sign in signs):
+            return trouble
+    return None
+
+
+def outage(exc: BaseException) -> Outage:
+    """The client's answer for ``exc``, a control-plane failure: a full or read-only disk
+    does not pass by itself (someone must act), a lock or a lost connection soon does."""
+    trouble = database_trouble(exc)
+    if trouble == "disk full":
+        return Outage("CapyCTL's database cannot be written: its disk is full.", 10)
+    if trouble == "read-only":
+        return Outage("CapyCTL's database cannot be written: its disk is read-only.", 10)
+    if trouble == "locked":
+        return Outage("CapyCTL's database is locked by another program; retry shortly.", 1)
+    return Outage("CapyCTL's database or Redis did not answer; retry shortly.", 1)

@@ -12,7 +12,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views import defaults
 from django.views.decorators.http import require_GET
 
-from capyctl.scheduler.errors import is_control_plane_error
+from capyctl.scheduler.errors import is_control_plane_error, outage
 
 logger = logging.getLogger("capyctl.web")
 
@@ -59,9 +59,6 @@ def readyz(request: HttpRequest) -> JsonResponse:
     )
 
 
-UNAVAILABLE = "CapyCTL's database or Redis did not answer; retry shortly."
-
-
 def server_error(request: HttpRequest) -> HttpResponse:
     """The 500 handler: a failure because the database or Redis did not answer is 503 with
     Retry-After (JSON under /api/, a short page elsewhere), not a bare 500; the error was
@@ -69,9 +66,10 @@ def server_error(request: HttpRequest) -> HttpResponse:
     failure = sys.exc_info()[1]
     if failure is None or not is_control_plane_error(failure):
         return defaults.server_error(request)
-    headers = {"Retry-After": "1"}
+    told = outage(failure)
+    headers = {"Retry-After": str(told.retry_after)}
     if request.path.startswith("/api/"):
-        body = {"detail": UNAVAILABLE, "code": "control_plane_unavailable"}
+        body = {"detail": told.message, "code": "control_plane_unavailable"}
         return JsonResponse(body, status=503, headers=headers)
-    page = f"<!doctype html><title>Unavailable</title><h1>Unavailable</h1><p>{UNAVAILABLE}</p>"
+    page = f"<!doctype html><title>Unavailable</title><h1>Unavailable</h1><p>{told.message}</p>"
     return HttpResponse(page, status=503, headers=headers)
