@@ -19,12 +19,14 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import psutil
 import pytest
 
 from hostagent.simgpu import read_allocations
 from tests.conftest import CAPYCTL, CliResult, start_server, stop_server
 from tests.test_hosts_join import start_agent
 from tests.test_server_mode import (
+    SIM,
     chat,
     gated_model,
     one_host_setup,
@@ -156,6 +158,7 @@ def drill(env, tmp_path, *, outage, back, during, what):
         assert server.poll() is None  # no process exits
         rows = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
         assert (rows["a"]["observed_state"], rows["b"]["observed_state"]) == ("parked", "ready")
+        assert_ledger_is_the_device(run, agent_sim_dir(tmp_path, agent_port), host="box")
         return run
     finally:
         agent.terminate()
@@ -258,11 +261,93 @@ def test_a_server_restarted_while_requests_wait_for_a_wake(restart_env, tmp_path
         assert again.status_code == 200, again.text
         assert time.monotonic() - restarted < 20 + 30  # its wake timeout, a pass, a margin
         assert rest(port, key, "deployments/a/")["observed_state"] == "ready"
+        assert_ledger_is_the_device(run, agent_sim_dir(tmp_path, agent_port), host="box")
     finally:
         gate.touch()
         agent.terminate()
         agent.wait(timeout=15)
         stop(server)
+
+
+def agent_sim_dir(tmp_path, agent_port):
+    """Where the agent started by ``start_agent`` keeps its simulated GPUs' allocations."""
+    return tmp_path / f"sim-{agent_port}"
+
+
+def test_an_api_process_killed_with_requests_in_flight(restart_env, tmp_path):
+    """The api process killed (SIGKILL) while three streams to ``a`` are under way: the
+    supervisor starts it again, and a request for ``b``, which needs ``a`` parked, is
+    served: the dead process's requests in flight stop counting within their lease (5 s),
+    so the park does not wait for requests nobody serves any more."""
+    env, run, (port, enrol_port, agent_port), token = one_host_setup(restart_env)
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", SIM,
+               "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB",
+               "--env", "CAPYCTL_SIM_TOKENS_PER_SECOND=5").code == 0  # fmt: skip
+    for name in ("a", "b"):  # 16 GiB each on a 24 GiB GPU: one at a time
+        assert run("deployment", "add", name, "--engine", "sim", "--host", "box", "--source",
+                   f"m/{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB",
+                   "--min-ready-seconds", "0").code == 0  # fmt: skip
+    key = run("key", "create", "--user", "admin", "--admin").out.strip()
+    server = start(env, tmp_path, port, enrol_port)
+    agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
+    try:
+        wait_online(port, key)
+        assert chat(port, key, "a").status_code == 200
+        streaming: list[str] = []
+        ended: list[str] = []
+
+        def stream():
+            body = {"model": "a", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 200, "stream": True}  # fmt: skip
+            try:
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                                  json=body, headers={"Authorization": f"Bearer {key}"},
+                                  timeout=120) as reply:  # fmt: skip
+                    for _ in reply.iter_lines():
+                        if not streaming or streaming[-1] != threading.current_thread().name:
+                            streaming.append(threading.current_thread().name)
+                ended.append("finished")  # a stream of 200 tokens at 5 a second: 40 s
+            except httpx.HTTPError as exc:
+                ended.append(type(exc).__name__)
+
+        streams = [threading.Thread(target=stream, name=f"s{i}") for i in range(3)]
+        for thread in streams:
+            thread.start()
+        wait_for(lambda: len(set(streaming)) == 3, "three streams under way")
+        api = [p for p in psutil.Process(server.pid).children()
+               if "api" in p.cmdline()]  # fmt: skip
+        assert len(api) == 1, [p.cmdline() for p in psutil.Process(server.pid).children()]
+        api[0].kill()
+        killed_at = time.monotonic()
+        for thread in streams:
+            thread.join(timeout=60)
+        assert len(ended) == 3
+        assert "finished" not in ended  # each was cut when its process died
+        wait_for(lambda: _answers(port), "the api process to be started again")
+        switched = chat(port, key, "b", timeout=120)
+        took = time.monotonic() - killed_at
+        assert switched.status_code == 200, switched.text
+        logger.warning(
+            "api process killed with 3 streams in flight: started again, and a "
+            "switch that parks their model answered %.1fs after the kill",
+            took,
+        )
+        assert took < 40
+        rows = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
+        assert (rows["a"]["observed_state"], rows["b"]["observed_state"]) == ("parked", "ready")
+        assert server.poll() is None
+        assert_ledger_is_the_device(run, agent_sim_dir(tmp_path, agent_port), host="box")
+    finally:
+        agent.terminate()
+        agent.wait(timeout=15)
+        stop(server)
+
+
+def _answers(port):
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def _plain_env(data_dir, sim_dir):

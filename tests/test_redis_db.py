@@ -5,13 +5,14 @@ import redis
 
 from capyctl.scheduler.inflight import RedisInFlight
 from tests.redis_db import RedisDb, claim_database
+from tests.test_inflight import in_use
 
 
 def test_two_runs_get_databases_of_their_own(redis_run: RedisDb, redis_url: str) -> None:
     other = claim_database("another-run")
     try:
         assert other.url != redis_url
-        theirs, ours = RedisInFlight(other.url), RedisInFlight(redis_url)
+        theirs, ours = RedisInFlight(in_use(other.url)), RedisInFlight(in_use(redis_url))
         theirs.begin(7)  # the other run's request in flight
         assert ours.count(7) == 0
         redis_run.clean()

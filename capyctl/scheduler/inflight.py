@@ -17,8 +17,8 @@ vanish within :data:`LEASE_SECONDS`). When Redis does not answer, a process goes
 counting its own requests (ready models keep answering) and publishes its counts again
 once Redis is back; meanwhile :func:`count` raises :class:`CountsUnknown`, and so it does
 until every live process has checked in since (a Redis restart forgets every count: each
-process publishes its own again within a second or so): no drain trusts a count that may
-miss a request.
+process publishes its own again within a second or so; a new Redis looks the same, so its
+first seconds are unknown too): no drain trusts a count that may miss a request.
 """
 
 from __future__ import annotations
@@ -90,11 +90,13 @@ end
 return total
 """
 # A process checks in: its lease renewed, its counts published again (a write older than
-# what is there changes nothing). A process that had a lease and finds it gone knows Redis
-# lost the counts (or it was cut off past its lease): counts are untrusted for a while,
-# time enough for every live process to check in. KEYS: lease, processes, epoch,
-# rebuilding, then the hashes; ARGV: process, lease (ms), had a lease (1/0), rebuilding
-# (ms), then count, seq pairs.
+# what is there changes nothing). Counts are untrusted for a while, time enough for every
+# live process to check in, when the epoch is missing (a Redis that lost its data looks
+# like a new one: whoever checks in first, even a process started since, cannot tell, and
+# others may have requests in flight), and when a process that had a lease finds it gone
+# (Redis lost the counts, or it was cut off past its lease). KEYS: lease, processes,
+# epoch, rebuilding, then the hashes; ARGV: process, lease (ms), had a lease (1/0),
+# rebuilding (ms), then count, seq pairs.
 _CHECK_IN_SCRIPT = """
 local had = redis.call('EXISTS', KEYS[1])
 local t = redis.call('TIME')
@@ -103,7 +105,7 @@ redis.call('SET', KEYS[1], 1, 'PX', ARGV[2])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 if redis.call('EXISTS', KEYS[3]) == 0 then
   redis.call('SET', KEYS[3], now)
-  if ARGV[3] == '1' then redis.call('SET', KEYS[4], 1, 'PX', ARGV[4]) end
+  redis.call('SET', KEYS[4], 1, 'PX', ARGV[4])
 elseif had == 0 and ARGV[3] == '1' then
   redis.call('SET', KEYS[4], 1, 'PX', ARGV[4])
 end
