@@ -22,11 +22,12 @@ import httpx
 import psutil
 import pytest
 
-from hostagent.simgpu import read_allocations
 from tests.conftest import CAPYCTL, CliResult, start_server, stop_server
 from tests.test_hosts_join import start_agent
 from tests.test_server_mode import (
     SIM,
+    agent_sim_dir,
+    assert_ledger_is_the_device,
     chat,
     gated_model,
     one_host_setup,
@@ -269,11 +270,6 @@ def test_a_server_restarted_while_requests_wait_for_a_wake(restart_env, tmp_path
         stop(server)
 
 
-def agent_sim_dir(tmp_path, agent_port):
-    """Where the agent started by ``start_agent`` keeps its simulated GPUs' allocations."""
-    return tmp_path / f"sim-{agent_port}"
-
-
 def test_an_api_process_killed_with_requests_in_flight(restart_env, tmp_path):
     """The api process killed (SIGKILL) while three streams to ``a`` are under way: the
     supervisor starts it again, and a request for ``b``, which needs ``a`` parked, is
@@ -367,23 +363,6 @@ def standalone_models(run):
     made = run("key", "create", "--user", "admin")
     assert made.code == 0, made.err
     return made.out.strip()
-
-
-def assert_ledger_is_the_device(run, sim_dir, host="local"):
-    """Once things settle, the ledger counts on each GPU what the simulated device shows
-    the engines holding there: nothing promised, unconfirmed or foreign left over."""
-
-    deadline = time.monotonic() + 60
-    while True:
-        status = json.loads(run("status", "--json").out)
-        pools = {p["pool"]: p for h in status["hosts"] if h["name"] == host for p in h["pools"]}
-        on_device = sum(a.gpu.get(0, 0) for a in read_allocations(sim_dir))
-        gpu = pools["gpu0"]
-        counted = {k: gpu[f"{k}_bytes"] for k in ("held", "promised", "unconfirmed", "foreign")}
-        if counted == {"held": on_device, "promised": 0, "unconfirmed": 0, "foreign": 0}:
-            return
-        assert time.monotonic() < deadline, f"ledger {counted}, on the device {on_device}"
-        time.sleep(0.5)
 
 
 def test_standalone_rides_out_a_full_disk(small_disk, tmp_path):

@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from hostagent.runtime import free_port
+from hostagent.simgpu import read_allocations
 from tests.conftest import CAPYCTL, run_program
 from tests.test_hosts_join import start_agent
 
@@ -169,6 +170,28 @@ def chat(port, key, model, timeout=60.0):
         json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         timeout=timeout,
     )
+
+
+def agent_sim_dir(tmp_path, agent_port):
+    """Where the agent started by ``start_agent`` keeps its simulated GPUs' allocations."""
+    return tmp_path / f"sim-{agent_port}"
+
+
+def assert_ledger_is_the_device(run, sim_dir, host="local"):
+    """Once things settle, the ledger counts on each GPU what the simulated device shows
+    the engines holding there: nothing promised, unconfirmed or foreign left over."""
+
+    deadline = time.monotonic() + 60
+    while True:
+        status = json.loads(run("status", "--json").out)
+        pools = {p["pool"]: p for h in status["hosts"] if h["name"] == host for p in h["pools"]}
+        on_device = sum(a.gpu.get(0, 0) for a in read_allocations(sim_dir))
+        gpu = pools["gpu0"]
+        counted = {k: gpu[f"{k}_bytes"] for k in ("held", "promised", "unconfirmed", "foreign")}
+        if counted == {"held": on_device, "promised": 0, "unconfirmed": 0, "foreign": 0}:
+            return
+        assert time.monotonic() < deadline, f"ledger {counted}, on the device {on_device}"
+        time.sleep(0.5)
 
 
 def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_path):
@@ -328,6 +351,7 @@ def test_a_worker_killed_mid_wake_leaves_nothing_half_done(server_env, tmp_path)
         mine = [e for e in status["ledger"] if e["deployment"] == "a"]
         assert {e["status"] for e in mine} <= {"held"}  # nothing promised or unknown left
         assert len({e["pool"] for e in mine}) == len(mine)  # one entry a pool
+        assert_ledger_is_the_device(run, agent_sim_dir(tmp_path, agent_port), host="box")
     finally:
         gate.touch()
         agent.send_signal(signal.SIGTERM)
