@@ -13,6 +13,9 @@ from typing import Any
 
 from django.conf import settings
 
+from capyctl.events.models import Event
+from capyctl.events.services import record_event
+
 logger = logging.getLogger("capyctl.scheduler")
 
 DOWN = "redis.down"
@@ -22,9 +25,6 @@ BACK = "redis.back"
 def note_outage(down: bool, detail: str = "") -> None:
     """Record that Redis stopped (or started again) answering, unless the last such event
     says so already. Never raises."""
-    from capyctl.events.models import Event
-    from capyctl.events.services import record_event
-
     try:
         last = (
             Event.objects.filter(kind__in=[DOWN, BACK])
@@ -49,7 +49,7 @@ def state() -> dict[str, Any]:
     """``{"redis": "ok" | "down" | "not used", "since": ISO time or None}``."""
     if not settings.REDIS_URL:
         return {"redis": "not used", "since": None}
-    import redis
+    import redis  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
 
     client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1, socket_connect_timeout=1)
     try:
@@ -62,8 +62,6 @@ def state() -> dict[str, Any]:
 
 
 def _down_since() -> str | None:
-    from capyctl.events.models import Event
-
     last = (
         Event.objects.filter(kind__in=[DOWN, BACK])
         .order_by("-created_at", "-pk")

@@ -142,7 +142,7 @@ def user_data(user: Any) -> dict[str, Any]:
 
 def limits_data(user: Any) -> dict[str, Any]:
     """A user's ceilings (None: none); ``models`` None means every model."""
-    from capyctl.access.services import ceilings_of  # here: other listings need no services
+    from capyctl.access.services import ceilings_of  # noqa: PLC0415 - kept off the other listings' start-up
 
     ceilings = ceilings_of(user)
     lifetime = ceilings.key_lifetime

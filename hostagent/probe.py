@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from hostagent.simgpu import SimSpec, read_allocations
+from hostagent.simgpu import SimSpec, default_state_dir, read_allocations
 
 logger = logging.getLogger("hostagent.probe")
 
@@ -368,7 +368,7 @@ class NvmlProbe:
 def open_nvml_probe() -> NvmlProbe | None:
     """An NVML probe, or ``None`` (logged once) when NVML or its library is missing."""
     try:
-        import pynvml
+        import pynvml  # noqa: PLC0415 - optional: pynvml only where a GPU is
     except ImportError:
         logger.info("nvidia-ml-py is not installed: treating this host as CPU-only")
         return None
@@ -383,8 +383,6 @@ def open_nvml_probe() -> NvmlProbe | None:
 def make_probe(sim: SimSpec | None, sim_state_dir: Path | None = None) -> Probe:
     """The probe for this host: simulated when asked, else NVML, else CPU-only."""
     if sim is not None:
-        from hostagent.simgpu import default_state_dir
-
         return SimulatedProbe(sim, sim_state_dir or default_state_dir())
     nvml = open_nvml_probe()
     if nvml is not None:

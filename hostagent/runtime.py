@@ -35,6 +35,7 @@ from hostagent.process import (
     wait_ready,
 )
 from hostagent.simgpu import SIM_GPUS_ENV, SIM_STATE_ENV
+from hostagent.units import format_size
 
 logger = logging.getLogger("hostagent.runtime")
 
@@ -300,8 +301,6 @@ def _released(before: ProcessUsage, now: ProcessUsage) -> bool:
 
 
 def _describe(usage: ProcessUsage) -> str:
-    from hostagent.units import format_size
-
     parts = [
         f"gpu{index} {'unknown' if value is None else format_size(value)}"
         for index, value in sorted(usage.gpu.items())

@@ -91,7 +91,7 @@ def clear_allocation(state_dir: Path, pid: int) -> None:
 
 
 def _alive(pid: int) -> bool:
-    import psutil  # here: the settings read this module's parser, and need no psutil
+    import psutil  # noqa: PLC0415 - the settings read this module's parser, and need no psutil
 
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

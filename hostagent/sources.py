@@ -286,7 +286,7 @@ class SourceCache:
         return path
 
     def _fetch_http(self, job: FetchStatus) -> Path:
-        import httpx
+        import httpx  # noqa: PLC0415 - kept off the listings' start-up, which read this module
 
         url, checksum = parse_http(job.source)
         directory = self.http_dir(url)
@@ -356,15 +356,15 @@ class SourceCache:
     # -- Hugging Face -------------------------------------------------------------------------
 
     def _fetch_hf(self, job: FetchStatus) -> Path:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import (
+        from huggingface_hub import snapshot_download  # noqa: PLC0415 - heavy: loaded only for hf:// sources
+        from huggingface_hub.errors import (  # noqa: PLC0415 - heavy: loaded only for hf:// sources
             DryRunError,
             GatedRepoError,
             LocalEntryNotFoundError,
             RepositoryNotFoundError,
             RevisionNotFoundError,
         )
-        from huggingface_hub.utils import disable_progress_bars  # type: ignore[attr-defined]
+        from huggingface_hub.utils import disable_progress_bars  # type: ignore[attr-defined]  # noqa: PLC0415 - heavy: loaded only for hf:// sources
 
         repo, revision = parse_hf(job.source)
         cache = self.root / "hf"

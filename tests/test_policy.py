@@ -44,7 +44,7 @@ def host(gpus=(24,), ram=64, residents=(), *, host_id=1, unified=False, foreign=
     names = ["unified"] if unified else [f"gpu{i}" for i in range(len(gpus))]
     for name, size in zip(names, gpus, strict=True):
         used = sum(r.gpu_bytes.get(name, 0) for r in residents) + (foreign or {}).get(name, 0)
-        pools[name] = Pool(name, size * GIB, used)
+        pools[name] = Pool(name, size * GIB, used, (foreign or {}).get(name, 0))
     if not unified:
         pools["ram"] = Pool("ram", ram * GIB, 0)
     return HostSnapshot(host_id, f"host{host_id}", unified, pools, residents)
@@ -125,12 +125,14 @@ def test_pinned_models_are_never_evicted_and_are_named():
     assert isinstance(result, NoCapacity)
     assert result.blockers == ("a (pinned)",)
     assert "in the way: a (pinned)" in result.reason
+    assert result.lasting  # nothing will pass: refused at once
 
 
 def test_a_model_too_large_for_any_gpu():
     result = plan([host(gpus=(24, 24))], need(gib=40))
     assert isinstance(result, NoCapacity)
     assert result.reason == "b needs 40.0 GiB per GPU; the largest GPU pool holds 24.0 GiB"
+    assert result.lasting
 
 
 def test_too_many_gpus():
@@ -144,12 +146,38 @@ def test_models_ready_for_less_than_min_ready_seconds_stay():
     result = plan([host(residents=[fresh])], need())
     assert isinstance(result, NoCapacity)
     assert "a (ready for less than 10s)" in result.blockers
+    assert not result.lasting  # it passes: the request waits for it
+    assert result.reason == (
+        "b needs 16.0 GiB per GPU and waits for room; in the way: a (ready for less than 10s)"
+    )
 
 
 def test_models_still_starting_are_not_victims():
     result = plan([host(residents=[resident("a", 16, state="waking")])], need())
     assert isinstance(result, NoCapacity)
     assert result.blockers == ("a (waking)",)
+    assert not result.lasting
+
+
+def test_waiting_helps_only_if_it_fits_once_every_unpinned_model_is_gone():
+    """Pinned models and memory no model holds (foreign) stay: a need that does not fit
+    beside them is refused at once, whatever else is passing."""
+    beside_pinned = [resident("p", 10, pinned=True), resident("a", 10, state="starting")]
+    result = plan([host(residents=beside_pinned)], need())
+    assert isinstance(result, NoCapacity)
+    assert result.lasting
+    assert result.blockers == ("a (starting)", "p (pinned)")
+    fits_later = plan([host(residents=[resident("p", 4, pinned=True),
+                                       resident("a", 10, state="starting")])], need())  # fmt: skip
+    assert isinstance(fits_later, NoCapacity)
+    assert not fits_later.lasting
+    assert fits_later.reason.endswith("in the way: a (starting)")
+    beside_foreign = host(
+        residents=[resident("a", 10, state="starting")], foreign={"gpu0": 10 * GIB}
+    )
+    refused = plan([beside_foreign], need())
+    assert isinstance(refused, NoCapacity)
+    assert refused.lasting
 
 
 def test_lower_priority_goes_first_then_least_recently_used():

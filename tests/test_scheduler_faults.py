@@ -14,6 +14,7 @@ from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.scheduler import operations
+from capyctl.scheduler.errors import WakeTimeoutError
 from capyctl.scheduler.reconcile import reconcile
 from hostagent.simgpu import write_allocation
 from tests.scheduling import GIB, SIM, SIM_ENV, deployment, entries, state
@@ -36,8 +37,12 @@ def test_memory_kept_after_a_park_stays_unconfirmed_until_the_probe_shows_it_fre
     assert entries("a")["gpu0"][0] == "unconfirmed"
     assert "still sees its memory" in Deployment.objects.get(name="a").state_reason
     # b cannot have that memory: it still counts, and a is not ready (so not a victim).
-    with pytest.raises(operations.NoCapacityError):
-        operations.ensure_ready(b.pk)
+    # It may yet be confirmed free, so b waits for it, within its wake timeout.
+    with pytest.raises(
+        WakeTimeoutError,
+        match=r"b needs 16\.0 GiB per GPU and waits for room; in the way: a \(parked\)",
+    ):
+        operations.ensure_ready(b.pk, timeout=1)
     assert state("b") == ("stopped", "")
 
     # The engine finally lets go: the next reconcile sees it and releases the entry.

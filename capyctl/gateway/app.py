@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from typing import Any, cast
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
 
@@ -26,6 +27,8 @@ from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.routing import Route, RoutingTable, list_models
 from capyctl.gateway.upstream import UpstreamError, UpstreamPool
 from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
+from capyctl.hosts.agents import AGENT_PINS
+from capyctl.hosts.pki import pki
 from capyctl.scheduler import inflight, operations, wakes
 from capyctl.scheduler.errors import (
     ControlPlaneUnavailableError,
@@ -42,6 +45,7 @@ from capyctl.validation import validate_alias
 from capyctl.web import metrics
 from hostagent import routes
 from hostagent.asgi import HOP_BY_HOP, cancel_on_disconnect
+from hostagent.tls import client_context
 
 logger = logging.getLogger("capyctl.gateway")
 
@@ -203,8 +207,6 @@ class Gateway:
 
     async def _models(self, send: Any, key: KeyInfo, one: str | None) -> None:
         """``GET /v1/models`` (the list) or ``GET /v1/models/{name}`` (one of it)."""
-        from asgiref.sync import sync_to_async
-
         models = await sync_to_async(list_models, thread_sensitive=False)()
         data = [
             {
@@ -274,7 +276,10 @@ class Gateway:
                 self._wakes[deployment_id] = wake
             try:
                 await self._unless_stopping(
-                    asyncio.wait_for(asyncio.shield(wake), timeout=route.wake_timeout_seconds)
+                    asyncio.wait_for(
+                        asyncio.shield(wake),
+                        timeout=route.wake_timeout_seconds + wakes.OUTCOME_GRACE_SECONDS,
+                    )
                 )
             except TimeoutError:
                 raise _wake_timeout(route) from None
@@ -294,12 +299,8 @@ class Gateway:
 
     def _agent_tls(self) -> ssl.SSLContext:
         if self._tls is None:
-            from capyctl.hosts.agents import AGENT_PINS
-            from capyctl.hosts.pki import pki
-            from hostagent import tls
-
             where = pki()
-            self._tls = tls.client_context(
+            self._tls = client_context(
                 where.ca_cert, where.server_cert, where.server_key, pins=AGENT_PINS
             )
         return self._tls
@@ -485,12 +486,15 @@ def _failure(exc: Exception) -> GatewayError:
     )  # fmt: skip
 
 
-def _wake_timeout(route: Route) -> GatewayError:
+def _wake_timeout(route: Route, why: str = "") -> GatewayError:
+    """504 ``wake_timeout``; ``why``: what it waited for (room that did not come free)."""
     return GatewayError(
         504,
         "wake_timeout",
-        f"`{route.name}` did not become ready within {route.wake_timeout_seconds}s.",
+        f"`{route.name}` did not become ready within {route.wake_timeout_seconds}s"
+        + (f": {why}" if why else "."),
         "server_error",
+        headers=[(b"retry-after", b"1")],
     )
 
 
@@ -507,7 +511,8 @@ def _scheduler_error(exc: SchedulerError, route: Route) -> GatewayError:
     """The /v1 error for a wake that failed with the scheduler's error ``exc``."""
     message = str(exc)
     if isinstance(exc, WakeTimeoutError):
-        return _wake_timeout(route)
+        waited_for_room = "waits for room" in message  # the scheduler's, not a deadline's
+        return _wake_timeout(route, message if waited_for_room else "")
     if isinstance(exc, ControlPlaneUnavailableError):
         return _control_plane_down(message)
     for kind, status, retry in _SCHEDULER_ANSWERS:

@@ -227,7 +227,7 @@ class RedisRateLimiter:
     """
 
     def __init__(self, url: str) -> None:
-        import redis.asyncio
+        import redis.asyncio  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
 
         self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
         self._script = self._redis.register_script(_LIMIT_SCRIPT)

@@ -88,9 +88,9 @@ def add_host(name: str, address: str) -> tuple[Host, str]:
 
 def new_join_token(host: Host) -> str:
     """A fresh one-time token for ``host`` (any earlier one stops working)."""
-    from capyctl.access.services import hash_secret
-    from capyctl.hosts.pki import pki
-    from hostagent.tls import JoinToken
+    from capyctl.access.services import hash_secret  # noqa: PLC0415 - breaks the cycle access.services -> deployments.services -> here
+    from capyctl.hosts.pki import pki  # noqa: PLC0415 - certificates (cryptography) kept off the listings' start-up
+    from hostagent.tls import JoinToken  # noqa: PLC0415 - certificates (cryptography) kept off the listings' start-up
 
     secret = secrets.token_urlsafe(24)
     seconds = int(settings.CAPYCTL["JOIN_TOKEN_SECONDS"])
@@ -105,11 +105,11 @@ def new_join_token(host: Host) -> str:
 def enrol(host_name: str, secret: str, csr_pem: bytes) -> tuple[bytes, bytes]:
     """Spend a join token: sign the host's certificate request. Returns (certificate, CA
     certificate). A token works once, before it expires; a refused try changes nothing."""
-    from cryptography import x509
+    from cryptography import x509  # noqa: PLC0415 - certificates (cryptography) kept off the listings' start-up
 
-    from capyctl.access.services import hash_secret
-    from capyctl.hosts.pki import pki, sign_request
-    from hostagent import tls
+    from capyctl.access.services import hash_secret  # noqa: PLC0415 - breaks the cycle access.services -> deployments.services -> here
+    from capyctl.hosts.pki import pki, sign_request  # noqa: PLC0415 - certificates (cryptography) kept off the listings' start-up
+    from hostagent import tls  # noqa: PLC0415 - certificates (cryptography) kept off the listings' start-up
 
     where = pki()
     now = timezone.now()
@@ -173,7 +173,7 @@ def revoke_host(name: str, *, actor: str = "") -> Host:
     (the pin is cleared), so are its pending join tokens; it shows unreachable and what
     its models hold stays counted as unconfirmed. It comes back by joining again with a
     new token (``capyctl host token NAME``)."""
-    from capyctl.hosts.agents import mark_unreachable
+    from capyctl.hosts.agents import mark_unreachable  # noqa: PLC0415 - httpx and certificates kept off the listings' start-up
 
     host = get_host(name)
     if host.is_local:

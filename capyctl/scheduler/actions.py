@@ -10,6 +10,7 @@ import time
 
 from capyctl.deployments.models import Deployment
 from capyctl.errors import UserError
+from capyctl.scheduler.executor import server_alive, submit
 from capyctl.scheduler.models import Operation
 
 ACTIONS = ("start", "stop", "park", "wake")
@@ -22,8 +23,6 @@ def request_action(
     """Save the intent and hand it to the server. Returns the operation, or ``None`` when
     no server runs and only the desired state of a start or stop was saved (it takes effect
     when one runs). Raises :class:`UserError` for a park or wake nobody could carry out."""
-    from capyctl.scheduler.executor import server_alive, submit
-
     if action not in ACTIONS:
         raise UserError(f"unknown action {action!r}; expected one of {', '.join(ACTIONS)}")
     if mode and (action != "park" or mode not in PARK_MODES):

@@ -56,7 +56,7 @@ def admit_start(
         need = snapshots.need(deployment, locked)
         result = plan([snapshots.snapshot(locked)], need)
         if isinstance(result, NoCapacity):
-            raise NoCapacityError(result.reason, result.blockers)
+            raise NoCapacityError(result.reason, result.blockers, lasting=result.lasting)
         if result.victims:
             return result.victims
         pools = snapshots.gpu_pools(locked, result.gpu_indices)
@@ -115,5 +115,5 @@ def admit_wake(
         need = Need(deployment.pk, deployment.name, len(pools), claim - residual, 0, (host.pk,))
         result = plan([others], need)
         if isinstance(result, NoCapacity):
-            raise NoCapacityError(result.reason, result.blockers)
+            raise NoCapacityError(result.reason, result.blockers, lasting=result.lasting)
         return result.victims or ()

@@ -14,6 +14,7 @@ from typing import Protocol
 from django.conf import settings
 
 from capyctl.errors import UserError
+from capyctl.hosts.agents import RemoteHostDriver
 from capyctl.hosts.models import Host
 from hostagent.host import HostRuntime, Launched
 from hostagent.probe import DeviceReading, Inventory, ProcessUsage, make_probe
@@ -86,8 +87,6 @@ def driver_for(host: Host) -> HostDriver:
     """The local host in-process; any other through its agent, over mutual TLS."""
     if host.is_local:
         return local_driver()
-    from capyctl.hosts.agents import RemoteHostDriver
-
     if host.enrolled_at is None:
         raise UserError(f"host {host.name} has not joined yet (capyctl start host --join …)")
     return RemoteHostDriver(host)

@@ -22,13 +22,16 @@ class SchedulerError(UserError):
 
 
 class NoCapacityError(SchedulerError):
-    """No host has room, even after every allowed victim."""
+    """No host has room, even after every allowed victim. ``lasting``: not even with every
+    unpinned model parked or stopped (refused at once); else what is in the way will pass,
+    and a request waits for it within its wake timeout."""
 
     code = "no_capacity"
 
-    def __init__(self, message: str, blockers: Iterable[str] = ()) -> None:
+    def __init__(self, message: str, blockers: Iterable[str] = (), *, lasting: bool = True) -> None:
         super().__init__(message)
         self.blockers = tuple(blockers)
+        self.lasting = lasting
 
 
 class ModelStoppedError(SchedulerError):

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
 from capyctl.hosts.agents import AgentUnreachableError, poll_hosts
@@ -134,7 +134,7 @@ def server_alive() -> bool:
     (server mode) the supervisor's beat is in Redis. Raises ControlPlaneUnavailableError
     when Redis does not answer: then nobody can say, nor be handed anything."""
     if settings.MODE == "server":
-        import redis
+        import redis  # noqa: PLC0415 - server mode only: standalone never loads redis
 
         client = redis.Redis.from_url(
             settings.REDIS_URL or "", socket_timeout=2, socket_connect_timeout=2
@@ -156,9 +156,7 @@ def submit(operation: Operation) -> None:
     """Hand a saved operation to whoever carries it out: in server mode a Celery worker
     (once the row is committed); standalone's loop finds it by itself."""
     if settings.MODE == "server":
-        from django.db import transaction
-
-        from capyctl.scheduler import tasks
+        from capyctl.scheduler import tasks  # noqa: PLC0415 - server mode only: standalone never loads Celery
 
         def hand_over() -> None:
             try:

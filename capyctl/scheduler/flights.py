@@ -74,7 +74,7 @@ class _NoLeases:
 
 class _RedisLeases:
     def __init__(self, url: str) -> None:
-        import redis
+        import redis  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
 
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)

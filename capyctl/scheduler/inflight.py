@@ -196,8 +196,8 @@ class RedisInFlight:
     """
 
     def __init__(self, url: str) -> None:
-        import redis
-        import redis.asyncio
+        import redis  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
+        import redis.asyncio  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
 
         self.process = uuid.uuid4().hex
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
@@ -273,7 +273,7 @@ class RedisInFlight:
                     del self._counts[deployment_id]
 
     def _renewing(self) -> None:
-        from capyctl import controlplane
+        from capyctl import controlplane  # noqa: PLC0415 - it loads models; this module must import without Django set up
 
         noted = False  # whether this process recorded the outage (once each way)
         while not self._stopped.wait(CHECK_IN_SECONDS if self.down_since is None else 0.5):

@@ -32,6 +32,7 @@ from capyctl.scheduler.errors import (
     NoCapacityError,
     SchedulerError,
     SourceError,
+    WakeTimeoutError,
 )
 from capyctl.scheduler.fetching import SourceFailedError, fetch_source
 from capyctl.scheduler.flights import flight_free
@@ -49,6 +50,10 @@ logger = logging.getLogger("capyctl.scheduler")
 S = ObservedState
 
 MAX_SWITCH_ROUNDS = 4
+# While what is in the way of a start or wake will pass (a model inside its
+# min_ready_seconds, one starting, waking or draining, memory not yet confirmed free), the
+# request tries again this often, within its wake timeout.
+ROOM_RETRY_SECONDS = 0.25
 STOP_GRACE_SECONDS = 10.0
 
 
@@ -164,6 +169,7 @@ def ensure_ready(
     deadline = time.monotonic() + (timeout or deployment.setting("wake_timeout_seconds"))
     flight = flights.flight(deployment_id)
     first = True
+    no_room: NoCapacityError | None = None  # the last try's: what is in the way will pass
     while True:
         observed, desired = (
             (deployment.observed_state, deployment.desired_state)
@@ -182,25 +188,39 @@ def ensure_ready(
             raise ModelStoppedError(f"{deployment.name} was stopped meanwhile")
         if flight.acquire(timeout=0.05):
             try:
-                now_state = (
-                    Deployment.objects.filter(pk=deployment_id)
-                    .values_list("observed_state", "parked_mode")
-                    .first()
-                )
-                if now_state is None:
-                    raise SchedulerError(f"deployment {deployment_id} no longer exists")
-                if now_state != (deployment.observed_state, deployment.parked_mode):
-                    deployment = _load(deployment_id)
-                deployment = _act(deployment, actor)
+                deployment, no_room = _try_once(deployment, actor)
                 if deployment.observed_state == S.READY:
                     return deployment
             finally:
                 flight.release()
         if time.monotonic() >= deadline:
+            if no_room is not None:
+                raise WakeTimeoutError(str(no_room))  # what it waited for, to its end
             raise SchedulerError(
                 f"{deployment.name} is still {deployment.observed_state} after waiting"
             )
-        time.sleep(0.05)
+        time.sleep(0.05 if no_room is None else ROOM_RETRY_SECONDS)
+
+
+def _try_once(deployment: Deployment, actor: str) -> tuple[Deployment, NoCapacityError | None]:
+    """Under the deployment's flight: act on its state as it is now. The refusal for want
+    of room is returned when what is in the way will pass (the caller tries again), and
+    raised when it will not."""
+    now_state = (
+        Deployment.objects.filter(pk=deployment.pk)
+        .values_list("observed_state", "parked_mode")
+        .first()
+    )
+    if now_state is None:
+        raise SchedulerError(f"deployment {deployment.pk} no longer exists")
+    if now_state != (deployment.observed_state, deployment.parked_mode):
+        deployment = _load(deployment.pk)
+    try:
+        return _act(deployment, actor), None
+    except NoCapacityError as exc:
+        if exc.lasting:  # waiting cannot help: refused at once
+            raise
+        return _load(deployment.pk), exc
 
 
 def _act(deployment: Deployment, actor: str) -> Deployment:

@@ -36,6 +36,7 @@ class Pool:
     name: str
     capacity_bytes: int
     used_bytes: int  # held + promised + unconfirmed + foreign
+    foreign_bytes: int = 0  # what no CapyCTL model holds: never freed by a switch
 
     @property
     def free_bytes(self) -> int:
@@ -121,10 +122,15 @@ class Placement:
 
 @dataclass(frozen=True)
 class NoCapacity:
-    """It does not fit even with everything parkable parked; ``blockers`` are in the way."""
+    """It does not fit now even with everything parkable parked; ``blockers`` are in the
+    way. ``lasting``: it would not fit even with every model that is not pinned parked or
+    stopped, so waiting cannot help; else what is in the way will pass (a model starting,
+    waking or draining, one inside its ``min_ready_seconds``, memory not yet confirmed
+    free) and the request waits for it."""
 
     reason: str
     blockers: tuple[str, ...] = ()
+    lasting: bool = True
 
 
 def expected_residual(resident: Resident, held: int) -> int:
@@ -308,6 +314,21 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
     return _why_not(candidates, need)
 
 
+def _fits_once_unpinned_gone(host: HostSnapshot, need: Need) -> bool:
+    """Whether ``need`` would fit on some of the host's GPU pools if every model there that
+    is not pinned gave its memory back (only pinned models and foreign use stay)."""
+    count = 1 if host.unified and need.gpus else need.gpus
+    if count > len(host.gpu_pools):
+        return False
+
+    def room(pool: str) -> int:
+        staying = sum(r.gpu_bytes.get(pool, 0) for r in host.residents if r.pinned)
+        return host.pools[pool].capacity_bytes - host.pools[pool].foreign_bytes - staying
+
+    return all(room(p) >= need.claim_per_gpu_bytes for p in sorted(host.gpu_pools, key=room,
+               reverse=True)[:count])  # fmt: skip
+
+
 def _why_not(hosts: list[HostSnapshot], need: Need) -> NoCapacity:
     if all(max(need.gpus, 1 if h.unified else 0) > len(h.gpu_pools) for h in hosts) and need.gpus:
         most = max(len(h.gpu_pools) for h in hosts)
@@ -331,6 +352,13 @@ def _why_not(hosts: list[HostSnapshot], need: Need) -> NoCapacity:
             f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU; the largest GPU "
             f"pool holds {_gib(largest)}"
         )
+    elif any(_fits_once_unpinned_gone(h, need) for h in hosts):
+        passing = sorted(b for b in blockers if not b.endswith("(pinned)"))
+        reason = (
+            f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU and waits for room"
+            + (f"; in the way: {', '.join(passing)}" if passing else "")
+        )
+        return NoCapacity(reason, tuple(sorted(blockers)), lasting=False)
     elif blockers:
         reason = (
             f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU and does not fit even "

@@ -95,7 +95,10 @@ def residents(host: Host, now: float) -> list[Resident]:
 
 def snapshot(host: Host) -> HostSnapshot:
     """The host as the policy sees it: pools with what the ledger counts, and residents."""
-    pools = {u.pool: Pool(u.pool, u.capacity_bytes, u.used_bytes) for u in pool_usage(host)}
+    pools = {
+        u.pool: Pool(u.pool, u.capacity_bytes, u.used_bytes, u.foreign_bytes)
+        for u in pool_usage(host)
+    }
     return HostSnapshot(
         host_id=host.pk,
         name=host.name,

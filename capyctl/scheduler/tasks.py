@@ -9,12 +9,16 @@ import logging
 import threading
 
 from celery import shared_task
+from django.conf import settings
 
 # CapyCTL's Celery app (imported first) is made current before any task is sent, so tasks
 # run eagerly in standalone and go to the configured broker in server mode, never to a
 # library default. It is imported here, not at start-up: commands that send no task never
 # load Celery.
 from capyctl import celery as _celery  # noqa: F401
+from capyctl.hosts import agents
+from capyctl.hosts.agents import AgentUnreachableError
+from capyctl.hosts.models import Host
 from capyctl.scheduler import executor, notify, operations, reconcile
 from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error
 
@@ -59,15 +63,11 @@ _RENEW_SECONDS = 3
 @shared_task(acks_late=True, ignore_result=True)
 def reconcile_host(host_id: int) -> None:
     """One reconcile pass over a host, never two at once for the same host."""
-    from django.conf import settings
-
-    from capyctl.hosts.agents import AgentUnreachableError
-
     if not settings.REDIS_URL or settings.CELERY_TASK_ALWAYS_EAGER:
         with contextlib.suppress(AgentUnreachableError):  # the next poll marks it unreachable
             reconcile.reconcile(host_id)
         return
-    import redis
+    import redis  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
 
     lock = redis.Redis.from_url(settings.REDIS_URL).lock(
         f"capyctl:reconcile:{host_id}",
@@ -104,12 +104,7 @@ def reconcile_host(host_id: int) -> None:
 def poll_hosts() -> None:
     """The periodic pass of server mode: ask every host how it is, then reconcile the
     online ones (sent every few seconds by `capyctl start server`)."""
-    from django.conf import settings
-
-    from capyctl.hosts.agents import poll_hosts as poll
-    from capyctl.hosts.models import Host
-
-    poll()
+    agents.poll_hosts()
     hosts = Host.objects.filter(state=Host.State.ONLINE)
     if settings.MODE == "server":  # engines run under agents only; no in-process host
         hosts = hosts.filter(is_local=False)

@@ -19,11 +19,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import connection
 
 from capyctl.deployments.models import Deployment
-from capyctl.scheduler import operations
+from capyctl.scheduler import notify, operations
 from capyctl.scheduler.errors import (
     ControlPlaneUnavailableError,
     SchedulerError,
@@ -76,21 +77,21 @@ def _state(deployment_id: int) -> tuple[str, str] | None:
     return (row[0], row[1]) if row else None
 
 
+# The scheduler gives up at the wake timeout and says why (what it waited for); a waiter
+# gives it this much longer, so the answer carries the reason rather than a bare timeout.
+OUTCOME_GRACE_SECONDS = 1.0
+
 # How long a request that needs a switch waits for Redis to answer before it is told 503
 # control_plane_unavailable (within its own wake timeout).
 CONTROL_PLANE_PATIENCE_SECONDS = 10.0
 
 
 async def _on_worker(deployment_id: int, timeout: float) -> None:
-    # Server mode only: standalone never loads Celery or the channel layer for a wake.
-    from channels.layers import get_channel_layer
-
-    from capyctl.scheduler import notify
-
+    # Server mode only: standalone never uses Celery or the channel layer for a wake.
     layer = get_channel_layer()
     channel = await layer.new_channel()
     group = notify.group(deployment_id)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout + OUTCOME_GRACE_SECONDS
     sent_at = time.time()
     await _send(layer, group, channel, deployment_id, deadline=deadline)
     try:
@@ -124,7 +125,7 @@ async def _send(
 ) -> None:
     """Listen for the outcome, and send the wake to a worker; while Redis (the broker and
     the channel layer) does not answer, try again for a while."""
-    from capyctl.scheduler import tasks  # server mode only, as above
+    from capyctl.scheduler import tasks  # noqa: PLC0415 - server mode only: standalone never loads Celery
 
     patience = min(deadline, time.monotonic() + CONTROL_PLANE_PATIENCE_SECONDS)
     while True:

@@ -12,11 +12,15 @@ import asyncio
 import hmac
 from bisect import bisect_left
 from collections.abc import Iterator
+from http.cookies import CookieError, SimpleCookie
+from importlib import import_module
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import get_user
 from django.db import close_old_connections
 from django.db.models import Count, Sum
+from django.http import HttpRequest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -25,6 +29,10 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from capyctl.deployments.models import Deployment
+from capyctl.events.models import Event
+from capyctl.ledger.models import LedgerEntry
 
 REGISTRY = CollectorRegistry()
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -94,10 +102,6 @@ class _Now(Collector):
         self.waiting: dict[str, int] = {}  # model -> requests waiting for it (the gateway's)
 
     def collect(self) -> Iterator[Metric]:
-        from capyctl.deployments.models import Deployment
-        from capyctl.events.models import Event
-        from capyctl.ledger.models import LedgerEntry
-
         requests = CounterMetricFamily(
             "capyctl_requests", "/v1 requests answered, by model and HTTP status",
             labels=["model", "status"],
@@ -181,12 +185,6 @@ def _token_ok(scope: dict[str, Any]) -> bool:
 
 def _staff_session(cookie_header: bytes) -> bool:
     """Whether the request's session cookie is a logged-in, active staff user's."""
-    from http.cookies import CookieError, SimpleCookie
-    from importlib import import_module
-
-    from django.contrib.auth import get_user
-    from django.http import HttpRequest
-
     try:
         cookies = SimpleCookie(cookie_header.decode("latin-1"))
     except CookieError:

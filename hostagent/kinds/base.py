@@ -60,7 +60,7 @@ class EngineClient:
     """Control calls to one engine on its loopback port (httpx: few calls, no hot path)."""
 
     def __init__(self, port: int, api_key: str, *, timeout: float = 30.0) -> None:
-        import httpx  # here, not at the top: kinds are read by every command, calls are rare
+        import httpx  # noqa: PLC0415 - kinds are read by every command, calls are rare
 
         self.base_url = f"http://{LOOPBACK}:{port}"
         self.api_key = api_key
@@ -78,7 +78,7 @@ class EngineClient:
     @contextlib.contextmanager
     def default_timeout(self, seconds: float) -> Iterator[None]:
         """Calls without their own timeout give up after ``seconds`` inside the block."""
-        import httpx
+        import httpx  # noqa: PLC0415 - kinds are read by every command, calls are rare
 
         previous = self._client.timeout
         self._client.timeout = httpx.Timeout(seconds)
@@ -101,7 +101,7 @@ class EngineClient:
         timeout: float | None = None,
         expect: tuple[int, ...] = (200,),
     ) -> httpx.Response:
-        import httpx
+        import httpx  # noqa: PLC0415 - kinds are read by every command, calls are rare
 
         if self.closed:
             raise EngineCallError(f"{method} {path}: the engine was stopped meanwhile")
@@ -126,7 +126,7 @@ class EngineClient:
 
     def healthy(self, path: str) -> bool:
         """Whether ``GET path`` answers 200 now (a refused connection is just "not yet")."""
-        import httpx
+        import httpx  # noqa: PLC0415 - kinds are read by every command, calls are rare
 
         if self.closed:
             return False

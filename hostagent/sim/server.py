@@ -528,7 +528,7 @@ def main(argv: list[str]) -> int:
     options = parse_options(argv)
     engine = SimEngine(options, read_knobs())
     try:
-        import uvloop
+        import uvloop  # noqa: PLC0415 - optional: without it the simulator runs on asyncio's loop
 
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency, but not required

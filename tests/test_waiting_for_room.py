@@ -1,0 +1,90 @@
+"""A request whose model cannot be placed now only because of something that will pass
+waits for it and is answered; only what can never fit is refused at once."""
+
+import re
+import signal
+import sys
+
+import httpx
+import pytest
+
+from tests.conftest import run_program, run_programs, start_server, stop_server
+
+pytestmark = pytest.mark.e2e
+
+SIM = f"{sys.executable} -m hostagent.sim vllm"
+
+
+@pytest.fixture
+def two_that_do_not_fit(program_env):
+    """Models ``a``, ``b`` and ``c`` of 16 GiB each on one 24 GiB GPU (one at a time),
+    each kept at least 3 s once ready; ``c`` waits at most 1 s; a key."""
+    program_env["CAPYCTL_SIM_GPUS"] = "24GiB"
+    setup: list[list[str]] = [
+        ["engine", "add", "sim", "--kind", "vllm", "--command", SIM],
+        *(["deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
+           "--gpu-memory", "16GiB", "--min-ready-seconds", "3",
+           *(["--wake-timeout", "1"] if name == "c" else [])] for name in ("a", "b", "c")),
+        ["key", "create", "--user", "admin"],
+    ]  # fmt: skip
+    results = run_programs(program_env, *setup)
+    for argv, result in zip(setup, results, strict=True):
+        assert result.code == 0, (argv, result.err)
+    server = start_server(program_env)
+    try:
+        yield server, results[-1].out.strip(), program_env
+    finally:
+        stop_server(server, signal.SIGTERM)
+
+
+def test_a_request_waits_while_the_model_in_the_way_is_inside_its_residency(
+    two_that_do_not_fit,
+):
+    """Ask ``a``, then ``b`` a moment later: ``b`` was refused at once (503 no_capacity,
+    'in the way: a (ready for less than 10s)', x-should-retry: false) though in seconds it
+    would fit. It now waits until ``a`` may be parked, and is answered: through the
+    official openai client, plain and streaming."""
+    import openai
+    from openai.types.chat import ChatCompletionMessageParam
+
+    server, key, env = two_that_do_not_fit
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0,
+                           timeout=60)  # fmt: skip
+    hello: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
+    assert client.chat.completions.create(model="a", messages=hello, max_tokens=2)
+    b = client.chat.completions.create(model="b", messages=hello, max_tokens=2)
+    assert b.choices[0].message.content == "tok0 tok1"
+    # And back to a, streaming, while b is inside its own 3 s.
+    chunks = list(client.chat.completions.create(model="a", messages=hello, max_tokens=2,
+                                                 stream=True))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "tok0 tok1"
+    events = run_program(env, "events", "--limit", "20").out
+    made_room = re.findall(r" parked (\w) \(\w+\) to make room for (\w) ", events)
+    assert made_room == [("a", "b"), ("b", "a")], events
+    assert "no_capacity" not in events
+
+
+def test_a_wait_for_room_ends_at_the_wake_timeout_saying_what_was_in_the_way(
+    two_that_do_not_fit,
+):
+    """``c`` waits at most 1 s and ``a`` is kept 3 s: 504 wake_timeout naming what was in
+    the way, with Retry-After. (What can never fit is refused at once: test_switching's
+    pinned model, test_gateway's model larger than the GPU.)"""
+    server, key, _ = two_that_do_not_fit
+    headers = {"Authorization": f"Bearer {key}"}
+
+    def ask(model: str) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=headers,
+                          timeout=60)  # fmt: skip
+
+    assert ask("a").status_code == 200
+    waited = ask("c")
+    assert waited.status_code == 504, waited.text
+    error = waited.json()["error"]
+    assert error["code"] == "wake_timeout"
+    assert error["message"] == (
+        "`c` did not become ready within 1s: c needs 16.0 GiB per GPU and waits for room; in "
+        "the way: a (ready for less than 3s)"
+    )
+    assert waited.headers["retry-after"] == "1"
