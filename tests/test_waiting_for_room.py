@@ -52,8 +52,10 @@ def test_a_request_waits_while_the_model_in_the_way_is_inside_its_residency(
                            timeout=60)  # fmt: skip
     hello: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
     assert client.chat.completions.create(model="a", messages=hello, max_tokens=2)
-    b = client.chat.completions.create(model="b", messages=hello, max_tokens=2)
-    assert b.choices[0].message.content == "tok0 tok1"
+    raw = client.chat.completions.with_raw_response.create(model="b", messages=hello,
+                                                           max_tokens=2)  # fmt: skip
+    assert int(raw.headers["x-capyctl-queued-ms"]) > 0  # how long it waited
+    assert raw.parse().choices[0].message.content == "tok0 tok1"
     # And back to a, streaming, while b is inside its own 3 s.
     chunks = list(client.chat.completions.create(model="a", messages=hello, max_tokens=2,
                                                  stream=True))  # fmt: skip
@@ -88,3 +90,4 @@ def test_a_wait_for_room_ends_at_the_wake_timeout_saying_what_was_in_the_way(
         "the way: a (ready for less than 3s)"
     )
     assert waited.headers["retry-after"] == "1"
+    assert int(waited.headers["x-capyctl-queued-ms"]) >= 1000  # its whole wake timeout

@@ -190,7 +190,12 @@ class Gateway:
         for _ in range(_GATE_TRIES):
             if not ready:
                 wait_started = time.perf_counter()
-                route = await self._wait_ready(route)
+                try:
+                    route = await self._wait_ready(route)
+                except GatewayError as refused:  # it says how long it waited, too
+                    waited_ms += (time.perf_counter() - wait_started) * 1000
+                    refused.headers.append((b"x-capyctl-queued-ms", f"{waited_ms:.0f}".encode()))
+                    raise
                 waited_ms += (time.perf_counter() - wait_started) * 1000
             if await inflight.abegin(route.deployment_id):
                 return route, waited_ms
@@ -402,8 +407,7 @@ class Gateway:
                 overhead = (outcome.headers_at - started) * 1000 - waited_ms
                 outcome.overhead = overhead / 1000
                 out.append((b"x-capyctl-overhead-ms", f"{overhead:.1f}".encode()))
-                if waited_ms:
-                    out.append((b"x-capyctl-waited-ms", f"{waited_ms:.0f}".encode()))
+                out.append((b"x-capyctl-queued-ms", f"{waited_ms:.0f}".encode()))
                 length = upstream.content_length
                 if length is not None and length <= _WHOLE_BODY_BYTES:
                     # A sized answer (not a stream): read it, then pass it on with its
