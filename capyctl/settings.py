@@ -277,6 +277,9 @@ CAPYCTL: dict[str, Any] = {
     "GPU_RESERVE_BYTES": env_size("CAPYCTL_GPU_RESERVE", 512 * 1024**2),
     "RAM_RESERVE_BYTES": env_size("CAPYCTL_RAM_RESERVE", 2 * 1024**3),
     "MAX_BODY_BYTES": env_size("CAPYCTL_MAX_BODY_BYTES", 32 * 1024**2),
+    # A streaming request that waits for its model gets its answer's head and then an SSE
+    # comment line this often, so proxies and clients that cut idle connections do not.
+    "STREAM_KEEPALIVE_SECONDS": env_float("CAPYCTL_STREAM_KEEPALIVE_SECONDS", 10.0, minimum=0.5),
     # Where hosts reach the server to enrol (HOST:PORT of its enrolment listener): it goes
     # into join tokens. The listener itself is `capyctl start … --enrol-listen`.
     "ENROL_ADDRESS": env_str("CAPYCTL_ENROL_ADDRESS", f"{socket.getfqdn()}:7443"),

@@ -1,9 +1,12 @@
 """A request whose model cannot be placed now only because of something that will pass
 waits for it and is answered; only what can never fit is refused at once."""
 
+import contextlib
+import json
 import re
 import signal
 import sys
+import threading
 
 import httpx
 import pytest
@@ -13,6 +16,19 @@ from tests.conftest import run_program, run_programs, start_server, stop_server
 pytestmark = pytest.mark.e2e
 
 SIM = f"{sys.executable} -m hostagent.sim vllm"
+
+
+@contextlib.contextmanager
+def serving(program_env, setup):
+    """Run the ``setup`` commands (the last makes a key), then serve: the server, the key."""
+    results = run_programs(program_env, *setup)
+    for argv, result in zip(setup, results, strict=True):
+        assert result.code == 0, (argv, result.err)
+    server = start_server(program_env)
+    try:
+        yield server, results[-1].out.strip()
+    finally:
+        stop_server(server, signal.SIGTERM)
 
 
 @pytest.fixture
@@ -27,14 +43,8 @@ def two_that_do_not_fit(program_env):
            *(["--wake-timeout", "1"] if name == "c" else [])] for name in ("a", "b", "c")),
         ["key", "create", "--user", "admin"],
     ]  # fmt: skip
-    results = run_programs(program_env, *setup)
-    for argv, result in zip(setup, results, strict=True):
-        assert result.code == 0, (argv, result.err)
-    server = start_server(program_env)
-    try:
-        yield server, results[-1].out.strip(), program_env
-    finally:
-        stop_server(server, signal.SIGTERM)
+    with serving(program_env, setup) as (server, key):
+        yield server, key, program_env
 
 
 def test_a_request_waits_while_the_model_in_the_way_is_inside_its_residency(
@@ -91,3 +101,57 @@ def test_a_wait_for_room_ends_at_the_wake_timeout_saying_what_was_in_the_way(
     )
     assert waited.headers["retry-after"] == "1"
     assert int(waited.headers["x-capyctl-queued-ms"]) >= 1000  # its whole wake timeout
+
+
+@pytest.fixture
+def slow_to_start(program_env):
+    """``slow`` takes 31 s to start; ``doomed`` fails 12 s into its start; a key."""
+    program_env["CAPYCTL_SIM_GPUS"] = "24GiB"
+    fails = (f"{sys.executable} -c 'import sys, time; time.sleep(12); "
+             "print(\"no such model file\"); sys.exit(3)'")  # fmt: skip
+    setup: list[list[str]] = [
+        ["engine", "add", "slow", "--kind", "vllm", "--command", SIM,
+         "--env", "CAPYCTL_SIM_LOAD_SECONDS=31"],
+        ["deployment", "add", "slow", "--engine", "slow", "--source", "m", "--gpu-memory", "4GiB"],
+        ["engine", "add", "fails", "--kind", "llamacpp", "--command", fails],
+        ["deployment", "add", "doomed", "--engine", "fails", "--source", "m", "--gpus", "0"],
+        ["key", "create", "--user", "admin"],
+    ]  # fmt: skip
+    with serving(program_env, setup) as served:
+        yield served
+
+
+def test_a_stream_that_waits_gets_keepalive_comments_then_its_answer(slow_to_start):
+    """A streaming request waits 31 s for a start, with a client that gives up after 15 s
+    without a byte (as proxies that cut idle connections do): every 10 s it gets an SSE
+    comment line saying what it waits for, then its answer. A stream whose wait fails after
+    its head went out ends with the error as its ``data:`` line."""
+    server, key = slow_to_start
+    lines: dict[str, list[str]] = {}
+
+    def stream(model: str) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2, "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {key}"},
+                          timeout=httpx.Timeout(15, connect=5)) as reply:  # fmt: skip
+            assert reply.status_code == 200
+            assert reply.headers["content-type"].startswith("text/event-stream")
+            lines[model] = [line for line in reply.iter_lines() if line]
+
+    both = [threading.Thread(target=stream, args=(m,)) for m in ("slow", "doomed")]
+    for thread in both:
+        thread.start()
+    for thread in both:
+        thread.join(timeout=120)
+    slow, doomed = lines["slow"], lines["doomed"]
+    waiting = [line for line in slow if line.startswith(":")]
+    assert len(waiting) == 3, slow
+    assert re.fullmatch(r": waiting for slow: starting, 1\d\.\d s", waiting[0]), waiting
+    data = [json.loads(line[6:]) for line in slow if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in data) == "tok0 tok1"
+    assert slow[-1] == "data: [DONE]"
+    assert doomed[0].startswith(": waiting for doomed: "), doomed
+    error = json.loads(doomed[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "engine_failed", doomed
+    assert "no such model file" in error["message"]

@@ -9,6 +9,7 @@ unbuffered. Every error is OpenAI-shaped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -138,7 +139,45 @@ class Gateway:
             )
         if name != route.name:  # an alias: the engine serves the deployment's own name
             body = _rename_model(body, parsed, route.name)
+        waits = route.observed_state != "ready" or route.base_url is None
+        if waits and isinstance(parsed, dict) and parsed.get("stream") is True:
+            # A stream that waits gets its head and comment lines meanwhile (see _KeepAlive).
+            keepalive = _KeepAlive(send, route, self.routes, outcome)
+            try:
+                await self._admit_and_forward(scope, receive, keepalive.send, key=key,
+                                              headers=headers, body=body, route=route,
+                                              target=target, started=started, outcome=outcome,
+                                              keepalive=keepalive)  # fmt: skip
+            except GatewayError as error:
+                if not await keepalive.stop():
+                    raise  # nothing was sent yet: an ordinary error answer
+                outcome.status = error.status
+                await keepalive.end_with(error.body())
+            finally:
+                await keepalive.stop()
+            return
+        await self._admit_and_forward(scope, receive, send, key=key, headers=headers, body=body,
+                                      route=route, target=target, started=started,
+                                      outcome=outcome)  # fmt: skip
+
+    async def _admit_and_forward(
+        self,
+        scope: Scope,
+        receive: Any,
+        send: Any,
+        *,
+        key: KeyInfo,
+        headers: dict[bytes, bytes],
+        body: bytes,
+        route: Route,
+        target: routes.Target,
+        started: float,
+        outcome: _Outcome,
+        keepalive: _KeepAlive | None = None,
+    ) -> None:
         route, waited_ms = await self._admit(route)
+        if keepalive is not None:
+            await keepalive.stop()  # no more comment lines: the answer follows
         if waited_ms:
             metrics.WAITS.observe(route.name, waited_ms / 1000)
         try:
@@ -532,6 +571,74 @@ def _touch_sync(deployment_id: int) -> None:
         logger.debug("could not note a request's end on %s: %s", deployment_id, exc)
     finally:
         connection.close()
+
+
+class _KeepAlive:
+    """A streaming request waiting for its model: once it has waited STREAM_KEEPALIVE
+    seconds, its answer's head is sent (200, an SSE stream) and then an SSE comment line
+    (``: waiting for b: waking, 12.0 s``) every as many seconds, so proxies that cut idle
+    connections (Cloudflare at about 100 s) and clients with a read timeout keep it. Once
+    the head went out, :meth:`send` passes the engine's answer on without its own head (an
+    engine's error answer becomes the stream's ``data: {"error": …}`` line), and a
+    failure of the wait ends the stream with that line too. A wait shorter than the
+    interval sends nothing of its own: the answer is as any other."""
+
+    def __init__(self, send: Any, route: Route, routes: RoutingTable, outcome: _Outcome) -> None:
+        self._send = send
+        self._route = route
+        self._routes = routes
+        self._outcome = outcome
+        self._since = time.monotonic()
+        self._status = 200
+        self._error = b""
+        self.started = False
+        self._ticking: asyncio.Task[None] | None = asyncio.ensure_future(self._tick())
+
+    async def _tick(self) -> None:
+        every = float(settings.CAPYCTL["STREAM_KEEPALIVE_SECONDS"])
+        while True:
+            await asyncio.sleep(every)
+            if not self.started:
+                self.started = True
+                self._outcome.headers_at = time.perf_counter()
+                await self._send(
+                    {"type": "http.response.start", "status": 200, "headers": [
+                        (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                    ]}
+                )  # fmt: skip
+            now = await self._routes.get(self._route.name)
+            state = now.observed_state if now is not None else "gone"
+            waited = time.monotonic() - self._since
+            line = f": waiting for {self._route.name}: {state}, {waited:.1f} s\n\n"
+            await self._send({"type": "http.response.body", "body": line.encode(),
+                              "more_body": True})  # fmt: skip
+
+    async def stop(self) -> bool:
+        """No more comment lines; whether the head was sent."""
+        if self._ticking is not None:
+            self._ticking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticking
+            self._ticking = None
+        return self.started
+
+    async def end_with(self, error: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": b"data: " + error + b"\n\n",
+                          "more_body": False})  # fmt: skip
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if not self.started:
+            await self._send(message)
+            return
+        if message["type"] == "http.response.start":  # the head went out already
+            self._status = int(message["status"])
+            return
+        if self._status < 400:
+            await self._send(message)
+            return
+        self._error += message.get("body", b"")  # an engine's refusal: as the error line
+        if not message.get("more_body", False):
+            await self.end_with(self._error.strip())
 
 
 class _Outcome:
