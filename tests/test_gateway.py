@@ -1,6 +1,8 @@
 """The /v1 gateway against a running standalone server with simulated GPUs and engines."""
 
+import asyncio
 import json
+import re
 import signal
 import sys
 import time
@@ -439,3 +441,44 @@ def test_the_real_llama_server_answers_through_v1_and_makes_room(program_env):
         assert states["other"] == "parked"
     finally:
         stop_server(server, signal.SIGTERM)
+
+
+def _waiting_for(server, model):
+    """How many requests the gateway holds waiting for ``model`` (its /metrics gauge)."""
+    text = httpx.get(f"{server.base_url}/metrics",
+                     headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).text  # fmt: skip
+    found = re.search(rf'^capyctl_waiting_requests{{model="{model}"}} (\d+)', text, re.M)
+    return int(found.group(1)) if found else 0
+
+
+def test_a_client_that_hangs_up_while_queued_leaves_the_queue_at_once(served, program_env):
+    """q lets 5 wait while its start is held. Five clients that wait and then hang up give
+    their places back at once (they held them until the start ended: newcomers were told
+    queue_full meanwhile); five others then wait, and are answered once the start ends."""
+    server, key, _, _ = served
+    ask = {"model": "q", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    url, auth = f"{server.base_url}/v1/chat/completions", {"Authorization": f"Bearer {key}"}
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as leavers:
+            gone = [asyncio.ensure_future(leavers.post(url, json=ask, headers=auth))
+                    for _ in range(5)]  # fmt: skip
+            while await asyncio.to_thread(_waiting_for, server, "q") < 5:
+                await asyncio.sleep(0.1)
+            for request in gone:
+                request.cancel()  # the client hangs up: its connection is closed
+            await asyncio.gather(*gone, return_exceptions=True)
+        await asyncio.to_thread(
+            wait_until, lambda: _waiting_for(server, "q") == 0, "the places to be given back"
+        )
+        async with httpx.AsyncClient(timeout=120) as client:
+            stay = [asyncio.ensure_future(client.post(url, json=ask, headers=auth))
+                    for _ in range(5)]  # fmt: skip
+            while await asyncio.to_thread(_waiting_for, server, "q") < 5:
+                assert not any(s.done() for s in stay), [s.result().text for s in stay if s.done()]
+                await asyncio.sleep(0.1)
+            load_gate(program_env).touch()
+            return list(await asyncio.gather(*stay))
+
+    answers = asyncio.run(scenario())
+    assert [a.status_code for a in answers] == [200] * 5, [a.text for a in answers]

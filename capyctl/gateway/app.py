@@ -175,7 +175,11 @@ class Gateway:
         outcome: _Outcome,
         keepalive: _KeepAlive | None = None,
     ) -> None:
-        route, waited_ms = await self._admit(route)
+        try:
+            route, waited_ms = await self._admit(route, receive)
+        except _ClientGone:  # it left the queue, and counts for nothing
+            outcome.status = 499
+            return
         if keepalive is not None:
             await keepalive.stop()  # no more comment lines: the answer follows
         if waited_ms:
@@ -221,16 +225,17 @@ class Gateway:
             )
         return maker, None
 
-    async def _admit(self, route: Route) -> tuple[Route, float]:
+    async def _admit(self, route: Route, receive: Any) -> tuple[Route, float]:
         """Count the request in flight on a ready engine, waiting for a wake if needed;
-        returns the route to use and the milliseconds waited."""
+        returns the route to use and the milliseconds waited. A client that goes away
+        while it waits leaves the queue at once (:class:`_ClientGone`)."""
         waited_ms = 0.0
         ready = route.observed_state == "ready" and route.base_url is not None
         for _ in range(_GATE_TRIES):
             if not ready:
                 wait_started = time.perf_counter()
                 try:
-                    route = await self._wait_ready(route)
+                    route = await self._wait_or_leave(route, receive)
                 except GatewayError as refused:  # it says how long it waited, too
                     waited_ms += (time.perf_counter() - wait_started) * 1000
                     refused.headers.append((b"x-capyctl-queued-ms", f"{waited_ms:.0f}".encode()))
@@ -299,6 +304,22 @@ class Gateway:
             "server_error",
             headers=[(b"retry-after", b"1")],
         )
+
+    async def _wait_or_leave(self, route: Route, receive: Any) -> Route:
+        """:meth:`_wait_ready`, unless the client goes away first: then its place in the
+        queue is given up at once (the wake it asked for goes on for the others)."""
+        waiting = asyncio.ensure_future(self._wait_ready(route))
+        leaving = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({waiting, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not waiting.done():
+                waiting.cancel()
+            await asyncio.gather(waiting, leaving, return_exceptions=True)
+        if waiting.cancelled():
+            raise _ClientGone
+        return waiting.result()
 
     async def _wait_ready(self, route: Route) -> Route:
         deployment_id = route.deployment_id
@@ -571,6 +592,16 @@ def _touch_sync(deployment_id: int) -> None:
         logger.debug("could not note a request's end on %s: %s", deployment_id, exc)
     finally:
         connection.close()
+
+
+class _ClientGone(Exception):  # noqa: N818 - not an error: the client left
+    """The client went away while its request waited."""
+
+
+async def _disconnected(receive: Any) -> None:
+    """Return once the client has gone away (its body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class _KeepAlive:
