@@ -7,6 +7,7 @@ import re
 import signal
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -155,3 +156,22 @@ def test_a_stream_that_waits_gets_keepalive_comments_then_its_answer(slow_to_sta
     error = json.loads(doomed[-1].removeprefix("data: "))["error"]
     assert error["code"] == "engine_failed", doomed
     assert "no such model file" in error["message"]
+
+
+def test_a_wait_for_room_that_everyone_left_moves_nothing(two_that_do_not_fit):
+    """``b``'s only request hangs up while ``b`` waits for ``a``'s 3 s: once they have
+    passed, ``a`` is not parked, nor ``b`` started, for nobody."""
+    server, key, env = two_that_do_not_fit
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    url = f"{server.base_url}/v1/chat/completions"
+    assert httpx.post(url, json={**body, "model": "a"}, headers=headers, timeout=60).is_success
+    ready_at = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up, and hangs up
+        httpx.post(url, json={**body, "model": "b"}, headers=headers, timeout=1)
+    # Here the time is the point: past a's 3 s, and a few of b's tries after them.
+    time.sleep(max(0.0, ready_at + 3 + 2 - time.monotonic()))
+    rows = {d["name"]: d for d in json.loads(run_program(env, "deployment", "list",
+                                                         "--json").out)}  # fmt: skip
+    assert (rows["a"]["observed_state"], rows["b"]["observed_state"]) == ("ready", "stopped")
+    assert "to make room for b" not in run_program(env, "events", "--limit", "20").out

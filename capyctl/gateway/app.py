@@ -337,7 +337,10 @@ class Gateway:
             wake = self._wakes.get(deployment_id)
             if wake is None or wake.done():
                 # One wake per model, however many requests wait for it.
-                wake = asyncio.ensure_future(wakes.ready(deployment_id, route.wake_timeout_seconds))
+                wanted = lambda: self._waiting.get(deployment_id, 0) > 0  # noqa: E731
+                wake = asyncio.ensure_future(
+                    wakes.ready(deployment_id, route.wake_timeout_seconds, wanted)
+                )
                 self._wakes[deployment_id] = wake
             try:
                 await self._unless_stopping(

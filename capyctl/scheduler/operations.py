@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +33,7 @@ from capyctl.scheduler.errors import (
     NoCapacityError,
     SchedulerError,
     SourceError,
+    UnavailableError,
     WakeTimeoutError,
 )
 from capyctl.scheduler.fetching import SourceFailedError, fetch_source
@@ -154,12 +156,17 @@ def _drain(deployment: Deployment, doing: str) -> bool:
 
 
 def ensure_ready(
-    deployment_id: int, actor: str = "system", timeout: float | None = None
+    deployment_id: int,
+    actor: str = "system",
+    timeout: float | None = None,
+    wanted: Callable[[], bool] | None = None,
 ) -> Deployment:
     """Make the deployment ready (start it, or wake it), evicting others if needed.
 
     Any number of concurrent calls for one deployment cause one start or wake; the others
-    wait for it and share its outcome.
+    wait for it and share its outcome. While what is in the way passes, it tries again;
+    ``wanted`` says whether anyone still waits (the gateway's queue): once nobody does, it
+    gives up before it moves anything (UnavailableError).
     """
     deployment = _load(deployment_id)
     if deployment.desired_state == "stopped":
@@ -199,6 +206,8 @@ def ensure_ready(
             raise SchedulerError(
                 f"{deployment.name} is still {deployment.observed_state} after waiting"
             )
+        if no_room is not None and wanted is not None and not wanted():
+            raise UnavailableError(f"{deployment.name}: nobody waits for it any more")
         time.sleep(0.05 if no_room is None else ROOM_RETRY_SECONDS)
 
 

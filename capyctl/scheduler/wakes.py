@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -59,11 +60,16 @@ async def run(function: Any, *args: Any) -> Any:
     )
 
 
-async def ready(deployment_id: int, timeout: float) -> None:
+async def ready(
+    deployment_id: int, timeout: float, wanted: Callable[[], bool] | None = None
+) -> None:
     """Return once the deployment is ready (started or woken as needed); raise a
-    SchedulerError subclass when it cannot be, WakeTimeoutError past ``timeout``."""
+    SchedulerError subclass when it cannot be, WakeTimeoutError past ``timeout``.
+    ``wanted``: whether anyone still waits for it; while it waits for room, a wake nobody
+    wants any more gives up before it moves anything (standalone; a worker in server mode
+    goes on)."""
     if settings.CELERY_TASK_ALWAYS_EAGER:  # here, on the control plane's threads
-        await run(operations.ensure_ready, deployment_id, "system", timeout)
+        await run(operations.ensure_ready, deployment_id, "system", timeout, wanted)
         return
     await _on_worker(deployment_id, timeout)
 
