@@ -265,6 +265,8 @@ class Gateway:
                 "owned_by": "capyctl",
                 "state": m["state"],
                 "host": m["host"],
+                # requests this process holds waiting for it to be started or woken
+                "waiting": self._waiting.get(int(str(m["pk"])), 0),
             }
             for m in models
             if key.allows(int(str(m["pk"])))
