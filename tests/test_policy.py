@@ -251,3 +251,21 @@ def test_foreign_memory_counts():
 def test_cpu_deployments_need_no_gpu():
     result = plan([host(residents=[resident("a", 24)])], need(gpus=0, gib=0))
     assert result == Placement(host_id=1, pools=(), victims=())
+
+
+def test_what_stays_does_not_pass_parked_residuals_and_cpu_deployments():
+    """A parked model keeps its residual on the GPU (a park frees no more), so a need that
+    does not fit beside it is refused at once; what it holds beyond that (memory not yet
+    confirmed free) passes. A CPU deployment never waits for GPU room."""
+    residual = resident("p", 20, state="parked", residual_bytes=10 * GIB)
+    refused = plan([host(residents=[residual])], need())
+    assert isinstance(refused, NoCapacity)
+    assert refused.lasting  # 24 - 10 < 16, however long it waits
+    unconfirmed = resident("p", 20, state="parked", residual_bytes=2 * GIB)
+    waits = plan([host(residents=[unconfirmed])], need())
+    assert isinstance(waits, NoCapacity)
+    assert not waits.lasting  # 24 - 2 >= 16 once the probe confirms the rest free
+    cpu = plan([host(ram=8, residents=[resident("a", 16, state="starting")])],
+               need(gpus=0, host_ram_bytes=16 * GIB))  # fmt: skip
+    assert isinstance(cpu, NoCapacity)
+    assert cpu.lasting

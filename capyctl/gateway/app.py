@@ -9,7 +9,6 @@ unbuffered. Every error is OpenAI-shaped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -148,11 +147,10 @@ class Gateway:
                                               headers=headers, body=body, route=route,
                                               target=target, started=started, outcome=outcome,
                                               keepalive=keepalive)  # fmt: skip
-            except GatewayError as error:
+            except Exception as exc:
                 if not await keepalive.stop():
                     raise  # nothing was sent yet: an ordinary error answer
-                outcome.status = error.status
-                await keepalive.end_with(error.body())
+                await keepalive.fail(exc, f"{scope.get('method')} {path!r}")
             finally:
                 await keepalive.stop()
             return
@@ -180,11 +178,11 @@ class Gateway:
         except _ClientGone:  # it left the queue, and counts for nothing
             outcome.status = 499
             return
-        if keepalive is not None:
-            await keepalive.stop()  # no more comment lines: the answer follows
-        if waited_ms:
-            metrics.WAITS.observe(route.name, waited_ms / 1000)
         try:
+            if keepalive is not None:
+                await keepalive.stop()  # no more comment lines: the answer follows
+            if waited_ms:
+                metrics.WAITS.observe(route.name, waited_ms / 1000)
             await self._forward(
                 scope,
                 receive,
@@ -294,11 +292,15 @@ class Gateway:
         if self._stopping is None:
             self._stopping = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(waiting)
-        await asyncio.wait([task, self._stopping], return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
+        try:
+            await asyncio.wait([task, self._stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():  # this request left (or the server stops): no orphan
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if not task.cancelled():
             task.result()  # its outcome, or its error
             return
-        task.cancel()
         raise GatewayError(
             503,
             "unavailable",
@@ -315,13 +317,13 @@ class Gateway:
         try:
             await asyncio.wait({waiting, leaving}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            leaving.cancel()
             if not waiting.done():
                 waiting.cancel()
+            leaving.cancel()
             await asyncio.gather(waiting, leaving, return_exceptions=True)
-        if waiting.cancelled():
+        if waiting.cancelled():  # it left first: its place is given back
             raise _ClientGone
-        return waiting.result()
+        return waiting.result()  # done (even if it left just then: _forward sees that)
 
     async def _wait_ready(self, route: Route) -> Route:
         deployment_id = route.deployment_id
@@ -651,12 +653,24 @@ class _KeepAlive:
 
     async def stop(self) -> bool:
         """No more comment lines; whether the head was sent."""
-        if self._ticking is not None:
-            self._ticking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticking
-            self._ticking = None
+        ticking, self._ticking = self._ticking, None
+        if ticking is not None:
+            ticking.cancel()
+            await asyncio.wait({ticking})  # its end, whatever it was: never raised here
+            if not ticking.cancelled() and ticking.exception() is not None:
+                logger.warning("keep-alive lines stopped: %s", ticking.exception())
         return self.started
+
+    async def fail(self, exc: Exception, what: str) -> None:
+        """End the stream whose head went out with the error's line (an unexpected one
+        logged once), not cut."""
+        if isinstance(exc, GatewayError):
+            error = exc
+        else:
+            logger.error("%s failed in the gateway", what, exc_info=exc)
+            error = _failure(exc)
+        self._outcome.status = error.status
+        await self.end_with(error.body())
 
     async def end_with(self, error: bytes) -> None:
         await self._send({"type": "http.response.body", "body": b"data: " + error + b"\n\n",

@@ -73,7 +73,7 @@ def admit_start(
                 claim_bytes=need.claim_per_gpu_bytes,
             )
         except InsufficientMemoryError as exc:
-            raise NoCapacityError(f"{deployment.name}: {exc}") from exc
+            raise NoCapacityError(f"{deployment.name}: {exc}", lasting=False) from exc
         if instance is None:
             return None
         return Admitted(locked, result, instance)
@@ -101,7 +101,7 @@ def admit_wake(
             try:
                 won = transitions.waking(locked, deployment, dict.fromkeys(pools, claim), mine)
             except InsufficientMemoryError as exc:
-                raise NoCapacityError(f"{deployment.name}: {exc}") from exc
+                raise NoCapacityError(f"{deployment.name}: {exc}", lasting=False) from exc
             return () if won else None
         snap = snapshots.snapshot(locked)
         residual = min((mine.get(p, 0) for p in pools), default=0)

@@ -89,7 +89,8 @@ def _place(deployment: Deployment, actor: str, target: Host) -> admission.Admitt
         for victim in result:
             _evict(victim, actor, for_name=deployment.name)
     raise NoCapacityError(
-        f"{deployment.name}: memory was not freed after {MAX_SWITCH_ROUNDS} rounds"
+        f"{deployment.name}: memory was not freed after {MAX_SWITCH_ROUNDS} rounds",
+        lasting=False,  # others took what was freed meanwhile: the next try plans again
     )
 
 
@@ -206,9 +207,9 @@ def ensure_ready(
             raise SchedulerError(
                 f"{deployment.name} is still {deployment.observed_state} after waiting"
             )
+        time.sleep(0.05 if no_room is None else ROOM_RETRY_SECONDS)
         if no_room is not None and wanted is not None and not wanted():
             raise UnavailableError(f"{deployment.name}: nobody waits for it any more")
-        time.sleep(0.05 if no_room is None else ROOM_RETRY_SECONDS)
 
 
 def _try_once(deployment: Deployment, actor: str) -> tuple[Deployment, NoCapacityError | None]:
@@ -249,11 +250,26 @@ def start(deployment_id: int, actor: str = "system") -> Deployment:
     return ensure_ready(deployment_id, actor)
 
 
+# Weights fetched for a start that then had to wait for room, by deployment: (host,
+# source, path, when). Its next try, within a minute, places it without fetching again (a
+# fetch of a Hub or URL source asks the network each time).
+_fetched: dict[int, tuple[int, str, str, float]] = {}
+_FETCHED_FOR_SECONDS = 60.0
+
+
 def _start(deployment: Deployment, actor: str) -> Deployment:
     started = time.monotonic()
     source_host = admission.source_host(deployment)
+    memo = _fetched.pop(deployment.pk, None)
     try:
-        source_path = fetch_source(deployment, source_host, actor)
+        if (
+            memo is not None
+            and memo[:2] == (source_host.pk, deployment.source)
+            and time.monotonic() - memo[3] < _FETCHED_FOR_SECONDS
+        ):
+            source_path: str | None = memo[2]
+        else:
+            source_path = fetch_source(deployment, source_host, actor)
     except SourceFailedError as exc:
         transitions.failed(
             deployment,
@@ -266,7 +282,15 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
     if source_path is None:  # stopped while it downloaded
         return _load(deployment.pk)
     deployment = _load(deployment.pk)
-    placed = _place(deployment, actor, source_host)
+    try:
+        placed = _place(deployment, actor, source_host)
+    except NoCapacityError as exc:
+        if not exc.lasting:  # it tries again: with these weights, and not left passing
+            fetched = (source_host.pk, deployment.source, source_path, time.monotonic())
+            _fetched[deployment.pk] = fetched
+            if deployment.observed_state == S.DOWNLOADING:
+                transitions.fetched_waits_for_room(deployment, str(exc))
+        raise
     if placed is None:
         return _load(deployment.pk)
     host, placement, instance = placed.host, placed.placement, placed.instance

@@ -314,15 +314,29 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
     return _why_not(candidates, need)
 
 
+def _staying(resident: Resident, pool: str) -> int:
+    """What ``resident`` keeps on ``pool`` however long a request waits: all of it when
+    pinned; a parked model's residual (a park frees no more; what it holds beyond that is
+    memory not yet confirmed free, which passes); nothing of a model that will be a victim
+    once it is ready and its min_ready_seconds are over."""
+    held = resident.gpu_bytes.get(pool, 0)
+    if resident.pinned:
+        return held
+    if resident.state == "parked":
+        return expected_residual(resident, held)
+    return 0
+
+
 def _fits_once_unpinned_gone(host: HostSnapshot, need: Need) -> bool:
-    """Whether ``need`` would fit on some of the host's GPU pools if every model there that
-    is not pinned gave its memory back (only pinned models and foreign use stay)."""
+    """Whether ``need`` would fit on some of the host's GPU pools once what passes has
+    passed: only pinned models, parked residuals and foreign use stay. A CPU deployment
+    (no GPUs) never waits for GPU room."""
     count = 1 if host.unified and need.gpus else need.gpus
-    if count > len(host.gpu_pools):
+    if count == 0 or count > len(host.gpu_pools):
         return False
 
     def room(pool: str) -> int:
-        staying = sum(r.gpu_bytes.get(pool, 0) for r in host.residents if r.pinned)
+        staying = sum(_staying(r, pool) for r in host.residents)
         return host.pools[pool].capacity_bytes - host.pools[pool].foreign_bytes - staying
 
     return all(room(p) >= need.claim_per_gpu_bytes for p in sorted(host.gpu_pools, key=room,

@@ -20,7 +20,7 @@ from capyctl.hosts import agents
 from capyctl.hosts.agents import AgentUnreachableError
 from capyctl.hosts.models import Host
 from capyctl.scheduler import executor, notify, operations, reconcile
-from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error
+from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error, outage
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def ensure_ready(deployment_id: int) -> None:
                 deployment_id,
                 ok=False,
                 code=ControlPlaneUnavailableError.code,
-                message="CapyCTL's database or Redis did not answer; retry shortly.",
+                message=outage(exc).message,
             )
         else:
             notify.announce(deployment_id, ok=False, code="unavailable",

@@ -523,6 +523,14 @@ def download_stopped(deployment: Deployment, *, actor: str) -> bool:
     return True
 
 
+def fetched_waits_for_room(deployment: Deployment, why: str) -> bool:
+    """DOWNLOADING -> STOPPED: its weights are on the host, but there is no room for it yet
+    (what is in the way will pass); the start that fetched them tries again, and a state
+    nobody drives between its tries is not left passing."""
+    reason = f"its weights are fetched; it waits for room: {why}"
+    return _move(deployment.pk, [S.DOWNLOADING], S.STOPPED, parked_mode="", state_reason=reason)
+
+
 def download_abandoned(deployment: Deployment, reason: str) -> bool:
     """DOWNLOADING -> FAILED: the process that watched the download ended."""
     return failed(
