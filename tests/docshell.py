@@ -309,15 +309,17 @@ def not_newer_than_venv(copy: Path, venv: Path) -> None:
     ``make run`` in the copy finds the shared venv up to date: a reinstall there would
     point the checkout's venv (``pip install -e .``) at the copy, which is deleted after
     the page."""
-    stamps = [path.stat().st_mtime for path in venv.glob(".*-installed")]
+    stamps = [path.stat().st_mtime_ns for path in venv.glob(".*-installed")]
     if not stamps:
         return
-    oldest = min(stamps)
+    # A second before the oldest stamp, in whole nanoseconds: a float's rounding could
+    # leave a file a few nanoseconds newer than the stamp, and make would reinstall.
+    oldest = min(stamps) - 1_000_000_000
     for directory, _, files in os.walk(copy):
         for name in files:
             path = Path(directory) / name
-            if path.lstat().st_mtime > oldest:
-                os.utime(path, (oldest, oldest), follow_symlinks=False)
+            if path.lstat().st_mtime_ns > oldest:
+                os.utime(path, ns=(oldest, oldest), follow_symlinks=False)
 
 
 @dataclass

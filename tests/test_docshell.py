@@ -269,3 +269,22 @@ def test_what_a_page_left_running_is_ended_with_the_page(page_file, redis_run):
     assert psutil.pid_exists(pid)
     page.close()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_pages_copy_is_never_newer_than_the_venvs_stamps(tmp_path):
+    """A page's copy of the checkout is dated back so ``make run`` there finds the shared
+    venv up to date; dated back through a float, a file could land 116 ns after the stamp,
+    and make reinstalled the venv into the copy (which is deleted after the page)."""
+    import os
+
+    venv, copy = tmp_path / "venv", tmp_path / "copy"
+    venv.mkdir()
+    copy.mkdir()
+    stamp = venv / ".runtime-installed"
+    stamp.touch()
+    when = 1700000000000000122  # in 2023, and a time whose float rounds up
+    os.utime(stamp, ns=(when, when))
+    changed = copy / "pyproject.toml"
+    changed.touch()  # edited after the venv was made
+    not_newer_than_venv(copy, venv)
+    assert changed.stat().st_mtime_ns <= when
