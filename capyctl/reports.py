@@ -52,6 +52,8 @@ def deployment_data(deployment: Deployment) -> dict[str, Any]:
         "idle_park_seconds": deployment.setting("idle_park_seconds"),
         "min_ready_seconds": deployment.setting("min_ready_seconds"),
         "max_waiting": deployment.setting("max_waiting"),
+        "max_queue_seconds": deployment.setting("max_queue_seconds"),
+        "max_turn_seconds": deployment.setting("max_turn_seconds"),
         "wake_timeout_seconds": deployment.setting("wake_timeout_seconds"),
         "start_timeout_seconds": deployment.setting("start_timeout_seconds"),
         "drain_timeout_seconds": deployment.setting("drain_timeout_seconds"),

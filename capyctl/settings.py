@@ -272,6 +272,12 @@ CAPYCTL: dict[str, Any] = {
     "MIN_READY_SECONDS": env_int("CAPYCTL_MIN_READY_SECONDS", 10, minimum=0),
     "MAX_WAITING": env_int("CAPYCTL_MAX_WAITING", 256, minimum=1),
     "WAKE_TIMEOUT_SECONDS": env_int("CAPYCTL_WAKE_TIMEOUT", 300, minimum=1),
+    # How long a request may wait in its model's queue (for room, turns and the wake);
+    # 0 (the default): each model's wake timeout.
+    "MAX_QUEUE_SECONDS": env_int("CAPYCTL_MAX_QUEUE_SECONDS", 0, minimum=0),
+    # How long a busy model keeps its GPUs once others wait for them (0: it gives them up
+    # at once, a switch per change of model).
+    "MAX_TURN_SECONDS": env_int("CAPYCTL_MAX_TURN_SECONDS", 30, minimum=0),
     "START_TIMEOUT_SECONDS": env_int("CAPYCTL_START_TIMEOUT", 900, minimum=1),
     "DRAIN_TIMEOUT_SECONDS": env_int("CAPYCTL_DRAIN_TIMEOUT", 120, minimum=0),
     "GPU_RESERVE_BYTES": env_size("CAPYCTL_GPU_RESERVE", 512 * 1024**2),

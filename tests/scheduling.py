@@ -17,7 +17,10 @@ SIM_ENV = {"CAPYCTL_SIM_WEIGHTS_BYTES": "8GiB", "CAPYCTL_SIM_RESIDUAL_BYTES": "5
 
 
 def make_host(tmp_path, settings, spec):
-    settings.CAPYCTL = {**settings.CAPYCTL, "GPU_RESERVE_BYTES": 0, "MIN_READY_SECONDS": 0}
+    """A local host with simulated GPUs ``spec``; a model just ready, or busy, may be
+    parked at once (no residency, no turns: tests of turns set their own)."""
+    settings.CAPYCTL = {**settings.CAPYCTL, "GPU_RESERVE_BYTES": 0, "MIN_READY_SECONDS": 0,
+                        "MAX_TURN_SECONDS": 0}  # fmt: skip
     probe = SimulatedProbe(spec, tmp_path / "sim")
     driver = LocalHostDriver(probe, tmp_path / "logs")
     set_local_driver(driver)

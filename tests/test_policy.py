@@ -6,6 +6,7 @@ from capyctl.scheduler.policy import (
     DEEP,
     RAM,
     STOP,
+    Contender,
     HostSnapshot,
     Need,
     NoCapacity,
@@ -269,3 +270,88 @@ def test_what_stays_does_not_pass_parked_residuals_and_cpu_deployments():
                need(gpus=0, host_ram_bytes=16 * GIB))  # fmt: skip
     assert isinstance(cpu, NoCapacity)
     assert cpu.lasting
+
+
+# --- turns -----------------------------------------------------------------------------------
+
+
+def contended(*contenders, holder_busy=True, turn=30.0, gpus=(24,), **holder):
+    """a (16 GiB, ready 600 s) holds gpu0; others wait for it."""
+    a = resident("a", 16, busy=holder_busy, max_turn_seconds=turn, **holder)
+    snapshot = host(gpus=gpus, residents=[a])
+    return HostSnapshot(snapshot.host_id, snapshot.name, snapshot.unified, snapshot.pools,
+                        snapshot.residents, contenders=tuple(contenders))  # fmt: skip
+
+
+def test_a_busy_model_keeps_its_gpu_for_its_turn():
+    """Two models that do not fit together: b has waited 12 s of a's 30 s turn, a is
+    busy, so b waits (what is in the way passes: not lasting) and is told how long."""
+    result = plan([contended()], need(waited_seconds=12.0))
+    assert isinstance(result, NoCapacity)
+    assert not result.lasting
+    assert result.pools == ("gpu0",)
+    assert result.reason == (
+        "b needs 16.0 GiB per GPU and waits for room; in the way: a (busy, its turn: 18 s left)"
+    )
+
+
+def test_once_the_turn_is_over_the_busy_model_is_parked():
+    result = plan([contended()], need(waited_seconds=30.0))
+    assert isinstance(result, Placement)
+    (victim,) = result.victims
+    assert (victim.name, victim.mode, victim.turn_over) == ("a", RAM, True)
+
+
+def test_the_turn_counts_from_when_the_holder_became_ready_if_later():
+    """b has waited 40 s, but a became ready only 15 s ago (it took its turn then)."""
+    result = plan([contended(ready_for_seconds=15.0)], need(waited_seconds=40.0))
+    assert isinstance(result, NoCapacity)
+    assert "its turn: 15 s left" in result.reason
+
+
+def test_an_idle_model_gives_way_at_once_and_a_turn_of_zero_is_a_switch_per_request():
+    idle = plan([contended(holder_busy=False)], need(waited_seconds=0.0))
+    assert isinstance(idle, Placement)
+    assert [(v.name, v.turn_over) for v in idle.victims] == [("a", False)]
+    no_turns = plan([contended(turn=0.0)], need(waited_seconds=0.0))
+    assert isinstance(no_turns, Placement)
+
+
+def test_the_contender_that_waited_longest_goes_next():
+    """b and c both wait for a's gpu0 and a's turn is over for both: c has waited
+    longer, so b waits its turn behind c; c is placed."""
+    c = Contender(deployment_id=5, name="c", waited_seconds=50.0, pools=("gpu0",))
+    b_need = need("b", waited_seconds=35.0)
+    behind = plan([contended(c)], b_need)
+    assert isinstance(behind, NoCapacity)
+    assert not behind.lasting
+    assert behind.reason == ("b waits for its turn: c has waited longer (50 s) for the same GPUs")
+    assert behind.blockers == ("c (waiting longer)",)
+    first = plan([contended(Contender(999, "b", 35.0, pools=("gpu0",)))],
+                 Need(5, "c", 1, 16 * GIB, waited_seconds=50.0))  # fmt: skip
+    assert isinstance(first, Placement)
+
+
+def test_priority_counts_as_waiting():
+    """Each point of priority counts as 10 s of waiting: b (priority 2, 35 s) goes before
+    c (priority 0, 50 s)."""
+    c = Contender(deployment_id=5, name="c", waited_seconds=50.0, pools=("gpu0",))
+    assert isinstance(plan([contended(c)], need("b", waited_seconds=35.0, priority=2)),
+                      Placement)  # fmt: skip
+
+
+def test_a_contender_for_other_gpus_is_not_in_the_way():
+    """c waits longer, but for gpu1: b's switch on gpu0 does not wait for it; and a
+    need that fits without a switch never waits for anyone."""
+    c = Contender(deployment_id=5, name="c", waited_seconds=50.0, pools=("gpu1",))
+    a = resident("a", 16, busy=False, max_turn_seconds=30.0)
+    z = resident("z", 16, pool="gpu1", busy=True, max_turn_seconds=30.0)
+    snapshot = host(gpus=(24, 24), residents=[a, z])
+    two = HostSnapshot(1, "host1", False, snapshot.pools, snapshot.residents, contenders=(c,))
+    result = plan([two], need("b", waited_seconds=1.0))
+    assert isinstance(result, Placement)
+    assert result.pools == ("gpu0",)
+    free = host(gpus=(24, 24), residents=[z])
+    with_free = HostSnapshot(1, "host1", False, free.pools, free.residents,
+                             contenders=(Contender(5, "c", 50.0, pools=()),))  # fmt: skip
+    assert plan([with_free], need("b")) == Placement(1, ("gpu0",), ())

@@ -62,11 +62,20 @@ def test_a_request_waits_while_the_model_in_the_way_is_inside_its_residency(
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0,
                            timeout=60)  # fmt: skip
     hello: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
-    assert client.chat.completions.create(model="a", messages=hello, max_tokens=2)
+    first = client.chat.completions.with_raw_response.create(model="a", messages=hello,
+                                                             max_tokens=2)  # fmt: skip
+    assert re.fullmatch(r"started a \d+ ms", first.headers["x-capyctl-switch"])
     raw = client.chat.completions.with_raw_response.create(model="b", messages=hello,
                                                            max_tokens=2)  # fmt: skip
     assert int(raw.headers["x-capyctl-queued-ms"]) > 0  # how long it waited
+    # What its wait switched, step by step.
+    assert re.fullmatch(
+        r"parked a \(ram\) \d+ ms; started b \d+ ms", raw.headers["x-capyctl-switch"]
+    )
     assert raw.parse().choices[0].message.content == "tok0 tok1"
+    again = client.chat.completions.with_raw_response.create(model="b", messages=hello,
+                                                             max_tokens=2)  # fmt: skip
+    assert "x-capyctl-switch" not in again.headers  # ready: nothing switched for it
     # And back to a, streaming, while b is inside its own 3 s.
     chunks = list(client.chat.completions.create(model="a", messages=hello, max_tokens=2,
                                                  stream=True))  # fmt: skip

@@ -55,6 +55,8 @@ class DeploymentOut(_Report):
     idle_park_seconds = serializers.IntegerField()
     min_ready_seconds = serializers.IntegerField()
     max_waiting = serializers.IntegerField()
+    max_queue_seconds = serializers.IntegerField()
+    max_turn_seconds = serializers.IntegerField()
     wake_timeout_seconds = serializers.IntegerField()
     start_timeout_seconds = serializers.IntegerField()
     drain_timeout_seconds = serializers.IntegerField()
@@ -232,6 +234,12 @@ class DeploymentIn(serializers.Serializer):  # type: ignore[type-arg]
     )
     max_waiting = serializers.IntegerField(
         required=False, allow_null=True, min_value=0, max_value=MAX_COUNT
+    )
+    max_queue_seconds = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=MAX_SECONDS
+    )
+    max_turn_seconds = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=MAX_SECONDS
     )
     wake_timeout_seconds = serializers.IntegerField(
         required=False, allow_null=True, min_value=1, max_value=MAX_SECONDS

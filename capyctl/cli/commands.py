@@ -118,6 +118,8 @@ def deployment_add(args: argparse.Namespace) -> int:
         idle_park_seconds=args.idle_park_seconds,
         min_ready_seconds=args.min_ready_seconds,
         max_waiting=args.max_waiting,
+        max_queue_seconds=args.max_queue_seconds,
+        max_turn_seconds=args.max_turn_seconds,
         wake_timeout_seconds=args.wake_timeout,
         start_timeout_seconds=args.start_timeout,
         drain_timeout_seconds=args.drain_timeout,

@@ -241,6 +241,18 @@ def _build_deployment(commands: Any) -> None:
     add.add_argument("--idle-park-seconds", type=count_arg(0), metavar="N")
     add.add_argument("--min-ready-seconds", type=count_arg(0), metavar="N")
     add.add_argument("--max-waiting", type=count_arg(1), metavar="N")
+    add.add_argument(
+        "--max-queue-seconds",
+        type=count_arg(1),
+        metavar="N",
+        help="how long a request may wait for it (default: its wake timeout)",
+    )
+    add.add_argument(
+        "--max-turn-seconds",
+        type=count_arg(0),
+        metavar="N",
+        help="how long it keeps its GPUs busy while others wait (default 30)",
+    )
     add.add_argument("--wake-timeout", type=count_arg(1), metavar="SECONDS")
     add.add_argument("--start-timeout", type=count_arg(1), metavar="SECONDS")
     add.add_argument("--drain-timeout", type=count_arg(0), metavar="SECONDS")

@@ -125,6 +125,8 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                     "idle_park_seconds",
                     "min_ready_seconds",
                     "max_waiting",
+                    "max_queue_seconds",
+                    "max_turn_seconds",
                     "wake_timeout_seconds",
                     "start_timeout_seconds",
                     "drain_timeout_seconds",

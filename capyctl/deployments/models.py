@@ -83,6 +83,12 @@ class Deployment(models.Model):
     idle_park_seconds = models.PositiveIntegerField(null=True, blank=True)
     min_ready_seconds = models.PositiveIntegerField(null=True, blank=True)
     max_waiting = models.PositiveIntegerField(null=True, blank=True)
+    max_queue_seconds = models.PositiveIntegerField(
+        null=True, blank=True, help_text="how long a request may wait for it; empty = wake timeout"
+    )
+    max_turn_seconds = models.PositiveIntegerField(
+        null=True, blank=True, help_text="how long it keeps its GPUs busy while others wait"
+    )
     wake_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
     start_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
     drain_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
@@ -136,11 +142,15 @@ class Deployment(models.Model):
         super().save(*args, **kwargs)
 
     def setting(self, name: str) -> int:
-        """A timing or queue setting: this deployment's own, else the global default."""
+        """A timing or queue setting: this deployment's own, else the global default
+        (``max_queue_seconds`` without either, 0: its wake timeout)."""
         own = getattr(self, name)
         if own is not None:
             return int(own)
-        return int(settings.CAPYCTL[name.upper()])
+        default = int(settings.CAPYCTL[name.upper()])
+        if default == 0 and name == "max_queue_seconds":
+            return self.setting("wake_timeout_seconds")
+        return default
 
     @property
     def alias_names(self) -> list[str]:

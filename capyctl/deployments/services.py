@@ -52,6 +52,8 @@ class DeploymentSpec:
     idle_park_seconds: int | None = None
     min_ready_seconds: int | None = None
     max_waiting: int | None = None
+    max_queue_seconds: int | None = None
+    max_turn_seconds: int | None = None
     wake_timeout_seconds: int | None = None
     start_timeout_seconds: int | None = None
     drain_timeout_seconds: int | None = None
@@ -131,9 +133,19 @@ def _check_figures(spec: DeploymentSpec) -> None:
             f"invalid park policy {spec.park!r} (use {', '.join(ParkPolicy.values)})",
             field="park",
         )
+    _check_settings(spec)
+    if not spec.source.strip():
+        raise UserError(
+            "a deployment needs a source (a path, hf://ORG/NAME or a URL)", field="source"
+        )
+
+
+def _check_settings(spec: DeploymentSpec) -> None:
+    """Its timing, queue and priority settings, each within its range."""
     for name in (
         "idle_park_seconds",
         "min_ready_seconds",
+        "max_turn_seconds",
         "wake_timeout_seconds",
         "start_timeout_seconds",
         "drain_timeout_seconds",
@@ -143,18 +155,16 @@ def _check_figures(spec: DeploymentSpec) -> None:
             raise UserError(
                 f"invalid {name.replace('_', ' ')} {value}: use 0 to {MAX_SECONDS}", field=name
             )
-    if spec.max_waiting is not None and not 1 <= spec.max_waiting <= MAX_COUNT:
-        raise UserError(
-            f"invalid max waiting {spec.max_waiting}: use 1 to {MAX_COUNT}", field="max_waiting"
-        )
+    for name, most in (("max_queue_seconds", MAX_SECONDS), ("max_waiting", MAX_COUNT)):
+        value = getattr(spec, name)
+        if value is not None and not 1 <= value <= most:
+            raise UserError(
+                f"invalid {name.replace('_', ' ')} {value}: use 1 to {most}", field=name
+            )
     if not -MAX_PRIORITY <= spec.priority <= MAX_PRIORITY:
         raise UserError(
             f"invalid priority {spec.priority}: use {-MAX_PRIORITY} to {MAX_PRIORITY}",
             field="priority",
-        )
-    if not spec.source.strip():
-        raise UserError(
-            "a deployment needs a source (a path, hf://ORG/NAME or a URL)", field="source"
         )
 
 
@@ -207,6 +217,8 @@ SETTING_FIELDS = (
     "idle_park_seconds",
     "min_ready_seconds",
     "max_waiting",
+    "max_queue_seconds",
+    "max_turn_seconds",
     "wake_timeout_seconds",
     "start_timeout_seconds",
     "drain_timeout_seconds",

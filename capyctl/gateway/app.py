@@ -65,7 +65,7 @@ class Gateway:
         self.keys = KeyCache()
         self.routes = RoutingTable()
         self._upstream: UpstreamPool | None = None
-        self._wakes: dict[int, asyncio.Future[None]] = {}
+        self._wakes: dict[int, asyncio.Future[str]] = {}
         self._waiting: dict[int, int] = {}
         self._touched: dict[int, float] = {}
         self.limits = make_limiter(settings.REDIS_URL)
@@ -174,7 +174,7 @@ class Gateway:
         keepalive: _KeepAlive | None = None,
     ) -> None:
         try:
-            route, waited_ms = await self._admit(route, receive)
+            route, waited_ms, outcome.switch = await self._admit(route, receive)
         except _ClientGone:  # it left the queue, and counts for nothing
             outcome.status = 499
             return
@@ -223,24 +223,27 @@ class Gateway:
             )
         return maker, None
 
-    async def _admit(self, route: Route, receive: Any) -> tuple[Route, float]:
+    async def _admit(self, route: Route, receive: Any) -> tuple[Route, float, str]:
         """Count the request in flight on a ready engine, waiting for a wake if needed;
-        returns the route to use and the milliseconds waited. A client that goes away
-        while it waits leaves the queue at once (:class:`_ClientGone`)."""
+        returns the route to use, the milliseconds waited and what the wake switched. A
+        client that goes away while it waits leaves the queue at once
+        (:class:`_ClientGone`)."""
         waited_ms = 0.0
+        switched = ""
         ready = route.observed_state == "ready" and route.base_url is not None
         for _ in range(_GATE_TRIES):
             if not ready:
                 wait_started = time.perf_counter()
                 try:
-                    route = await self._wait_or_leave(route, receive)
+                    route, switch = await self._wait_or_leave(route, receive)
+                    switched = switch or switched
                 except GatewayError as refused:  # it says how long it waited, too
                     waited_ms += (time.perf_counter() - wait_started) * 1000
                     refused.headers.append((b"x-capyctl-queued-ms", f"{waited_ms:.0f}".encode()))
                     raise
                 waited_ms += (time.perf_counter() - wait_started) * 1000
             if await inflight.abegin(route.deployment_id):
-                return route, waited_ms
+                return route, waited_ms, switched
             ready = False  # it began draining after our route was read: wait for the wake
         raise GatewayError(
             503,
@@ -288,7 +291,7 @@ class Gateway:
         if not self._stopping.done():
             self._stopping.set_result(None)
 
-    async def _unless_stopping(self, waiting: Any) -> None:
+    async def _unless_stopping(self, waiting: Any) -> str:
         if self._stopping is None:
             self._stopping = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(waiting)
@@ -299,8 +302,7 @@ class Gateway:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         if not task.cancelled():
-            task.result()  # its outcome, or its error
-            return
+            return str(task.result() or "")  # its outcome, or its error
         raise GatewayError(
             503,
             "unavailable",
@@ -309,7 +311,7 @@ class Gateway:
             headers=[(b"retry-after", b"1")],
         )
 
-    async def _wait_or_leave(self, route: Route, receive: Any) -> Route:
+    async def _wait_or_leave(self, route: Route, receive: Any) -> tuple[Route, str]:
         """:meth:`_wait_ready`, unless the client goes away first: then its place in the
         queue is given up at once (the wake it asked for goes on for the others)."""
         waiting = asyncio.ensure_future(self._wait_ready(route))
@@ -325,7 +327,7 @@ class Gateway:
             raise _ClientGone
         return waiting.result()  # done (even if it left just then: _forward sees that)
 
-    async def _wait_ready(self, route: Route) -> Route:
+    async def _wait_ready(self, route: Route) -> tuple[Route, str]:
         deployment_id = route.deployment_id
         if self._waiting.get(deployment_id, 0) >= route.max_waiting:
             raise GatewayError(
@@ -343,14 +345,14 @@ class Gateway:
                 # One wake per model, however many requests wait for it.
                 wanted = lambda: self._waiting.get(deployment_id, 0) > 0  # noqa: E731
                 wake = asyncio.ensure_future(
-                    wakes.ready(deployment_id, route.wake_timeout_seconds, wanted)
+                    wakes.ready(deployment_id, route.max_queue_seconds, wanted)
                 )
                 self._wakes[deployment_id] = wake
             try:
-                await self._unless_stopping(
+                switch = await self._unless_stopping(
                     asyncio.wait_for(
                         asyncio.shield(wake),
-                        timeout=route.wake_timeout_seconds + wakes.OUTCOME_GRACE_SECONDS,
+                        timeout=route.max_queue_seconds + wakes.OUTCOME_GRACE_SECONDS,
                     )
                 )
             except TimeoutError:
@@ -365,7 +367,7 @@ class Gateway:
             raise GatewayError(
                 503, "engine_failed", f"`{route.name}` is not running.", "server_error"
             )
-        return fresh
+        return fresh, switch
 
     # -- forwarding ------------------------------------------------------------------------------
 
@@ -475,6 +477,8 @@ class Gateway:
                 outcome.overhead = overhead / 1000
                 out.append((b"x-capyctl-overhead-ms", f"{overhead:.1f}".encode()))
                 out.append((b"x-capyctl-queued-ms", f"{waited_ms:.0f}".encode()))
+                if outcome.switch:
+                    out.append((b"x-capyctl-switch", outcome.switch.encode()))
                 length = upstream.content_length
                 if length is not None and length <= _WHOLE_BODY_BYTES:
                     # A sized answer (not a stream): read it, then pass it on with its
@@ -562,7 +566,7 @@ def _wake_timeout(route: Route, why: str = "") -> GatewayError:
     return GatewayError(
         504,
         "wake_timeout",
-        f"`{route.name}` did not become ready within {route.wake_timeout_seconds}s"
+        f"`{route.name}` did not become ready within {route.max_queue_seconds}s"
         + (f": {why}" if why else "."),
         "server_error",
         headers=[(b"retry-after", b"1")],
@@ -694,7 +698,7 @@ class _KeepAlive:
 class _Outcome:
     """What one request came to, for the metrics."""
 
-    __slots__ = ("admitted", "headers_at", "model", "overhead", "status")
+    __slots__ = ("admitted", "headers_at", "model", "overhead", "status", "switch")
 
     def __init__(self) -> None:
         self.admitted: tuple[KeyInfo, str | None] | None = None  # a key and its in-flight token
@@ -702,6 +706,7 @@ class _Outcome:
         self.status = 500
         self.headers_at = 0.0
         self.overhead = 0.0
+        self.switch = ""  # what the wake it waited for switched (x-capyctl-switch)
 
 
 class StoredResponses:

@@ -31,7 +31,7 @@ class Route:
     host_state: str
     launch_key: str
     max_waiting: int
-    wake_timeout_seconds: int
+    max_queue_seconds: int  # how long a request may wait for it, all told
 
 
 def _fetch_many(names: list[str]) -> dict[str, Route]:
@@ -74,7 +74,7 @@ def _fetch_many(names: list[str]) -> dict[str, Route]:
             host_state=host.state if host is not None else "online",
             launch_key=instance.launch_key if instance else "",
             max_waiting=deployment.setting("max_waiting"),
-            wake_timeout_seconds=deployment.setting("wake_timeout_seconds"),
+            max_queue_seconds=deployment.setting("max_queue_seconds"),
         )
         for name in {deployment.name, *(a.name for a in deployment.aliases.all())} & wanted:
             routes[name] = route

@@ -8,13 +8,14 @@ admitted into the same bytes meanwhile). Otherwise it names the victims; the ver
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from capyctl.deployments.models import Deployment, Instance, ObservedState
 from capyctl.hosts.models import Host
 from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import InsufficientMemoryError, host_lock
-from capyctl.scheduler import snapshots, transitions
+from capyctl.scheduler import snapshots, transitions, turns
 from capyctl.scheduler.errors import NoCapacityError
 from capyctl.scheduler.policy import HostSnapshot, Need, NoCapacity, Placement, Victim, plan
 
@@ -56,7 +57,7 @@ def admit_start(
         need = snapshots.need(deployment, locked)
         result = plan([snapshots.snapshot(locked)], need)
         if isinstance(result, NoCapacity):
-            raise NoCapacityError(result.reason, result.blockers, lasting=result.lasting)
+            raise _refused(deployment, locked, result)
         if result.victims:
             return result.victims
         pools = snapshots.gpu_pools(locked, result.gpu_indices)
@@ -111,9 +112,23 @@ def admit_wake(
             snap.unified,
             {p: snap.pools[p] for p in (*pools, snap.ram_pool) if p in snap.pools},
             [r for r in snap.residents if r.deployment_id != deployment.pk],
+            contenders=snap.contenders,
         )
-        need = Need(deployment.pk, deployment.name, len(pools), claim - residual, 0, (host.pk,))
+        need = Need(deployment.pk, deployment.name, len(pools), claim - residual, 0, (host.pk,),
+                    turns.waited(deployment.pk), deployment.priority)  # fmt: skip
         result = plan([others], need)
         if isinstance(result, NoCapacity):
-            raise NoCapacityError(result.reason, result.blockers, lasting=result.lasting)
+            raise _refused(deployment, locked, result, tuple(pools))
         return result.victims or ()
+
+
+def _refused(
+    deployment: Deployment, host: Host, result: NoCapacity, pools: tuple[str, ...] = ()
+) -> NoCapacityError:
+    """The error for a plan that found no room; a wait for what passes is noted (under
+    the host lock), so the contenders for these GPUs take turns in order of their waits."""
+    if not result.lasting:
+        now = time.time()
+        turns.note(turns.Wait(deployment.pk, deployment.name, host.pk, now, now,
+                              deployment.priority, result.pools or pools))  # fmt: skip
+    return NoCapacityError(result.reason, result.blockers, lasting=result.lasting)

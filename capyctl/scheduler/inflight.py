@@ -141,6 +141,8 @@ class InFlight(Protocol):
 
     def count(self, deployment_id: int) -> int: ...
 
+    def idle_seconds(self, deployment_id: int) -> float | None: ...
+
     async def abegin(self, deployment_id: int) -> bool: ...
 
     async def aend(self, deployment_id: int) -> None: ...
@@ -152,6 +154,7 @@ class LocalInFlight:
     def __init__(self) -> None:
         self._counts: dict[int, int] = {}
         self._closed: set[int] = set()
+        self._ended: dict[int, float] = {}  # when its last request ended (monotonic)
         self._lock = threading.Lock()
 
     def begin(self, deployment_id: int) -> bool:
@@ -171,6 +174,7 @@ class LocalInFlight:
 
     def end(self, deployment_id: int) -> None:
         with self._lock:
+            self._ended[deployment_id] = time.monotonic()
             left = self._counts.get(deployment_id, 0) - 1
             if left > 0:
                 self._counts[deployment_id] = left
@@ -180,6 +184,12 @@ class LocalInFlight:
     def count(self, deployment_id: int) -> int:
         with self._lock:
             return self._counts.get(deployment_id, 0)
+
+    def idle_seconds(self, deployment_id: int) -> float | None:
+        """Seconds since its last request ended here; None when none has."""
+        with self._lock:
+            ended = self._ended.get(deployment_id)
+        return None if ended is None else time.monotonic() - ended
 
     async def abegin(self, deployment_id: int) -> bool:
         return self.begin(deployment_id)
@@ -362,6 +372,9 @@ class RedisInFlight:
             raise CountsUnknown("Redis has just come back; not every process has checked in")
         return total
 
+    def idle_seconds(self, deployment_id: int) -> float | None:
+        return None  # its requests end in other processes: last_request_at says
+
 
 _tracker: InFlight | None = None
 _tracker_lock = threading.Lock()
@@ -403,6 +416,13 @@ def end(deployment_id: int) -> None:
 
 def count(deployment_id: int) -> int:
     return tracker().count(deployment_id)
+
+
+def idle_seconds(deployment_id: int) -> float | None:
+    """Seconds since a request for it last ended, where this process saw it (standalone
+    sees every one); None when it cannot tell (then ``last_request_at`` says, to a second
+    or so)."""
+    return tracker().idle_seconds(deployment_id)
 
 
 def down_since() -> float | None:

@@ -25,7 +25,15 @@ from capyctl.deployments.models import Deployment, Instance, ObservedState
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.services import host_lock
-from capyctl.scheduler import admission, estimates, flights, inflight, snapshots, transitions
+from capyctl.scheduler import (
+    admission,
+    estimates,
+    flights,
+    inflight,
+    snapshots,
+    transitions,
+    turns,
+)
 from capyctl.scheduler.drivers import HostDriver, driver_for
 from capyctl.scheduler.errors import (
     EngineFailedError,
@@ -98,7 +106,7 @@ def _evict(victim: Victim, actor: str, *, for_name: str) -> None:
     """Park or stop one victim, draining it first; one no longer ready is left alone (the
     next round plans again on what it became)."""
     deployment = _load(victim.deployment_id)
-    reason = f"to make room for {for_name}"
+    reason = f"to make room for {for_name}" + (", its turn over" if victim.turn_over else "")
     if deployment.observed_state == S.PARKED and victim.mode == STOP:
         # A parked copy in host RAM that another engine needs: no request is in flight on
         # a parked model, so there is nothing to drain.
@@ -174,7 +182,17 @@ def ensure_ready(
         raise ModelStoppedError(f"{deployment.name} is stopped; start it first")
     if deployment.observed_state == S.READY:
         return deployment
-    deadline = time.monotonic() + (timeout or deployment.setting("wake_timeout_seconds"))
+    deadline = time.monotonic() + (timeout or deployment.setting("max_queue_seconds"))
+    try:
+        return _until_ready(deployment, actor, deadline, wanted)
+    finally:
+        turns.done(deployment_id)  # its wait for room, if it had one, is over
+
+
+def _until_ready(
+    deployment: Deployment, actor: str, deadline: float, wanted: Callable[[], bool] | None
+) -> Deployment:
+    deployment_id = deployment.pk
     flight = flights.flight(deployment_id)
     first = True
     no_room: NoCapacityError | None = None  # the last try's: what is in the way will pass
@@ -196,9 +214,12 @@ def ensure_ready(
             raise ModelStoppedError(f"{deployment.name} was stopped meanwhile")
         if flight.acquire(timeout=0.05):
             try:
+                waited_before = no_room is not None
                 deployment, no_room = _try_once(deployment, actor)
                 if deployment.observed_state == S.READY:
                     return deployment
+                if no_room is not None and not waited_before:
+                    record(deployment, "deployment.waiting", f"{no_room}", actor=actor)
             finally:
                 flight.release()
         if time.monotonic() >= deadline:

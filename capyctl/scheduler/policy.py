@@ -9,6 +9,11 @@ must give memory back first, and how each of them should do it:
 - Eviction, when it does not fit: only ``ready`` deployments that are not pinned, have
   been ready at least ``min_ready_seconds`` and hold memory on the chosen GPUs; lower
   priority first, then least recently used. The smallest set that frees enough is kept.
+- Turns: a ready deployment that is busy (requests in flight, or one that ended a moment
+  ago) keeps its memory while others wait, up to its ``max_turn_seconds`` of their wait;
+  then the contender that has waited longest (each point of priority counts as
+  :data:`TURN_PRIORITY_SECONDS` of waiting) goes next. A contender with another ahead of it
+  on the same GPUs waits too, so switching is paid once per turn, not per request.
 - Park mode per victim (DESIGN §5): ``ram`` if its engine can and its weights copy fits
   in the RAM pool (never on unified memory, where the copy would come out of the pool it
   is meant to free); else ``deep`` if its engine can; else ``stop``.
@@ -27,6 +32,8 @@ DEEP = "deep"
 # claim stays on the GPU (CUDA context, graphs), at least MIN_RESIDUAL_BYTES.
 RESIDUAL_SHARE = 0.1
 MIN_RESIDUAL_BYTES = 512 * 1024**2
+# Among contenders for the same GPUs, each point of priority counts as this much waiting.
+TURN_PRIORITY_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,23 @@ class Resident:
     ready_for_seconds: float = 0.0
     min_ready_seconds: float = 0.0
     ram_bytes: int = 0  # what it holds in host RAM (a parked copy, its engine)
+    busy: bool = False  # requests in flight, or one ended a moment ago
+    max_turn_seconds: float = 0.0  # how long it keeps its memory busy while others wait
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A deployment waiting for room on a host now, and for how long it has waited."""
+
+    deployment_id: int
+    name: str
+    waited_seconds: float
+    priority: int = 0
+    pools: tuple[str, ...] = ()  # the GPU pools it waits for; () = any of the host's
+
+    @property
+    def standing(self) -> float:
+        return self.waited_seconds + TURN_PRIORITY_SECONDS * self.priority
 
 
 @dataclass(frozen=True)
@@ -73,6 +97,7 @@ class HostSnapshot:
     pools: dict[str, Pool]
     residents: list[Resident] = field(default_factory=list)
     online: bool = True
+    contenders: tuple[Contender, ...] = ()  # deployments waiting for room here now
 
     @property
     def gpu_pools(self) -> list[str]:
@@ -95,6 +120,12 @@ class Need:
     claim_per_gpu_bytes: int
     host_ram_bytes: int = 0  # the engine process, plus a weights copy it brings back
     host_ids: tuple[int, ...] | None = None  # where it may run; None = any host
+    waited_seconds: float = 0.0  # how long it has waited for room so far
+    priority: int = 0
+
+    @property
+    def standing(self) -> float:
+        return self.waited_seconds + TURN_PRIORITY_SECONDS * self.priority
 
 
 @dataclass(frozen=True)
@@ -105,6 +136,7 @@ class Victim:
     frees: dict[str, int]  # pool -> bytes it is expected to give back
     ram_copy_bytes: int  # what a ram park adds to the RAM pool
     reason: str  # why this mode: said in events and logs
+    turn_over: bool = False  # busy, it had its turn: others waited its max_turn_seconds
 
 
 @dataclass(frozen=True)
@@ -131,6 +163,7 @@ class NoCapacity:
     reason: str
     blockers: tuple[str, ...] = ()
     lasting: bool = True
+    pools: tuple[str, ...] = ()  # where it waits for room (not lasting); () = unknown
 
 
 def expected_residual(resident: Resident, held: int) -> int:
@@ -171,12 +204,43 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 1024**3:.1f} GiB"
 
 
-def _evictable(resident: Resident) -> bool:
+def _evictable(resident: Resident, need: Need) -> bool:
     return (
         resident.state == "ready"
         and not resident.pinned
         and resident.ready_for_seconds >= resident.min_ready_seconds
+        and not _in_its_turn(resident, need)
     )
+
+
+def _in_its_turn(resident: Resident, need: Need) -> bool:
+    """Whether a busy ``resident`` keeps its memory from ``need`` for now: its turn runs
+    from when ``need`` began to wait (or from when it became ready, if later) for its
+    ``max_turn_seconds``."""
+    turn = min(need.waited_seconds, resident.ready_for_seconds)
+    return resident.busy and turn < resident.max_turn_seconds
+
+
+def _turn_left(resident: Resident, need: Need) -> float:
+    return resident.max_turn_seconds - min(need.waited_seconds, resident.ready_for_seconds)
+
+
+def _ahead(host: HostSnapshot, need: Need, pools: tuple[str, ...]) -> Contender | None:
+    """The contender for any of ``pools`` that goes before ``need`` (waited longer,
+    weighted by priority), if any."""
+    best = None
+    for contender in host.contenders:
+        if contender.deployment_id == need.deployment_id:
+            continue
+        if contender.pools and not set(contender.pools) & set(pools):
+            continue
+        ahead = (contender.standing, -contender.deployment_id) > (
+            need.standing,
+            -need.deployment_id,
+        )
+        if ahead and (best is None or contender.standing > best.standing):
+            best = contender
+    return best
 
 
 def _frees(resident: Resident, mode: str) -> dict[str, int]:
@@ -226,7 +290,7 @@ def _try_victims(
             return None
         chosen = copies
     order = sorted(
-        (r for r in host.residents if _evictable(r) and set(r.gpu_bytes) & set(missing)),
+        (r for r in host.residents if _evictable(r, need) and set(r.gpu_bytes) & set(missing)),
         key=lambda r: (r.priority, r.last_used),
     )
     ram_free = host.pools[host.ram_pool].free_bytes if host.ram_pool in host.pools else 0
@@ -241,7 +305,9 @@ def _try_victims(
             # A unified pool gets back what the GPU gives minus any copy kept in it.
             frees = {pool: amount - copy for pool, amount in frees.items()}
         ram_free -= copy
-        chosen.append(Victim(resident.deployment_id, resident.name, mode, frees, copy, reason))
+        turn_over = resident.busy and resident.max_turn_seconds > 0
+        chosen.append(Victim(resident.deployment_id, resident.name, mode, frees, copy, reason,
+                             turn_over))  # fmt: skip
         for pool, amount in frees.items():
             if pool in remaining:
                 remaining[pool] -= amount
@@ -293,6 +359,7 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
     if not candidates:
         return NoCapacity(f"no online host can run {need.name}")
     options: list[tuple[tuple[int, int, int, int], Placement]] = []
+    waits_behind: list[tuple[Contender, tuple[str, ...]]] = []
     for host in candidates:
         gpu_pools = host.gpu_pools
         count = 1 if host.unified and need.gpus else need.gpus
@@ -301,6 +368,10 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
         for pools in combinations(gpu_pools, count):
             victims = _try_victims(host, pools, need)
             if victims is None:
+                continue
+            before = _ahead(host, need, pools) if victims else None
+            if before is not None:  # switching here is its turn first
+                waits_behind.append((before, pools))
                 continue
             slack = sum(host.pools[p].free_bytes - need.claim_per_gpu_bytes for p in pools)
             evicted = sum(sum(v.frees.values()) for v in victims)
@@ -311,6 +382,15 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
     if options:
         options.sort(key=lambda item: item[0])
         return options[0][1]
+    if waits_behind:
+        before, pools = max(waits_behind, key=lambda item: item[0].standing)
+        return NoCapacity(
+            f"{need.name} waits for its turn: {before.name} has waited longer "
+            f"({before.waited_seconds:.0f} s) for the same GPUs",
+            (f"{before.name} (waiting longer)",),
+            lasting=False,
+            pools=pools,
+        )
     return _why_not(candidates, need)
 
 
@@ -327,20 +407,22 @@ def _staying(resident: Resident, pool: str) -> int:
     return 0
 
 
-def _fits_once_unpinned_gone(host: HostSnapshot, need: Need) -> bool:
-    """Whether ``need`` would fit on some of the host's GPU pools once what passes has
-    passed: only pinned models, parked residuals and foreign use stay. A CPU deployment
-    (no GPUs) never waits for GPU room."""
+def _pools_once_unpinned_gone(host: HostSnapshot, need: Need) -> tuple[str, ...] | None:
+    """The host's GPU pools where ``need`` would fit once what passes has passed (only
+    pinned models, parked residuals and foreign use stay), or None. A CPU deployment (no
+    GPUs) never waits for GPU room."""
     count = 1 if host.unified and need.gpus else need.gpus
     if count == 0 or count > len(host.gpu_pools):
-        return False
+        return None
 
     def room(pool: str) -> int:
         staying = sum(_staying(r, pool) for r in host.residents)
         return host.pools[pool].capacity_bytes - host.pools[pool].foreign_bytes - staying
 
-    return all(room(p) >= need.claim_per_gpu_bytes for p in sorted(host.gpu_pools, key=room,
-               reverse=True)[:count])  # fmt: skip
+    best = sorted(host.gpu_pools, key=room, reverse=True)[:count]
+    if all(room(p) >= need.claim_per_gpu_bytes for p in best):
+        return tuple(sorted(best, key=host.gpu_pools.index))
+    return None
 
 
 def _why_not(hosts: list[HostSnapshot], need: Need) -> NoCapacity:
@@ -360,19 +442,25 @@ def _why_not(hosts: list[HostSnapshot], need: Need) -> NoCapacity:
                 blockers.add(
                     f"{resident.name} (ready for less than {resident.min_ready_seconds:.0f}s)"
                 )
+            elif _in_its_turn(resident, need):
+                blockers.add(
+                    f"{resident.name} (busy, its turn: {max(_turn_left(resident, need), 0):.0f}"
+                    " s left)"
+                )
     largest = max((h.pools[p].capacity_bytes for h in hosts for p in h.gpu_pools), default=0)
     if need.claim_per_gpu_bytes > largest:
         reason = (
             f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU; the largest GPU "
             f"pool holds {_gib(largest)}"
         )
-    elif any(_fits_once_unpinned_gone(h, need) for h in hosts):
+    elif (pools := next(filter(None, (_pools_once_unpinned_gone(h, need) for h in hosts)),
+                        None)) is not None:  # fmt: skip
         passing = sorted(b for b in blockers if not b.endswith("(pinned)"))
         reason = (
             f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU and waits for room"
             + (f"; in the way: {', '.join(passing)}" if passing else "")
         )
-        return NoCapacity(reason, tuple(sorted(blockers)), lasting=False)
+        return NoCapacity(reason, tuple(sorted(blockers)), lasting=False, pools=pools)
     elif blockers:
         reason = (
             f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU and does not fit even "

@@ -12,7 +12,7 @@ from capyctl.deployments.models import Deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
-from capyctl.scheduler import estimates
+from capyctl.scheduler import estimates, inflight, turns
 from capyctl.scheduler.policy import HostSnapshot, Need, Pool, Resident
 from hostagent.kinds import get_kind
 from hostagent.probe import ProcessUsage
@@ -44,12 +44,34 @@ _RESIDENT_FIELDS = (
     "weights_bytes",
     "measured_weights_bytes",
     "min_ready_seconds",
+    "max_turn_seconds",
     "last_request_at",
     "state_changed_at",
     "created_at",
     "engine__kind",
     "engine__options",
 )
+
+
+# A model whose last request ended this recently is still busy: a client that loops sends
+# its next one within it (standalone sees each end; elsewhere ``last_request_at``, written
+# at most once a second, says, so it gets a second more).
+BUSY_GRACE_SECONDS = 0.5
+_LAST_REQUEST_SLACK_SECONDS = 1.0
+
+
+def busy(deployment: Deployment, now: float) -> bool:
+    """Whether a ready deployment has requests in flight or had one a moment ago (counts
+    that cannot be read count as busy: its turn is not cut on a guess)."""
+    in_flight = inflight.count_or_none(deployment.pk)
+    if in_flight is None or in_flight > 0:
+        return True
+    idle = inflight.idle_seconds(deployment.pk)
+    if idle is not None:
+        return idle < BUSY_GRACE_SECONDS
+    last = deployment.last_request_at
+    grace = BUSY_GRACE_SECONDS + _LAST_REQUEST_SLACK_SECONDS
+    return last is not None and now - last.timestamp() < grace
 
 
 def residents(host: Host, now: float) -> list[Resident]:
@@ -88,6 +110,8 @@ def residents(host: Host, now: float) -> list[Resident]:
                 ready_for_seconds=now - changed.timestamp(),
                 min_ready_seconds=deployment.setting("min_ready_seconds"),
                 ram_bytes=ram.get(deployment.pk, 0),
+                busy=deployment.observed_state == "ready" and busy(deployment, now),
+                max_turn_seconds=deployment.setting("max_turn_seconds"),
             )
         )
     return residents
@@ -106,6 +130,7 @@ def snapshot(host: Host) -> HostSnapshot:
         pools=pools,
         residents=residents(host, time.time()),
         online=host.state != Host.State.UNREACHABLE,
+        contenders=tuple(turns.contenders(host.pk)),
     )
 
 
@@ -117,6 +142,8 @@ def need(deployment: Deployment, host: Host) -> Need:
         claim_per_gpu_bytes=estimates.claim_per_gpu(deployment, device_total(host)),
         host_ram_bytes=estimates.ENGINE_RAM_ESTIMATE,
         host_ids=(host.pk,),
+        waited_seconds=turns.waited(deployment.pk),
+        priority=deployment.priority,
     )
 
 

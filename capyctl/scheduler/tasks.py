@@ -19,7 +19,7 @@ from capyctl import celery as _celery  # noqa: F401
 from capyctl.hosts import agents
 from capyctl.hosts.agents import AgentUnreachableError
 from capyctl.hosts.models import Host
-from capyctl.scheduler import executor, notify, operations, reconcile
+from capyctl.scheduler import executor, notify, operations, reconcile, switches
 from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error, outage
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ def run_operation(operation_id: int) -> None:
 def ensure_ready(deployment_id: int) -> None:
     """Make a deployment ready for the requests waiting on it, and tell them how it went."""
     try:
-        operations.ensure_ready(deployment_id)
+        with switches.collecting() as steps:
+            operations.ensure_ready(deployment_id)
     except operations.SchedulerError as exc:
         notify.announce(deployment_id, ok=False, code=exc.code, message=str(exc))
     except Exception as exc:
@@ -50,7 +51,7 @@ def ensure_ready(deployment_id: int) -> None:
                             message=f"{type(exc).__name__}: {exc}")  # fmt: skip
         raise
     else:
-        notify.announce(deployment_id, ok=True)
+        notify.announce(deployment_id, ok=True, switch=switches.header(steps))
 
 
 # A reconcile pass holds a short lease that a thread renews while the pass runs: a pass

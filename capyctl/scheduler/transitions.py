@@ -61,7 +61,7 @@ from capyctl.ledger.services import (
     set_foreign,
     set_measured,
 )
-from capyctl.scheduler import inflight, notify
+from capyctl.scheduler import inflight, notify, switches
 from hostagent.units import format_size
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -107,6 +107,7 @@ def record(
 ) -> None:
     """The event of a transition (or of a decision about one)."""
     duration = int((time.monotonic() - started) * 1000) if started is not None else None
+    switches.note(kind, deployment.name, duration, (data or {}).get("mode"))
     record_event(
         kind,
         message,
@@ -123,8 +124,8 @@ def record(
 def _announce(deployment_id: int, **outcome: Any) -> None:
     """Tell the requests waiting on the deployment in other processes (server mode: the
     API's), once what was written is committed. Standalone's waiters await the operation
-    itself."""
-    if not settings.CELERY_TASK_ALWAYS_EAGER:
+    itself; a caller that collects the switch tells them when it is done, with its steps."""
+    if not settings.CELERY_TASK_ALWAYS_EAGER and not (outcome.get("ok") and switches.active()):
         transaction.on_commit(lambda: notify.announce(deployment_id, **outcome))
 
 

@@ -25,7 +25,7 @@ from django.conf import settings
 from django.db import connection
 
 from capyctl.deployments.models import Deployment
-from capyctl.scheduler import notify, operations
+from capyctl.scheduler import notify, operations, switches
 from capyctl.scheduler.errors import (
     ControlPlaneUnavailableError,
     SchedulerError,
@@ -62,16 +62,22 @@ async def run(function: Any, *args: Any) -> Any:
 
 async def ready(
     deployment_id: int, timeout: float, wanted: Callable[[], bool] | None = None
-) -> None:
-    """Return once the deployment is ready (started or woken as needed); raise a
-    SchedulerError subclass when it cannot be, WakeTimeoutError past ``timeout``.
-    ``wanted``: whether anyone still waits for it; while it waits for room, a wake nobody
-    wants any more gives up before it moves anything (standalone; a worker in server mode
-    goes on)."""
+) -> str:
+    """Return once the deployment is ready (started or woken as needed), with what was
+    switched for it (``parked a (ram) 412 ms; woke b 688 ms``; empty when nothing was, or
+    another caller did it); raise a SchedulerError subclass when it cannot be,
+    WakeTimeoutError past ``timeout``. ``wanted``: whether anyone still waits for it; while
+    it waits for room, a wake nobody wants any more gives up before it moves anything
+    (standalone; a worker in server mode goes on)."""
     if settings.CELERY_TASK_ALWAYS_EAGER:  # here, on the control plane's threads
-        await run(operations.ensure_ready, deployment_id, "system", timeout, wanted)
-        return
-    await _on_worker(deployment_id, timeout)
+        return str(await run(_ready_here, deployment_id, timeout, wanted))
+    return await _on_worker(deployment_id, timeout)
+
+
+def _ready_here(deployment_id: int, timeout: float, wanted: Callable[[], bool] | None) -> str:
+    with switches.collecting() as steps:
+        operations.ensure_ready(deployment_id, "system", timeout, wanted)
+    return switches.header(steps)
 
 
 def _state(deployment_id: int) -> tuple[str, str] | None:
@@ -92,7 +98,7 @@ OUTCOME_GRACE_SECONDS = 1.0
 CONTROL_PLANE_PATIENCE_SECONDS = 10.0
 
 
-async def _on_worker(deployment_id: int, timeout: float) -> None:
+async def _on_worker(deployment_id: int, timeout: float) -> str:
     # Server mode only: standalone never uses Celery or the channel layer for a wake.
     layer = get_channel_layer()
     channel = await layer.new_channel()
@@ -113,12 +119,12 @@ async def _on_worker(deployment_id: int, timeout: float) -> None:
                 if now is None:
                     raise SchedulerError("the model no longer exists") from None
                 if now[0] == "ready":
-                    return
+                    return ""
                 if now[0] == "failed" and await run(_failed_since, deployment_id, sent_at):
                     raise error_for("engine_failed", now[1]) from None
                 continue
             if outcome.get("ok"):
-                return
+                return str(outcome.get("switch") or "")
             raise error_for(str(outcome.get("code")), str(outcome.get("message")))
         raise WakeTimeoutError(f"not ready within {timeout:g}s")
     finally:

@@ -1,0 +1,236 @@
+"""Contending models: turns against a switch on every change of model, in the same run.
+
+Two (or three) simulated vLLM models of 16 GiB share a simulated 24 GiB GPU, so only one
+holds it at a time. A park takes 0.2 s and a wake 0.5 s (`--park`, `--wake`); an answer
+streams 16 tokens at 100 tokens/s. Eight clients (`--clients`) each send their requests
+one after another, through `/v1` of a real standalone CapyCTL, following a seeded trace:
+
+- ``sessions``: each client works with one model for a run of requests (on average
+  `--run` long), then with another: apps and people that use a model for a while;
+- ``random``: each request picks a model at random.
+
+Each trace runs twice, on a fresh server each time: with turns (`CAPYCTL_MAX_TURN_SECONDS`,
+`--turn`) and with a turn of 0, which switches whenever a request for another model
+waits (what a process-swapping proxy does: FIFO on the head of the queue). Printed per
+run: switches (parks) per 100 requests, p50 and p99 of the time requests queued
+(`x-capyctl-queued-ms`), requests per second, and errors; then the ratios, and the wait
+bound of docs/switching.md for the settings used.
+
+Run: .venv/bin/python bench/contention.py [--seed 7] [--requests 40] [--turn 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+CAPYCTL = str(Path(sys.executable).with_name("capyctl"))
+
+
+@dataclass
+class Outcome:
+    name: str
+    requests: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    queued_ms: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    parks: int = 0
+    stops: int = 0
+
+    @property
+    def switches(self) -> int:
+        return self.parks + self.stops
+
+    def line(self) -> str:
+        waits = sorted(self.queued_ms) or [0.0]
+        p99 = waits[min(len(waits) - 1, int(len(waits) * 0.99))]
+        errors = sum(self.errors.values())
+        return (
+            f"{self.name:<22} {self.requests:>5} req  {100 * self.switches / self.requests:5.1f} "
+            f"switches/100  wait p50 {statistics.median(waits) / 1000:5.2f} s  "
+            f"p99 {p99 / 1000:5.2f} s  {self.requests / self.seconds:5.1f} req/s  "
+            f"errors {errors}" + (f" {self.errors}" if errors else "")
+        )
+
+
+def traces(kind: str, args: argparse.Namespace, models: list[str]) -> list[list[str]]:
+    """Each client's models, request by request: the same for both strategies."""
+    rng = random.Random(args.seed)
+    requests, run = args.requests, args.run
+    out = []
+    for _ in range(args.clients):
+        sequence: list[str] = []
+        current = rng.choice(models)
+        while len(sequence) < requests:
+            if kind == "random":
+                sequence.append(rng.choice(models))
+                continue
+            sequence.append(current)
+            if rng.random() < 1 / run:  # the session ends: on to another model
+                current = rng.choice([m for m in models if m != current])
+        out.append(sequence)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace, models: list[str], turn: int) -> None:
+        self.data = Path(tempfile.mkdtemp(prefix="capyctl-contention-"))
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+        self.env.update(
+            {
+                "CAPYCTL_DATA_DIR": str(self.data),
+                "CAPYCTL_SIM_GPUS": "24GiB",
+                "CAPYCTL_MIN_READY_SECONDS": "0",
+                "CAPYCTL_MAX_TURN_SECONDS": str(turn),
+                "CAPYCTL_LOG_LEVEL": "WARNING",
+            }
+        )
+        sim_env = {
+            "CAPYCTL_SIM_WEIGHTS_BYTES": "8GiB",
+            "CAPYCTL_SIM_SLEEP_SECONDS": str(args.park),
+            "CAPYCTL_SIM_WAKE_SECONDS": str(args.wake),
+            "CAPYCTL_SIM_TOKENS_PER_SECOND": "100",
+            "CAPYCTL_SIM_COMPLETION_TOKENS": "16",
+        }
+        self.cli("engine", "add", "sim", "--kind", "vllm", "--command",
+                 f"{sys.executable} -m hostagent.sim vllm",
+                 *(x for k, v in sim_env.items() for x in ("--env", f"{k}={v}")))  # fmt: skip
+        for name in models:
+            self.cli("deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
+                     "--gpu-memory", "16GiB")  # fmt: skip
+        self.key = self.cli("key", "create", "--user", "admin").strip().splitlines()[-1]
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = (self.data / "server.log").open("w")
+        self.process = subprocess.Popen(
+            [CAPYCTL, "start", "standalone", "--listen", f"127.0.0.1:{port}"],
+            env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise SystemExit(f"the server did not start; see {self.data / 'server.log'}")
+
+    def cli(self, *argv: str) -> str:
+        done = subprocess.run([CAPYCTL, *argv], env=self.env, capture_output=True, text=True,
+                              check=False, cwd=ROOT)  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"capyctl {' '.join(argv)} failed: {done.stderr.strip()}")
+        return done.stdout
+
+    def count_switches(self, outcome: Outcome) -> None:
+        events = json.loads(self.cli("events", "--json", "--limit", "100000"))
+        outcome.parks = sum(1 for e in events if e["kind"] == "deployment.parked")
+        outcome.stops = sum(1 for e in events if e["kind"] == "deployment.stopped")
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+async def drive(server: Server, plan: list[list[str]], outcome: Outcome) -> None:
+    headers = {"Authorization": f"Bearer {server.key}"}
+    limits = httpx.Limits(max_connections=len(plan) + 4)
+    async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=600,
+                                 limits=limits) as client:  # fmt: skip
+
+        async def one_client(models: list[str]) -> None:
+            for model in models:
+                body = {"model": model, "max_tokens": 16, "stream": True,
+                        "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+                async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+                    async for _ in reply.aiter_bytes():
+                        pass
+                    outcome.requests += 1
+                    if reply.status_code != 200:
+                        code = str(reply.status_code)
+                        outcome.errors[code] = outcome.errors.get(code, 0) + 1
+                        continue
+                    outcome.queued_ms.append(float(reply.headers["x-capyctl-queued-ms"]))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one_client(models) for models in plan))
+        outcome.seconds = time.perf_counter() - started
+
+
+def run_one(args: argparse.Namespace, kind: str, strategy: str, turn: int,
+            models: list[str]) -> Outcome:  # fmt: skip
+    plan = traces(kind, args, models)
+    server = Server(args, models, turn)
+    outcome = Outcome(f"{kind}, {strategy}")
+    try:
+        # Every model started once before the clock runs (the first starts are not switches).
+        for model in models:
+            server.cli("deployment", "start", model)
+        before = Outcome("before")
+        server.count_switches(before)
+        asyncio.run(drive(server, plan, outcome))
+        server.count_switches(outcome)
+        outcome.parks -= before.parks
+        outcome.stops -= before.stops
+    finally:
+        server.close()
+    return outcome
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=40, help="per client")
+    parser.add_argument("--models", type=int, default=2, choices=(2, 3))
+    parser.add_argument("--run", type=float, default=10.0, help="mean session length")
+    parser.add_argument("--turn", type=int, default=5, help="max_turn_seconds for turns")
+    parser.add_argument("--park", type=float, default=0.2)
+    parser.add_argument("--wake", type=float, default=0.5)
+    parser.add_argument("--traces", default="sessions,random")
+    args = parser.parse_args()
+    models = ["a", "b", "c"][: args.models]
+    print(f"{args.clients} clients x {args.requests} requests, {args.models} models of 16 GiB "
+          f"on one 24 GiB GPU; park {args.park} s, wake {args.wake} s; seed {args.seed}")  # fmt: skip
+    for kind in args.traces.split(","):
+        turns = run_one(args, kind, f"turns of {args.turn} s", args.turn, models)
+        print(turns.line(), flush=True)
+        fifo = run_one(args, kind, "switch on change", 0, models)
+        print(fifo.line(), flush=True)
+        fewer = fifo.switches / max(turns.switches, 1)
+        faster = (turns.requests / turns.seconds) / (fifo.requests / fifo.seconds)
+        print(f"  {kind}: {fewer:.1f}x fewer switches with turns, {faster:.2f}x the throughput")
+    switch = args.park + args.wake
+    bound = (args.models - 1) * (args.turn + 0.16 + switch + 0.25)
+    print(f"wait bound (docs/switching.md): (models - 1) x (turn + longest request + switch "
+          f"+ 0.25 s) = {bound:.1f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

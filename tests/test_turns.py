@@ -1,0 +1,99 @@
+"""Turns: a busy model keeps its GPU for its turn while others wait, then the contender
+that waited longest goes next (simulated 24 GiB GPU, simulated engines, in process)."""
+
+import threading
+import time
+
+import pytest
+from django.db import connection
+
+from capyctl.events.models import Event
+from capyctl.hosts.models import Host
+from capyctl.scheduler import inflight, operations, turns
+from tests.scheduling import deployment, state, vllm_engine
+from tests.waiting import wait_until
+
+
+def in_background(deployment_id: int, outcome: list[object]) -> threading.Thread:
+    def run() -> None:
+        try:
+            outcome.append(operations.ensure_ready(deployment_id).observed_state)
+        except Exception as exc:  # asserted by the caller
+            outcome.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_busy_model_keeps_the_gpu_for_its_turn_then_gives_way(gpu24, settings):
+    """a and b do not fit together; a has a request in flight when b is asked for. On the
+    old code a was drained at once (a switch per change of model); now b waits for a's 2 s
+    turn, is told so, and then a is drained and parked, and b started."""
+    settings.CAPYCTL = {**settings.CAPYCTL, "MAX_TURN_SECONDS": 2}
+    vllm_engine()
+    a, b = deployment("a"), deployment("b")
+    operations.ensure_ready(a.pk)
+    assert inflight.begin(a.pk)  # a is busy
+    outcome: list[object] = []
+    thread = in_background(b.pk, outcome)
+    try:
+        waiting = wait_until(
+            lambda: Event.objects.filter(kind="deployment.waiting", subject="b").first(),
+            "b to wait",
+        )
+        assert state("a") == ("ready", "")  # its turn
+        wait_until(lambda: state("a")[0] == "draining", "a's turn to end")
+    finally:
+        inflight.end(a.pk)  # its request ends: the drain with it
+        thread.join(timeout=60)
+    assert outcome == ["ready"]
+    assert state("a") == ("parked", "ram")
+    assert waiting.message == (
+        "b needs 16.0 GiB per GPU and waits for room; in the way: a (busy, its turn: 2 s left)"
+    )
+    parked = Event.objects.get(kind="deployment.parked", subject="a")
+    assert parked.message == "parked a (ram) to make room for b, its turn over"
+    # a kept the GPU for its turn (less what the wait's first try took to be written).
+    assert (parked.created_at - waiting.created_at).total_seconds() >= 1.5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_model_gives_way_at_once(gpu24, settings):
+    settings.CAPYCTL = {**settings.CAPYCTL, "MAX_TURN_SECONDS": 60}
+    vllm_engine()
+    a, b = deployment("a"), deployment("b")
+    operations.ensure_ready(a.pk)
+    assert inflight.begin(a.pk)
+    inflight.end(a.pk)
+    time.sleep(0.6)  # its last request ended longer ago than the busy grace (0.5 s)
+    started = time.monotonic()
+    assert operations.ensure_ready(b.pk).observed_state == "ready"
+    assert time.monotonic() - started < 30  # not its 60 s turn
+    assert not Event.objects.filter(kind="deployment.waiting").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_contender_that_waited_longer_goes_first_and_a_gone_one_stops_counting(gpu24, settings):
+    """c waits for the GPU (noted 50 s ago by a worker that then died): b, asked now,
+    waits its turn behind c although the GPU's holder is idle; once c's wait is no longer
+    renewed (3 s), it counts no more and b is started."""
+    vllm_engine()
+    a, b, c = deployment("a"), deployment("b"), deployment("c")
+    operations.ensure_ready(a.pk)
+    host = Host.objects.get(name="local")
+    now = time.time()
+    turns.note(turns.Wait(c.pk, "c", host.pk, now - 50, now, 0, ("gpu0",)))
+    try:
+        started = time.monotonic()
+        assert operations.ensure_ready(b.pk).observed_state == "ready"
+        waited = time.monotonic() - started
+    finally:
+        turns.done(c.pk)
+    waiting = Event.objects.get(kind="deployment.waiting", subject="b")
+    assert waiting.message == "b waits for its turn: c has waited longer (50 s) for the same GPUs"
+    assert waited >= turns.SEEN_SECONDS - 0.5
+    assert state("a") == ("parked", "ram")
