@@ -484,3 +484,37 @@ def test_a_client_that_hangs_up_while_queued_leaves_the_queue_at_once(served, pr
 
     answers = asyncio.run(scenario())
     assert [a.status_code for a in answers] == [200] * 5, [a.text for a in answers]
+
+
+def test_keys_share_a_full_queue(served, program_env):
+    """q lets 5 wait while its start is held, and one key's 5 fill it. On the old code
+    another key's request was told queue_full; now it takes the newest place of the key
+    that holds the most (that request gets 429 queue_full with Retry-After), waits, and
+    is answered with the first key's other four once the start ends."""
+    server, key, _, run = served
+    other = run("key", "create", "--user", "admin", "--name", "other").out.strip()
+    ask = {"model": "q", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    url = f"{server.base_url}/v1/chat/completions"
+
+    async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            mine = {"Authorization": f"Bearer {key}"}
+            flood = [asyncio.ensure_future(client.post(url, json=ask, headers=mine))
+                     for _ in range(5)]  # fmt: skip
+            while await asyncio.to_thread(_waiting_for, server, "q") < 5:
+                await asyncio.sleep(0.1)
+            one = asyncio.ensure_future(
+                client.post(url, json=ask, headers={"Authorization": f"Bearer {other}"})
+            )
+            done, _ = await asyncio.wait(flood, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            assert len(done) == 1  # one of the flood gave way,
+            assert not one.done()  # and the other key's waits
+            load_gate(program_env).touch()
+            return list(await asyncio.gather(*flood)), await one
+
+    flood, one = asyncio.run(scenario())
+    assert one.status_code == 200, one.text
+    assert sorted(a.status_code for a in flood) == [200] * 4 + [429]
+    (refused,) = [a for a in flood if a.status_code == 429]
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert refused.headers["retry-after"] == "1"

@@ -24,6 +24,7 @@ from django.db import connection
 from capyctl.errors import UserError
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
 from capyctl.gateway.keys import KeyCache, KeyInfo
+from capyctl.gateway.queues import Place, Queues
 from capyctl.gateway.routing import Route, RoutingTable, list_models
 from capyctl.gateway.upstream import UpstreamError, UpstreamPool
 from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
@@ -66,7 +67,7 @@ class Gateway:
         self.routes = RoutingTable()
         self._upstream: UpstreamPool | None = None
         self._wakes: dict[int, asyncio.Future[str]] = {}
-        self._waiting: dict[int, int] = {}
+        self.queues = Queues()
         self._touched: dict[int, float] = {}
         self.limits = make_limiter(settings.REDIS_URL)
         self.usage = UsageBook()
@@ -174,7 +175,7 @@ class Gateway:
         keepalive: _KeepAlive | None = None,
     ) -> None:
         try:
-            route, waited_ms, outcome.switch = await self._admit(route, receive)
+            route, waited_ms, outcome.switch = await self._admit(route, receive, key.pk)
         except _ClientGone:  # it left the queue, and counts for nothing
             outcome.status = 499
             return
@@ -223,7 +224,7 @@ class Gateway:
             )
         return maker, None
 
-    async def _admit(self, route: Route, receive: Any) -> tuple[Route, float, str]:
+    async def _admit(self, route: Route, receive: Any, key: int) -> tuple[Route, float, str]:
         """Count the request in flight on a ready engine, waiting for a wake if needed;
         returns the route to use, the milliseconds waited and what the wake switched. A
         client that goes away while it waits leaves the queue at once
@@ -235,7 +236,7 @@ class Gateway:
             if not ready:
                 wait_started = time.perf_counter()
                 try:
-                    route, switch = await self._wait_or_leave(route, receive)
+                    route, switch = await self._wait_or_leave(route, receive, key)
                     switched = switch or switched
                 except GatewayError as refused:  # it says how long it waited, too
                     waited_ms += (time.perf_counter() - wait_started) * 1000
@@ -267,7 +268,7 @@ class Gateway:
                 "state": m["state"],
                 "host": m["host"],
                 # requests this process holds waiting for it to be started or woken
-                "waiting": self._waiting.get(int(str(m["pk"])), 0),
+                "waiting": self.queues.count(int(str(m["pk"]))),
             }
             for m in models
             if key.allows(int(str(m["pk"])))
@@ -291,18 +292,30 @@ class Gateway:
         if not self._stopping.done():
             self._stopping.set_result(None)
 
-    async def _unless_stopping(self, waiting: Any) -> str:
+    async def _unless_stopping(self, waiting: Any, place: Place) -> str:
+        """``waiting``'s outcome, unless the server stops or another key takes the place
+        first."""
         if self._stopping is None:
             self._stopping = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(waiting)
         try:
-            await asyncio.wait([task, self._stopping], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([task, self._stopping, place.given_up],
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
         finally:
             if not task.done():  # this request left (or the server stops): no orphan
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         if not task.cancelled():
             return str(task.result() or "")  # its outcome, or its error
+        if place.given_up.done():
+            raise GatewayError(
+                429,
+                "queue_full",
+                "Too many requests are waiting for this model; this key's newest gave its "
+                "place to another key's. Retry shortly.",
+                "rate_limit_error",
+                headers=[(b"retry-after", b"1")],
+            )
         raise GatewayError(
             503,
             "unavailable",
@@ -311,10 +324,10 @@ class Gateway:
             headers=[(b"retry-after", b"1")],
         )
 
-    async def _wait_or_leave(self, route: Route, receive: Any) -> tuple[Route, str]:
+    async def _wait_or_leave(self, route: Route, receive: Any, key: int) -> tuple[Route, str]:
         """:meth:`_wait_ready`, unless the client goes away first: then its place in the
         queue is given up at once (the wake it asked for goes on for the others)."""
-        waiting = asyncio.ensure_future(self._wait_ready(route))
+        waiting = asyncio.ensure_future(self._wait_ready(route, key))
         leaving = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait({waiting, leaving}, return_when=asyncio.FIRST_COMPLETED)
@@ -327,9 +340,10 @@ class Gateway:
             raise _ClientGone
         return waiting.result()  # done (even if it left just then: _forward sees that)
 
-    async def _wait_ready(self, route: Route) -> tuple[Route, str]:
+    async def _wait_ready(self, route: Route, key: int) -> tuple[Route, str]:
         deployment_id = route.deployment_id
-        if self._waiting.get(deployment_id, 0) >= route.max_waiting:
+        place = self.queues.join(deployment_id, key, route.max_waiting)
+        if place is None:
             raise GatewayError(
                 429,
                 "queue_full",
@@ -337,13 +351,12 @@ class Gateway:
                 "rate_limit_error",
                 headers=[(b"retry-after", b"1")],
             )
-        self._waiting[deployment_id] = self._waiting.get(deployment_id, 0) + 1
-        metrics.NOW.waiting[route.name] = self._waiting[deployment_id]
+        metrics.NOW.waiting[route.name] = self.queues.count(deployment_id)
         try:
             wake = self._wakes.get(deployment_id)
             if wake is None or wake.done():
                 # One wake per model, however many requests wait for it.
-                wanted = lambda: self._waiting.get(deployment_id, 0) > 0  # noqa: E731
+                wanted = lambda: self.queues.count(deployment_id) > 0  # noqa: E731
                 wake = asyncio.ensure_future(
                     wakes.ready(deployment_id, route.max_queue_seconds, wanted)
                 )
@@ -353,15 +366,16 @@ class Gateway:
                     asyncio.wait_for(
                         asyncio.shield(wake),
                         timeout=route.max_queue_seconds + wakes.OUTCOME_GRACE_SECONDS,
-                    )
+                    ),
+                    place,
                 )
             except TimeoutError:
                 raise _wake_timeout(route) from None
             except SchedulerError as exc:
                 raise _scheduler_error(exc, route) from exc
         finally:
-            self._waiting[deployment_id] -= 1
-            metrics.NOW.waiting[route.name] = self._waiting[deployment_id]
+            self.queues.leave(deployment_id, place)
+            metrics.NOW.waiting[route.name] = self.queues.count(deployment_id)
         fresh = await self.routes.get(route.name, fresh=True)
         if fresh is None or fresh.base_url is None:
             raise GatewayError(
