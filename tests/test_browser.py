@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -154,5 +155,57 @@ def test_schemathesis_finds_no_server_error_in_the_rest_api(server_env):
         assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
         assert " passed" in done.stdout
         assert "Traceback" not in server.log()
+    finally:
+        stop_server(server, signal.SIGTERM)
+
+
+def test_the_dashboard_timeline_shows_turns_and_switches(server_env, browser):
+    """Two models that do not fit together on a simulated 24 GiB GPU, asked in turns
+    through /v1 (four requests at a time): the open dashboard's timeline draws gpu0's lane
+    with each model's holds and the switches between them, each park marked with its
+    cause, and the requests that waited beneath."""
+    sim = ["--env", "CAPYCTL_SIM_WEIGHTS_BYTES=8GiB", "--env", "CAPYCTL_SIM_WAKE_SECONDS=0.3",
+           "--env", "CAPYCTL_SIM_SLEEP_SECONDS=0.1"]  # fmt: skip
+    setup = [
+        ["engine", "add", "sim", "--kind", "vllm", "--command", SIM, *sim],
+        *(["deployment", "add", n, "--engine", "sim", "--source", f"m/{n}", "--gpu-memory",
+           "16GiB", "--max-turn-seconds", "0"] for n in ("chat", "code")),
+        ["key", "create", "--user", "alice"],
+    ]  # fmt: skip
+    results = [run_program(server_env, *argv) for argv in setup]
+    assert all(r.code == 0 for r in results), [r.err for r in results]
+    key = results[-1].out.strip().splitlines()[-1]
+    server = start_server(server_env)
+    base = server.base_url
+    try:
+
+        def ask(model: str) -> int:
+            return httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {key}"},
+                              json={"model": model, "max_tokens": 2,
+                                    "messages": [{"role": "user", "content": "hi"}]},
+                              ).status_code  # fmt: skip
+
+        shots = os.environ.get("CAPYCTL_SCREENSHOT_DIR")
+        for model in ("chat", "code", "chat", "code"):
+            with ThreadPoolExecutor(4) as askers:  # four at a time: they wait together
+                assert list(askers.map(ask, [model] * 4)) == [200] * 4
+            if shots:
+                time.sleep(8)  # the picture for the docs: holds long enough to see
+        alice = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+        log_in(alice, base, "alice")
+        lane = alice.locator("svg.timeline[data-host='local'] g[data-pool='gpu0']")
+        expect(lane).to_have_count(1)
+        holds = lane.locator("rect.span-held")
+        expect(holds).to_have_count(4)  # chat, code, chat, code (still holding)
+        assert [holds.nth(i).get_attribute("data-model") for i in range(4)] == [
+            "chat", "code", "chat", "code"]  # fmt: skip
+        marks = lane.locator("path.mark")
+        expect(marks).to_have_count(3)  # the parks between them
+        said = marks.first.locator("title").text_content()
+        assert said == "parked chat (ram) to make room for code"
+        expect(alice.locator("svg.timeline path.queue")).to_have_count(1)
+        if shots:  # how docs/images/dashboard-timeline.png is made
+            alice.locator("#timeline").screenshot(path=str(Path(shots) / "dashboard-timeline.png"))
     finally:
         stop_server(server, signal.SIGTERM)

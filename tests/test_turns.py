@@ -1,15 +1,18 @@
 """Turns: a busy model keeps its GPU for its turn while others wait, then the contender
 that waited longest goes next (simulated 24 GiB GPU, simulated engines, in process)."""
 
+import re
 import threading
 import time
 
 import pytest
 from django.db import connection
+from prometheus_client import generate_latest
 
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.scheduler import inflight, operations, turns
+from capyctl.web import metrics
 from tests.scheduling import deployment, state, vllm_engine
 from tests.waiting import wait_until
 
@@ -87,6 +90,9 @@ def test_the_contender_that_waited_longer_goes_first_and_a_gone_one_stops_counti
     host = Host.objects.get(name="local")
     now = time.time()
     turns.note(turns.Wait(c.pk, "c", host.pk, now - 50, now, 0, ("gpu0",)))
+    scraped = generate_latest(metrics.REGISTRY).decode()
+    assert re.search(r'^capyctl_waiting_for_room_seconds\{host="local",model="c"\} 50\.', scraped,
+                     re.M), scraped  # fmt: skip
     try:
         started = time.monotonic()
         assert operations.ensure_ready(b.pk).observed_state == "ready"
@@ -97,3 +103,31 @@ def test_the_contender_that_waited_longer_goes_first_and_a_gone_one_stops_counti
     assert waiting.message == "b waits for its turn: c has waited longer (50 s) for the same GPUs"
     assert waited >= turns.SEEN_SECONDS - 0.5
     assert state("a") == ("parked", "ram")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_timeline_shows_who_held_the_gpu_when_and_why_it_switched(gpu24):
+    """a started, then b made room by parking a: gpu0's lane holds a's start, its hold
+    until the park, the park, then b's start and b's hold (still open), with the park
+    marked and its cause; the queue depths the gateway noted lie beneath."""
+    from capyctl.web.timeline import timeline_data
+
+    vllm_engine()
+    a, b = deployment("a"), deployment("b")
+    operations.ensure_ready(a.pk)
+    metrics.NOW.note_waiting("b", 3)
+    operations.ensure_ready(b.pk)
+    metrics.NOW.note_waiting("b", 0)
+    (host,) = timeline_data()["hosts"]
+    assert host["host"] == "local"
+    (lane,) = host["pools"]
+    assert lane["pool"] == "gpu0"
+    steps = [(s["model"], s["kind"], s["to"] is None) for s in lane["spans"]]
+    assert steps == [("a", "start", False), ("a", "held", False), ("a", "park", False),
+                     ("b", "start", False), ("b", "held", True)]  # fmt: skip
+    spans = lane["spans"]
+    assert spans[0]["from"] <= spans[0]["to"] <= spans[1]["from"] + 0.01
+    assert spans[1]["to"] <= spans[2]["to"] <= spans[3]["to"] <= spans[4]["from"] + 0.01
+    (mark,) = lane["marks"]
+    assert (mark["model"], mark["text"]) == ("a", "parked a (ram) to make room for b")
+    assert [depth for _, depth in host["queue"]][-2:] == [3, 0]

@@ -351,7 +351,7 @@ class Gateway:
                 "rate_limit_error",
                 headers=[(b"retry-after", b"1")],
             )
-        metrics.NOW.waiting[route.name] = self.queues.count(deployment_id)
+        metrics.NOW.note_waiting(route.name, self.queues.count(deployment_id))
         try:
             wake = self._wakes.get(deployment_id)
             if wake is None or wake.done():
@@ -375,7 +375,7 @@ class Gateway:
                 raise _scheduler_error(exc, route) from exc
         finally:
             self.queues.leave(deployment_id, place)
-            metrics.NOW.waiting[route.name] = self.queues.count(deployment_id)
+            metrics.NOW.note_waiting(route.name, self.queues.count(deployment_id))
         fresh = await self.routes.get(route.name, fresh=True)
         if fresh is None or fresh.base_url is None:
             raise GatewayError(

@@ -250,6 +250,7 @@ def ready(
             f"{deployment.name} is ready on {host.name} ({', '.join(pools) or 'CPU'})",
             started=started,
             actor=actor,
+            data={"pools": list(pools)},
         )
     return won
 
@@ -428,7 +429,7 @@ def woke(
             f"woke {deployment.name} from {mode}",
             started=started,
             actor=actor,
-            data={"mode": mode},
+            data={"mode": mode, "pools": sorted(p for p in figures if p != "ram")},
         )
     return won
 

@@ -23,8 +23,9 @@ from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import PoolUsage, pool_usage
-from capyctl.scheduler import inflight
+from capyctl.scheduler import inflight, turns
 from capyctl.web import metrics
+from capyctl.web.timeline import timeline_data
 from hostagent.units import format_size
 
 RECENT_EVENTS = 30
@@ -188,6 +189,11 @@ def _deployments(ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
         .order_by("name")
     )
     waiting = metrics.NOW.waiting  # the gateway's counts in this process
+    room = {  # how long each waits for room on its host (whole seconds)
+        c.deployment_id: int(c.waited_seconds)
+        for host_id in Host.objects.values_list("pk", flat=True)
+        for c in turns.contenders(host_id)
+    }
     result = []
     for found in rows:
         last_switch: dict[str, Any] | None = None
@@ -216,6 +222,7 @@ def _deployments(ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "memory_bytes": sum(part["bytes"] for part in own),
                 "in_flight": inflight.count_or_none(found["id"]),
                 "waiting": int(waiting.get(found["name"], 0)),
+                "waiting_for_room_seconds": room.get(found["id"]),
                 "last_switch": last_switch,
             }
         )
@@ -249,7 +256,9 @@ def dashboard_data() -> dict[str, Any]:
     status and ``segments`` for its bar, one per deployment and status (``held``,
     ``promised``, ``unconfirmed``), then ``foreign``, then ``free`` (capacity - used).
     ``deployments``: each model's states, its ledger bytes per pool, requests in flight
-    and waiting, and its last switch (start, park, wake or stop) with how long it took.
+    and waiting (and, while it waits for room, for how long), and its last switch (start,
+    park, wake or stop) with how long it took. ``timeline``: the last hour of each GPU pool
+    (:func:`capyctl.web.timeline.timeline_data`).
     ``events``: the most recent events, newest first. ``control_plane``: whether Redis
     answers (server mode), and since when it does not. A few queries in all, plus one per
     host for its pools.
@@ -260,6 +269,7 @@ def dashboard_data() -> dict[str, Any]:
         "hosts": _hosts(ledger),
         "deployments": _deployments(ledger),
         "events": _events(),
+        "timeline": timeline_data(ledger=ledger),
     }
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterator
 from http.cookies import CookieError, SimpleCookie
 from importlib import import_module
@@ -32,7 +34,9 @@ from prometheus_client.registry import Collector
 
 from capyctl.deployments.models import Deployment
 from capyctl.events.models import Event
+from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
+from capyctl.scheduler import turns
 
 REGISTRY = CollectorRegistry()
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -100,6 +104,17 @@ class _Now(Collector):
 
     def __init__(self) -> None:
         self.waiting: dict[str, int] = {}  # model -> requests waiting for it (the gateway's)
+        # Each change of a queue's depth within the last hour: (wall clock, model, depth),
+        # for the dashboard's timeline.
+        self.history: deque[tuple[float, str, int]] = deque(maxlen=HISTORY_CHANGES)
+
+    def note_waiting(self, model: str, count: int) -> None:
+        """The gateway's queue for ``model`` is ``count`` deep now."""
+        self.waiting[model] = count
+        now = time.time()
+        self.history.append((now, model, count))
+        while self.history and self.history[0][0] < now - HISTORY_SECONDS:
+            self.history.popleft()
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(
@@ -117,6 +132,15 @@ class _Now(Collector):
         for model, count in sorted(self.waiting.items()):
             queue.add_metric([model], count)
         yield queue
+        room = GaugeMetricFamily(
+            "capyctl_waiting_for_room_seconds",
+            "how long each model has waited for room on its host (a turn, a switch under way)",
+            labels=["host", "model"],
+        )
+        for host_id, host_name in Host.objects.order_by("name").values_list("pk", "name"):
+            for contender in sorted(turns.contenders(host_id), key=lambda c: c.name):
+                room.add_metric([host_name, contender.name], round(contender.waited_seconds, 3))
+        yield room
         ledger = GaugeMetricFamily(
             "capyctl_ledger_bytes",
             "bytes the memory ledger counts",
@@ -156,6 +180,8 @@ class _Now(Collector):
         yield seconds
 
 
+HISTORY_SECONDS = 3600.0
+HISTORY_CHANGES = 20_000
 NOW = _Now()
 REGISTRY.register(NOW)
 

@@ -154,7 +154,14 @@
       el("td", { className: "desired", text: d.desired_state }),
       memory,
       el("td", { className: "inflight num", text: d.in_flight }),
-      el("td", { className: "waiting num", text: d.waiting }),
+      el(
+        "td",
+        { className: "waiting num" },
+        String(d.waiting),
+        d.waiting_for_room_seconds === null || d.waiting_for_room_seconds === undefined
+          ? null
+          : el("span", { className: "muted room", text: ` for room ${d.waiting_for_room_seconds} s` }),
+      ),
       lastSwitch,
     );
   }
@@ -168,6 +175,142 @@
       rows.push(el("tr", { className: "empty" }, cell));
     }
     body.replaceChildren(...rows);
+  }
+
+  // --- the timeline ----------------------------------------------------------------
+
+  const SVG = "http://www.w3.org/2000/svg";
+  const LANE = 22;
+  const QUEUE = 28;
+  const LABEL = 56;
+  const WIDTH = 1000;
+
+  function svg(tag, attrs, ...children) {
+    const node = document.createElementNS(SVG, tag);
+    for (const [name, value] of Object.entries(attrs || {})) {
+      if (value !== null && value !== undefined) node.setAttribute(name, String(value));
+    }
+    for (const child of children) if (child) node.append(child);
+    return node;
+  }
+
+  // Each model its own colour: the models of the timeline in name order, around the wheel.
+  const PALETTE = [210, 30, 140, 280, 0, 90, 180, 320];
+  let hues = new Map();
+
+  function assignHues() {
+    const models = new Set();
+    for (const host of timeline.hosts) {
+      for (const pool of host.pools) for (const span of pool.spans) models.add(span.model);
+    }
+    hues = new Map([...models].sort().map((m, i) => [m, PALETTE[i % PALETTE.length] + 7 * Math.floor(i / PALETTE.length)]));
+  }
+
+  function hue(name) {
+    return hues.has(name) ? hues.get(name) : 0;
+  }
+
+  function title(text) {
+    const node = svg("title");
+    node.textContent = text;
+    return node;
+  }
+
+  function timelineHost(host, windowSeconds, now) {
+    const start = now - windowSeconds;
+    const plot = WIDTH - LABEL;
+    const x = (t) => LABEL + Math.max(0, Math.min(1, (t - start) / windowSeconds)) * plot;
+    const height = host.pools.length * LANE + QUEUE + 18;
+    const chart = svg("svg", {
+      viewBox: `0 0 ${WIDTH} ${height}`, width: "100%", role: "img", class: "timeline",
+      "data-host": host.host, "aria-label": `${host.host}: the last hour of its GPUs`,
+    });
+    host.pools.forEach((pool, index) => {
+      const y = index * LANE;
+      const lane = svg("g", { "data-pool": pool.pool });
+      const label = svg("text", { x: 0, y: y + 15, class: "lane-label" });
+      label.textContent = pool.pool;
+      lane.append(label, svg("rect", { x: LABEL, y: y + 2, width: plot, height: LANE - 4, class: "lane" }));
+      for (const span of pool.spans) {
+        const to = span.to === null ? now : span.to;
+        if (to < start) continue;
+        const from = x(span.from);
+        const held = span.kind === "held";
+        lane.append(svg("rect", {
+          x: from, y: y + 2, width: Math.max(x(to) - from, 1), height: LANE - 4,
+          class: "span span-" + span.kind, "data-model": span.model, "data-kind": span.kind,
+          fill: `hsl(${hue(span.model)} 55% ${held ? 55 : 80}%)`,
+        }, title(`${span.model}: ${held ? "held " + pool.pool : span.kind}`)));
+      }
+      for (const mark of pool.marks) {
+        if (mark.at < start) continue;
+        const mx = x(mark.at);
+        lane.append(svg("path", {
+          d: `M${mx - 4} ${y} L${mx + 4} ${y} L${mx} ${y + 7} Z`, class: "mark",
+          "data-model": mark.model,
+        }, title(mark.text)));
+      }
+      chart.append(lane);
+    });
+    const top = host.pools.length * LANE + 4;
+    const most = Math.max(1, ...host.queue.map((p) => p[1]));
+    let path = `M${LABEL} ${top + QUEUE}`;
+    let last = 0;
+    for (const [at, depth] of host.queue) {
+      if (at < start) { last = depth; continue; }
+      const px = x(at);
+      path += ` L${px} ${top + QUEUE - (last / most) * QUEUE} L${px} ${top + QUEUE - (depth / most) * QUEUE}`;
+      last = depth;
+    }
+    path += ` L${LABEL + plot} ${top + QUEUE - (last / most) * QUEUE} L${LABEL + plot} ${top + QUEUE} Z`;
+    const queueLabel = svg("text", { x: 0, y: top + QUEUE - 4, class: "lane-label" });
+    queueLabel.textContent = "waiting";
+    chart.append(queueLabel, svg("path", { d: path, class: "queue" }, title(`at most ${most} waiting`)));
+    const axis = top + QUEUE + 14;
+    const ago = (seconds) => (seconds >= 60 ? `−${Math.round(seconds / 60)} min` : `−${Math.round(seconds)} s`);
+    for (const [label, at] of [[ago(windowSeconds), start], [ago(windowSeconds / 2), start + windowSeconds / 2], ["now", now]]) {
+      const tick = svg("text", { x: x(at), y: axis, class: "axis", "text-anchor": at === start ? "start" : at === now ? "end" : "middle" });
+      tick.textContent = label;
+      chart.append(tick);
+    }
+    const legend = el("p", { className: "legend" });
+    const models = new Set(host.pools.flatMap((pool) => pool.spans.map((span) => span.model)));
+    for (const model of [...models].sort()) {
+      legend.append(el("span", {}, el("i", { className: "swatch", style: `background: hsl(${hue(model)} 55% 55%)` }), model));
+    }
+    legend.append(el("span", {}, el("i", { className: "swatch switching" }), "lighter: starting, waking, parking"));
+    return el("article", { className: "card timeline-host", "data-host": host.host },
+      el("strong", { text: host.host }), chart, legend);
+  }
+
+  let timeline = null;
+  let zoom = "auto"; // or a window in seconds, chosen with the buttons
+
+  // The window drawn: the one chosen, or the shortest of these that shows every span.
+  const WINDOWS = [60, 300, 900, 1800, 3600];
+
+  function windowSeconds(now) {
+    if (zoom !== "auto") return Number(zoom);
+    let earliest = now;
+    for (const host of timeline.hosts) {
+      for (const pool of host.pools) for (const span of pool.spans) earliest = Math.min(earliest, span.from);
+    }
+    const shown = WINDOWS.find((w) => w >= (now - earliest) * 1.05);
+    return Math.min(shown || timeline.window, timeline.window);
+  }
+
+  function drawTimeline(data) {
+    if (data) timeline = data;
+    const section = document.getElementById("timeline");
+    if (!section || !timeline) return;
+    const now = Date.now() / 1000;
+    assignHues();
+    const seconds = windowSeconds(now);
+    const nodes = timeline.hosts.map((host) => timelineHost(host, seconds, now));
+    if (nodes.length === 0) {
+      nodes.push(el("p", { className: "card muted", text: "No GPU has been held in the last hour." }));
+    }
+    section.replaceChildren(...nodes);
   }
 
   // --- events ------------------------------------------------------------------------
@@ -217,6 +360,7 @@
     drawHosts(data.hosts);
     drawDeployments(data.deployments);
     drawEvents(data.events);
+    drawTimeline(data.timeline);
   }
 
   // --- the live feed -----------------------------------------------------------------
@@ -265,6 +409,16 @@
   function start() {
     const initial = document.getElementById("dashboard-data");
     if (initial) draw(JSON.parse(initial.textContent));
+    window.setInterval(() => drawTimeline(null), 2000); // the window moves with the clock
+    for (const button of document.querySelectorAll("[data-window]")) {
+      button.addEventListener("click", () => {
+        zoom = button.dataset.window;
+        for (const other of document.querySelectorAll("[data-window]")) {
+          other.setAttribute("aria-pressed", String(other === button));
+        }
+        drawTimeline(null);
+      });
+    }
     if ("WebSocket" in window) {
       setStatus("connecting", "connecting…", "opening the live feed");
       connect();
