@@ -1,9 +1,13 @@
 """Turns: a busy model keeps its GPU for its turn while others wait, then the contender
 that waited longest goes next (simulated 24 GiB GPU, simulated engines, in process)."""
 
+import json
 import re
+import signal
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.db import connection
@@ -131,3 +135,59 @@ def test_the_timeline_shows_who_held_the_gpu_when_and_why_it_switched(gpu24):
     (mark,) = lane["marks"]
     assert (mark["model"], mark["text"]) == ("a", "parked a (ram) to make room for b")
     assert [depth for _, depth in host["queue"]][-2:] == [3, 0]
+
+
+def test_status_shows_who_waits_for_room_and_who_holds_the_gpu(program_env):
+    """A stream holds chat (turns of 60 s) when code is asked for: `capyctl status` (its
+    own process) says code waits for room while chat holds its GPU, and, once code is
+    answered after the turn was cut short by the stream's end, that nothing waits."""
+    import httpx
+
+    from tests.conftest import run_program, run_programs, start_server, stop_server
+
+    program_env["CAPYCTL_SIM_GPUS"] = "24GiB"
+    program_env["CAPYCTL_MIN_READY_SECONDS"] = "0"
+    sim = f"{sys.executable} -m hostagent.sim vllm"
+    setup = [
+        ["engine", "add", "paced", "--kind", "vllm", "--command", sim, "--env",
+         "CAPYCTL_SIM_TOKENS_PER_SECOND=2", "--env", "CAPYCTL_SIM_COMPLETION_TOKENS=10"],
+        ["deployment", "add", "chat", "--engine", "paced", "--source", "chat", "--gpu-memory",
+         "16GiB", "--max-turn-seconds", "60"],
+        ["deployment", "add", "code", "--engine", "paced", "--source", "code", "--gpu-memory",
+         "16GiB"],
+        ["key", "create", "--user", "admin"],
+    ]  # fmt: skip
+    results = run_programs(program_env, *setup)
+    assert all(r.code == 0 for r in results), [r.err for r in results]
+    key = results[-1].out.strip()
+    server = start_server(program_env)
+    url = f"{server.base_url}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def ask(model: str, stream: bool = False) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 10, "stream": stream}  # fmt: skip
+        return httpx.post(url, json=body, headers=auth, timeout=120)
+
+    try:
+        assert ask("chat").status_code == 200  # started; then a 5 s stream holds it
+        with ThreadPoolExecutor(2) as pool:
+            streaming = pool.submit(ask, "chat", True)
+            time.sleep(1)
+            waiting = pool.submit(ask, "code")
+
+            def said() -> str | None:
+                out = run_program(program_env, "status").out
+                return out if "code: 1 request(s); for room" in out else None
+
+            shown = wait_until(said, "status to show code waiting")
+            assert re.search(r"^  code: 1 request\(s\); for room \d+ s, while chat hold\(s\) "
+                             r"its GPUs \(a turn\)$", shown, re.M), shown  # fmt: skip
+            (queue,) = json.loads(run_program(program_env, "status", "--json").out)["queues"]
+            assert (queue["model"], queue["waiting"], queue["holders"]) == ("code", 1, ["chat"])
+            assert streaming.result().status_code == 200
+            assert waiting.result().status_code == 200
+        wait_until(lambda: "waiting:" not in run_program(program_env, "status").out,
+                   "the queue to be shown empty")  # fmt: skip
+    finally:
+        stop_server(server, signal.SIGTERM)

@@ -228,6 +228,15 @@ def status(args: argparse.Namespace) -> int:
     ]
     headers = ["deployment", "engine", "host", "desired", "state", "gpu memory", "reason"]
     print_table(headers, deployment_rows, empty="no deployments")
+    if data["queues"]:
+        print("\nwaiting:")
+    for queue in data["queues"]:
+        line = f"  {queue['model']}: {queue['waiting']} request(s)"
+        if queue["waiting_for_room_seconds"] is not None:
+            line += f"; for room {queue['waiting_for_room_seconds']:.0f} s"
+            if queue["holders"]:
+                line += f", while {', '.join(queue['holders'])} hold(s) its GPUs (a turn)"
+        print(line)
     active = sum(1 for k in data["keys"] if k["active"])
     print(f"\nengines: {len(data['engines'])}   keys: {active} active of {len(data['keys'])}")
     return 0

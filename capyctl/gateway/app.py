@@ -14,6 +14,7 @@ import logging
 import re
 import ssl
 import time
+import uuid
 from collections import OrderedDict
 from typing import Any, cast
 
@@ -22,6 +23,7 @@ from django.conf import settings
 from django.db import connection
 
 from capyctl.errors import UserError
+from capyctl.gateway import queueview
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
 from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.queues import Place, Queues
@@ -30,7 +32,7 @@ from capyctl.gateway.upstream import UpstreamError, UpstreamPool
 from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
 from capyctl.hosts.agents import AGENT_PINS
 from capyctl.hosts.pki import pki
-from capyctl.scheduler import inflight, operations, wakes
+from capyctl.scheduler import inflight, operations, turns, wakes
 from capyctl.scheduler.errors import (
     ControlPlaneUnavailableError,
     EngineFailedError,
@@ -68,6 +70,8 @@ class Gateway:
         self._upstream: UpstreamPool | None = None
         self._wakes: dict[int, asyncio.Future[str]] = {}
         self.queues = Queues()
+        self._publisher: asyncio.Task[None] | None = None
+        self._process = uuid.uuid4().hex  # this process, among those that publish queues
         self._touched: dict[int, float] = {}
         self.limits = make_limiter(settings.REDIS_URL)
         self.usage = UsageBook()
@@ -352,6 +356,8 @@ class Gateway:
                 headers=[(b"retry-after", b"1")],
             )
         metrics.NOW.note_waiting(route.name, self.queues.count(deployment_id))
+        if self._publisher is None or self._publisher.done():
+            self._publisher = asyncio.ensure_future(self._publish_queues())
         try:
             wake = self._wakes.get(deployment_id)
             if wake is None or wake.done():
@@ -382,6 +388,27 @@ class Gateway:
                 503, "engine_failed", f"`{route.name}` is not running.", "server_error"
             )
         return fresh, switch
+
+    async def _publish_queues(self) -> None:
+        """While requests wait, say so to other processes (``capyctl status``) every
+        second, and once more when none does (:mod:`capyctl.gateway.queueview`)."""
+        while True:
+            view: dict[str, dict[str, Any]] = {
+                name: {"waiting": count, "room_since": None}
+                for name, count in metrics.NOW.waiting.items()
+                if count > 0
+            }
+            for wait in turns.local_waits():
+                view.setdefault(wait.name, {"waiting": 0, "room_since": None})
+                view[wait.name].update(room_since=wait.since, host_id=wait.host_id,
+                                       pools=list(wait.pools))  # fmt: skip
+            try:
+                await asyncio.to_thread(queueview.publish, view, self._process)
+            except Exception as exc:  # a status line only: the next second tries again
+                logger.debug("could not publish the queues: %s", exc)
+            if not view:
+                return
+            await asyncio.sleep(queueview.PUBLISH_SECONDS)
 
     # -- forwarding ------------------------------------------------------------------------------
 

@@ -94,6 +94,12 @@ class LocalRegistry:
             wait = self._waits.get(deployment_id)
         return max(time.time() - wait.since, 0.0) if wait is not None else 0.0
 
+    def waits(self) -> list[Wait]:
+        """Every wait this process knows of, renewed lately."""
+        now = time.time()
+        with self._lock:
+            return [w for w in self._waits.values() if now - w.seen < SEEN_SECONDS]
+
     def adopt(self, deployment_id: int, since: float) -> None:
         """Its wait began earlier, in another process (a worker before this one)."""
         with self._lock:
@@ -194,3 +200,10 @@ def contenders(host_id: int) -> list[Contender]:
 
 def waited(deployment_id: int) -> float:
     return registry().waited(deployment_id)
+
+
+def local_waits() -> list[Wait]:
+    """The waits this process runs itself (standalone: all of them)."""
+    found = registry()
+    own = found if isinstance(found, LocalRegistry) else getattr(found, "_own", None)
+    return own.waits() if isinstance(own, LocalRegistry) else []
