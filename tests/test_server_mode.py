@@ -2,6 +2,7 @@
 and a host agent joined over mutual TLS with a simulated GPU."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -210,6 +211,9 @@ def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_
         assert first.status_code == 200, first.text
         switched = ask("b")
         assert switched.status_code == 200, switched.text
+        # What the worker switched for it, told with its outcome.
+        told = switched.headers["x-capyctl-switch"]
+        assert re.fullmatch(r"parked a \(ram\) \d+ ms; started b \d+ ms", told), told
         rows = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
         assert (rows["a"]["observed_state"], rows["a"]["parked_mode"]) == ("parked", "ram")
         assert rows["b"]["observed_state"] == "ready"

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 from django.db import connection
 from prometheus_client import generate_latest
 
@@ -191,3 +192,81 @@ def test_status_shows_who_waits_for_room_and_who_holds_the_gpu(program_env):
                    "the queue to be shown empty")  # fmt: skip
     finally:
         stop_server(server, signal.SIGTERM)
+
+
+def test_server_mode_shares_waits_between_processes_through_redis(redis_url):
+    """Two workers (two registries on one Redis): a wait one notes is the other's
+    contender, with the same start; forgotten when done; one not renewed for 3 s (its
+    worker died) counts no more; with Redis away each goes on with its own waits, without
+    waiting on Redis under the host lock."""
+    first, second = turns.RedisRegistry(redis_url), turns.RedisRegistry(redis_url)
+    now = time.time()
+    assert first.note(turns.Wait(7, "b", 1, now - 20, now, 1, ("gpu0",))) == now - 20
+    (seen,) = second.contenders(1)
+    assert (seen.name, seen.priority, seen.pools) == ("b", 1, ("gpu0",))
+    assert 19.5 < seen.waited_seconds < 30
+    assert second.contenders(2) == []
+    # The same model's wait noted again by another worker keeps its first start.
+    assert second.note(turns.Wait(7, "b", 1, time.time(), time.time())) == now - 20
+    assert second.waited(7) >= 20
+    first.done(7)
+    assert [c.name for c in turns.RedisRegistry(redis_url).contenders(1)] == []
+    old = time.time() - turns.SEEN_SECONDS - 1  # as a worker that died left it
+    left = {"name": "c", "since": old - 60, "seen": old, "priority": 0, "pools": []}
+    redis.Redis.from_url(redis_url).hset("capyctl:turns:1", "8", json.dumps(left))
+    assert turns.RedisRegistry(redis_url).contenders(1) == []
+    away = turns.RedisRegistry("redis://127.0.0.1:9/0")  # nothing listens there
+    started = time.monotonic()
+    away.note(turns.Wait(9, "d", 1, time.time(), time.time()))
+    assert [c.name for c in away.contenders(1)] == ["d"]
+    away.done(9)
+    assert away.contenders(1) == []
+    assert time.monotonic() - started < 2.0  # one short try, then quiet
+
+
+@pytest.mark.django_db(transaction=True)
+def test_busy_in_server_mode_is_read_from_the_shared_counts_and_the_last_request(gpu24, redis_url):
+    """In server mode a worker sees requests in flight through Redis (another process
+    counts them) and, when none is, the last request's end to a second or so."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from capyctl.deployments.models import Deployment
+    from capyctl.scheduler import snapshots
+
+    vllm_engine()
+    a = deployment("a")
+    api = inflight.RedisInFlight(redis_url)  # the API process that counts
+    worker = inflight.RedisInFlight(redis_url)
+    before = inflight._tracker
+    inflight._tracker = worker
+    try:
+        api.check_in()
+        worker.check_in()
+        # A Redis with no counts yet is not trusted for its first seconds (busy, unknown).
+        wait_until(lambda: worker.count(a.pk) == 0 if _trusted(worker, a.pk) else None,
+                   "the shared counts to be trusted", timeout=15)  # fmt: skip
+        row = Deployment.objects.get(pk=a.pk)
+        assert api.begin(a.pk)
+        assert worker.count(a.pk) == 1
+        assert snapshots.busy(row, time.time())
+        api.end(a.pk)
+        assert not snapshots.busy(row, time.time())  # never a request's end on record
+        Deployment.objects.filter(pk=a.pk).update(last_request_at=timezone.now())
+        assert snapshots.busy(Deployment.objects.get(pk=a.pk), time.time())
+        long_ago = timezone.now() - timedelta(seconds=5)
+        Deployment.objects.filter(pk=a.pk).update(last_request_at=long_ago)
+        assert not snapshots.busy(Deployment.objects.get(pk=a.pk), time.time())
+    finally:
+        inflight._tracker = before
+        api.stop()
+        worker.stop()
+
+
+def _trusted(tracker: inflight.RedisInFlight, deployment_id: int) -> bool:
+    try:
+        tracker.count(deployment_id)
+    except inflight.CountsUnknown:
+        return False
+    return True

@@ -33,6 +33,7 @@ logger = logging.getLogger("capyctl.scheduler")
 # was left by a process that is gone.
 SEEN_SECONDS = 3.0
 _KEY = "capyctl:turns:{}"  # a hash per host: deployment id -> {"since", "seen", ...}
+_QUIET_SECONDS = 5.0  # after Redis did not answer, how long this process asks it nothing
 
 
 @dataclass
@@ -115,13 +116,25 @@ class RedisRegistry:
     def __init__(self, url: str) -> None:
         import redis  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
 
-        self._redis = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        # Its calls run under the host lock: short timeouts, and none for a while once
+        # Redis did not answer (this process's own waits meanwhile).
+        self._redis = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
         self._own = LocalRegistry()
         self._hosts: dict[int, int] = {}  # deployment -> host, for done()
+        self._quiet_until = 0.0
+
+    def _answers(self) -> bool:
+        return time.monotonic() >= self._quiet_until
+
+    def _down(self, exc: BaseException) -> None:
+        self._quiet_until = time.monotonic() + _QUIET_SECONDS
+        logger.debug("turns: Redis did not answer (%s); this process's waits only", exc)
 
     def note(self, wait: Wait) -> float:
         since = self._own.note(wait)
         self._hosts[wait.deployment_id] = wait.host_id
+        if not self._answers():
+            return since
         field = str(wait.deployment_id)
         try:
             key = _KEY.format(wait.host_id)
@@ -136,23 +149,26 @@ class RedisRegistry:
             pipe.expire(key, 3600)
             pipe.execute()
         except Exception as exc:
-            logger.debug("turns: Redis did not answer (%s); this process's waits only", exc)
+            self._down(exc)
         return since
 
     def done(self, deployment_id: int) -> None:
         self._own.done(deployment_id)
         host_id = self._hosts.pop(deployment_id, None)
-        if host_id is None:
-            return
+        if host_id is None or not self._answers():
+            return  # not seen again, it counts no more within SEEN_SECONDS
         try:
             self._redis.hdel(_KEY.format(host_id), str(deployment_id))
-        except Exception as exc:  # it is not seen again, so it counts no more in seconds
-            logger.debug("turns: could not forget a wait (%s)", exc)
+        except Exception as exc:
+            self._down(exc)
 
     def contenders(self, host_id: int) -> list[Contender]:
+        if not self._answers():
+            return self._own.contenders(host_id)
         try:
             raw = self._redis.hgetall(_KEY.format(host_id))
-        except Exception:
+        except Exception as exc:
+            self._down(exc)
             return self._own.contenders(host_id)
         now = time.time()
         found = {c.deployment_id: c for c in self._own.contenders(host_id)}

@@ -118,8 +118,8 @@ async def _on_worker(deployment_id: int, timeout: float) -> str:
                 now = await run(_state, deployment_id)
                 if now is None:
                     raise SchedulerError("the model no longer exists") from None
-                if now[0] == "ready":
-                    return ""
+                if now[0] == "ready":  # its outcome, with the steps, follows at once
+                    return await _switch_told(layer, channel)
                 if now[0] == "failed" and await run(_failed_since, deployment_id, sent_at):
                     raise error_for("engine_failed", now[1]) from None
                 continue
@@ -153,6 +153,16 @@ async def _send(
                     "Redis does not answer, so the model could not be switched; retry shortly"
                 ) from exc
             await asyncio.sleep(0.5)
+
+
+async def _switch_told(layer: Any, channel: str) -> str:
+    """What the worker says it switched, when its word comes right after the database
+    showed the model ready (it is sent once the task ends); empty if it does not come."""
+    with contextlib.suppress(Exception):
+        outcome = await asyncio.wait_for(layer.receive(channel), timeout=0.25)
+        if outcome.get("ok"):
+            return str(outcome.get("switch") or "")
+    return ""
 
 
 def _failed_since(deployment_id: int, since: float) -> bool:
