@@ -9,6 +9,7 @@ unbuffered. Every error is OpenAI-shaped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -71,6 +72,7 @@ class Gateway:
         self._wakes: dict[int, asyncio.Future[str]] = {}
         self.queues = Queues()
         self._publisher: asyncio.Task[None] | None = None
+        self._emptied: asyncio.Event | None = None  # the last waiting request left
         self._process = uuid.uuid4().hex  # this process, among those that publish queues
         self._touched: dict[int, float] = {}
         self.limits = make_limiter(settings.REDIS_URL)
@@ -357,7 +359,8 @@ class Gateway:
             )
         metrics.NOW.note_waiting(route.name, self.queues.count(deployment_id))
         if self._publisher is None or self._publisher.done():
-            self._publisher = asyncio.ensure_future(self._publish_queues())
+            self._emptied = asyncio.Event()
+            self._publisher = asyncio.ensure_future(self._publish_queues(self._emptied))
         try:
             wake = self._wakes.get(deployment_id)
             if wake is None or wake.done():
@@ -382,6 +385,8 @@ class Gateway:
         finally:
             self.queues.leave(deployment_id, place)
             metrics.NOW.note_waiting(route.name, self.queues.count(deployment_id))
+            if self._emptied is not None and not any(metrics.NOW.waiting.values()):
+                self._emptied.set()  # said at once, not at the next second
         fresh = await self.routes.get(route.name, fresh=True)
         if fresh is None or fresh.base_url is None:
             raise GatewayError(
@@ -389,10 +394,11 @@ class Gateway:
             )
         return fresh, switch
 
-    async def _publish_queues(self) -> None:
+    async def _publish_queues(self, emptied: asyncio.Event) -> None:
         """While requests wait, say so to other processes (``capyctl status``) every
-        second, and once more when none does (:mod:`capyctl.gateway.queueview`)."""
+        second, and once more as soon as none does (:mod:`capyctl.gateway.queueview`)."""
         while True:
+            emptied.clear()
             view: dict[str, dict[str, Any]] = {
                 name: {"waiting": count, "room_since": None}
                 for name, count in metrics.NOW.waiting.items()
@@ -408,7 +414,8 @@ class Gateway:
                 logger.debug("could not publish the queues: %s", exc)
             if not view:
                 return
-            await asyncio.sleep(queueview.PUBLISH_SECONDS)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(emptied.wait(), queueview.PUBLISH_SECONDS)
 
     # -- forwarding ------------------------------------------------------------------------------
 
