@@ -203,21 +203,16 @@ def queues_data() -> list[dict[str, Any]]:
                 into.update(host_id=host_id, pools=list(contender.pools))
     if not view:
         return []
-    held = LedgerEntry.objects.filter(
-        deployment__observed_state="ready", deployment__isnull=False
-    ).values_list("host_id", "pool", "deployment__name")
+    from capyctl.scheduler.snapshots import turn_holders  # noqa: PLC0415 - kept off the other listings' start-up
+
+    holding = turn_holders([
+        (name, int(v["host_id"]), tuple(v.get("pools") or ()))
+        for name, v in view.items() if v["room_since"] is not None and v.get("host_id")
+    ])  # fmt: skip
     out = []
     for name in sorted(view):
         waiting, since = view[name]["waiting"], view[name]["room_since"]
-        where = view[name].get("host_id")
-        holders: list[str] = []
-        if since is not None and where is not None:
-            pools = set(view[name].get("pools") or ())
-            holders = sorted({
-                other for host_id, pool, other in held
-                if host_id == where and other != name and pool != "ram"
-                and (not pools or pool in pools)
-            })  # fmt: skip
+        holders = holding.get(name, [])
         out.append(
             {
                 "model": name,

@@ -98,6 +98,7 @@ def test_the_contender_that_waited_longer_goes_first_and_a_gone_one_stops_counti
     scraped = generate_latest(metrics.REGISTRY).decode()
     assert re.search(r'^capyctl_waiting_for_room_seconds\{host="local",model="c"\} 50\.', scraped,
                      re.M), scraped  # fmt: skip
+    assert 'capyctl_turn_holder{host="local",model="a"} 1.0' in scraped  # a holds gpu0
     try:
         started = time.monotonic()
         assert operations.ensure_ready(b.pk).observed_state == "ready"

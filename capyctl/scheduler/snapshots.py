@@ -74,6 +74,26 @@ def busy(deployment: Deployment, now: float) -> bool:
     return last is not None and now - last.timestamp() < grace
 
 
+def turn_holders(waits: list[tuple[str, int, tuple[str, ...]]]) -> dict[str, list[str]]:
+    """For each ``(model, host id, pools)`` that waits for room: the ready models that
+    hold those GPU pools of its host (all of them when ``pools`` is empty), by name."""
+    if not waits:
+        return {}
+    held = (
+        LedgerEntry.objects.filter(
+            deployment__observed_state="ready", host_id__in={host for _, host, _ in waits}
+        )
+        .exclude(pool="ram")
+        .values_list("host_id", "pool", "deployment__name")
+    )
+    rows = list(held)
+    return {
+        model: sorted({other for host_id, pool, other in rows
+                       if host_id == host and other != model and (not pools or pool in pools)})
+        for model, host, pools in waits
+    }  # fmt: skip
+
+
 def residents(host: Host, now: float) -> list[Resident]:
     entries: dict[int, dict[str, int]] = {}
     rows = LedgerEntry.objects.filter(host=host, deployment__isnull=False).values_list(

@@ -36,7 +36,7 @@ from capyctl.deployments.models import Deployment
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import turns
+from capyctl.scheduler import snapshots, turns
 
 REGISTRY = CollectorRegistry()
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -137,10 +137,21 @@ class _Now(Collector):
             "how long each model has waited for room on its host (a turn, a switch under way)",
             labels=["host", "model"],
         )
+        holder = GaugeMetricFamily(
+            "capyctl_turn_holder",
+            "1 for each ready model that holds GPUs others wait for (its turn)",
+            labels=["host", "model"],
+        )
+        waits = []
         for host_id, host_name in Host.objects.order_by("name").values_list("pk", "name"):
             for contender in sorted(turns.contenders(host_id), key=lambda c: c.name):
                 room.add_metric([host_name, contender.name], round(contender.waited_seconds, 3))
+                waits.append((contender.name, host_id, contender.pools, host_name))
+        holders = snapshots.turn_holders([(m, h, p) for m, h, p, _ in waits])
+        for host_name, model in sorted({(w[3], name) for w in waits for name in holders[w[0]]}):
+            holder.add_metric([host_name, model], 1)
         yield room
+        yield holder
         ledger = GaugeMetricFamily(
             "capyctl_ledger_bytes",
             "bytes the memory ledger counts",
