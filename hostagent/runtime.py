@@ -11,6 +11,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,11 +45,29 @@ logger = logging.getLogger("hostagent.runtime")
 RELEASED_SHARE = 0.5
 
 
+# Ports handed out lately, by when: the kernel may give a port that was just free to the
+# next bind, and an engine binds its port only once it runs, so two engines launched
+# together could be told the same one (the second's health check then reaches the first).
+_GIVEN: dict[int, float] = {}
+_GIVEN_LOCK = threading.Lock()
+_GIVEN_SECONDS = 120.0
+
+
 def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on the loopback interface right now, and not handed out by this
+    process in the last two minutes."""
+    with _GIVEN_LOCK:
+        now = time.monotonic()
+        for port, when in list(_GIVEN.items()):
+            if now - when > _GIVEN_SECONDS:
+                del _GIVEN[port]
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _GIVEN:
+                _GIVEN[port] = now
+                return port
 
 
 @dataclass(frozen=True)

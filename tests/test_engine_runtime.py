@@ -289,3 +289,14 @@ def test_on_unified_memory_a_ram_park_frees_nothing_of_the_pool(tmp_path):
     finally:
         runtime.stop(instance)
     assert probe.devices()[0].used_bytes == 0
+
+
+def test_engines_launched_together_are_never_given_the_same_port():
+    """An engine binds its port only once it runs, so the port is free again when the
+    next launch asks: on the old code 2,000 asks gave the same port twice (the kernel
+    picks at random from its ephemeral range), and two engines launched together could
+    share one: the second's health check reached the first, and its warm-up got 401."""
+    from hostagent.runtime import free_port
+
+    ports = [free_port() for _ in range(2000)]
+    assert len(set(ports)) == len(ports)

@@ -77,7 +77,7 @@ def test_an_idle_model_gives_way_at_once(gpu24, settings):
     operations.ensure_ready(a.pk)
     assert inflight.begin(a.pk)
     inflight.end(a.pk)
-    time.sleep(0.6)  # its last request ended longer ago than the busy grace (0.5 s)
+    time.sleep(0.3)  # its last request ended longer ago than the busy grace (0.1 s)
     started = time.monotonic()
     assert operations.ensure_ready(b.pk).observed_state == "ready"
     assert time.monotonic() - started < 30  # not its 60 s turn

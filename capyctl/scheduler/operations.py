@@ -196,6 +196,7 @@ def _until_ready(
     flight = flights.flight(deployment_id)
     first = True
     no_room: NoCapacityError | None = None  # the last try's: what is in the way will pass
+    tries = 0  # tries in a row that found no room
     while True:
         observed, desired = (
             (deployment.observed_state, deployment.desired_state)
@@ -216,6 +217,7 @@ def _until_ready(
             try:
                 waited_before = no_room is not None
                 deployment, no_room = _try_once(deployment, actor)
+                tries = tries + 1 if no_room is not None else 0
                 if deployment.observed_state == S.READY:
                     return deployment
                 if no_room is not None and not waited_before:
@@ -228,7 +230,10 @@ def _until_ready(
             raise SchedulerError(
                 f"{deployment.name} is still {deployment.observed_state} after waiting"
             )
-        time.sleep(0.05 if no_room is None else ROOM_RETRY_SECONDS)
+        # The first try again comes as soon as a model that was busy a moment ago (its
+        # last request just ended) may give way; later ones every quarter second.
+        retry = ROOM_RETRY_SECONDS if tries > 1 else snapshots.BUSY_GRACE_SECONDS
+        time.sleep(0.05 if no_room is None else retry)
         if no_room is not None and wanted is not None and not wanted():
             raise UnavailableError(f"{deployment.name}: nobody waits for it any more")
 

@@ -56,7 +56,7 @@ _RESIDENT_FIELDS = (
 # A model whose last request ended this recently is still busy: a client that loops sends
 # its next one within it (standalone sees each end; elsewhere ``last_request_at``, written
 # at most once a second, says, so it gets a second more).
-BUSY_GRACE_SECONDS = 0.5
+BUSY_GRACE_SECONDS = 0.1
 _LAST_REQUEST_SLACK_SECONDS = 1.0
 
 
