@@ -24,9 +24,12 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 # capyctl/__init__.py holds the version the package metadata is made from.
+# The checkout's own modules are compiled once here: where Python may not write bytecode
+# (PYTHONDONTWRITEBYTECODE, a read-only checkout) every command would compile them again.
 $(VENV)/.runtime-installed: $(BIN)/python requirements.txt pyproject.toml capyctl/__init__.py
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/python -m compileall -q capyctl hostagent >/dev/null
 	touch $@
 
 $(VENV)/.dev-installed: $(VENV)/.runtime-installed requirements-dev.txt
