@@ -180,6 +180,7 @@ def test_every_setting_of_deployment_add_is_kept(cli, chat):
         "--alias", "Qwen/Qwen2.5-Coder-7B-Instruct", "--alias", "coder:7b",
         "--gpu-memory", "12GiB", "--weights-size", "15GiB", "--gpus", "2", "--park", "deep",
         "--idle-park-seconds", "600", "--min-ready-seconds", "30", "--max-waiting", "50",
+        "--max-queue-seconds", "90", "--max-turn-seconds", "20",
         "--wake-timeout", "120", "--start-timeout", "900", "--drain-timeout", "45",
         "--priority", "5", "--args", "--max-model-len 8192 --enforce-eager", "--pinned",
     )  # fmt: skip
@@ -193,6 +194,8 @@ def test_every_setting_of_deployment_add_is_kept(cli, chat):
     assert coder.setting("idle_park_seconds") == 600
     assert coder.setting("min_ready_seconds") == 30
     assert coder.setting("max_waiting") == 50
+    assert coder.setting("max_queue_seconds") == 90
+    assert coder.setting("max_turn_seconds") == 20
     assert coder.setting("wake_timeout_seconds") == 120
     assert coder.setting("start_timeout_seconds") == 900
     assert coder.setting("drain_timeout_seconds") == 45
@@ -373,6 +376,8 @@ def test_figures_past_what_the_database_holds_are_refused_in_one_line(cli):
     for flag, words in [
         ("--idle-park-seconds", "invalid idle park seconds 99999999999999999999: use 0 to"),
         ("--max-waiting", "invalid max waiting 99999999999999999999: use 1 to"),
+        ("--max-queue-seconds", "invalid max queue seconds 99999999999999999999: use 1 to"),
+        ("--max-turn-seconds", "invalid max turn seconds 99999999999999999999: use 0 to"),
         ("--priority", "invalid priority 99999999999999999999: use -1000 to 1000"),
     ]:
         result = cli("deployment", "add", "x", "--engine", "v1", "--source", "m",

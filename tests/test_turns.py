@@ -271,3 +271,23 @@ def _trusted(tracker: inflight.RedisInFlight, deployment_id: int) -> bool:
     except inflight.CountsUnknown:
         return False
     return True
+
+
+def test_a_queue_view_left_by_a_gone_process_or_garbled_counts_for_nothing(tmp_path, settings):
+    """``capyctl status`` reads queues.json from the data dir: a view its process stopped
+    renewing (it died while requests waited) is not shown, and a file that is not a view
+    (garbled, the wrong types) is read as no queue at all, never a traceback."""
+    from capyctl.gateway import queueview
+
+    settings.DATA_DIR = tmp_path
+    queueview.publish({"chat": {"waiting": 3, "room_since": time.time() - 4}}, "p1")
+    assert queueview.read()["chat"]["waiting"] == 3
+    stale = {"at": time.time() - queueview.STALE_SECONDS - 1,
+             "models": {"chat": {"waiting": 3, "room_since": None}}}  # fmt: skip
+    (tmp_path / queueview.FILE).write_text(json.dumps(stale))
+    assert queueview.read() == {}
+    for garbled in ("{not json", '["at"]', '{"at": "soon", "models": {}}',
+                    json.dumps({"at": time.time(), "models": {"chat": {"waiting": "many"}}}),
+                    json.dumps({"at": time.time(), "models": ["chat"]})):  # fmt: skip
+        (tmp_path / queueview.FILE).write_text(garbled)
+        assert queueview.read() == {}, garbled

@@ -86,7 +86,13 @@ class Contender:
 
     @property
     def standing(self) -> float:
-        return self.waited_seconds + TURN_PRIORITY_SECONDS * self.priority
+        return standing(self.waited_seconds, self.priority)
+
+
+def standing(waited_seconds: float, priority: int) -> float:
+    """Who goes first among contenders: the longest wait, each point of priority counted
+    as :data:`TURN_PRIORITY_SECONDS` of it."""
+    return waited_seconds + TURN_PRIORITY_SECONDS * priority
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,7 @@ class Need:
 
     @property
     def standing(self) -> float:
-        return self.waited_seconds + TURN_PRIORITY_SECONDS * self.priority
+        return standing(self.waited_seconds, self.priority)
 
 
 @dataclass(frozen=True)
@@ -213,16 +219,17 @@ def _evictable(resident: Resident, need: Need) -> bool:
     )
 
 
-def _in_its_turn(resident: Resident, need: Need) -> bool:
-    """Whether a busy ``resident`` keeps its memory from ``need`` for now: its turn runs
-    from when ``need`` began to wait (or from when it became ready, if later) for its
-    ``max_turn_seconds``."""
-    turn = min(need.waited_seconds, resident.ready_for_seconds)
-    return resident.busy and turn < resident.max_turn_seconds
-
-
 def _turn_left(resident: Resident, need: Need) -> float:
+    """Seconds left of a busy ``resident``'s turn against ``need`` (0 or less: it has no
+    turn to keep): its turn runs from when ``need`` began to wait (or from when it became
+    ready, if later) for its ``max_turn_seconds``."""
+    if not resident.busy:
+        return 0.0
     return resident.max_turn_seconds - min(need.waited_seconds, resident.ready_for_seconds)
+
+
+def _in_its_turn(resident: Resident, need: Need) -> bool:
+    return _turn_left(resident, need) > 0
 
 
 def _ahead(host: HostSnapshot, need: Need, pools: tuple[str, ...]) -> Contender | None:
@@ -444,8 +451,7 @@ def _why_not(hosts: list[HostSnapshot], need: Need) -> NoCapacity:
                 )
             elif _in_its_turn(resident, need):
                 blockers.add(
-                    f"{resident.name} (busy, its turn: {max(_turn_left(resident, need), 0):.0f}"
-                    " s left)"
+                    f"{resident.name} (busy, its turn: {_turn_left(resident, need):.0f} s left)"
                 )
     largest = max((h.pools[p].capacity_bytes for h in hosts for p in h.gpu_pools), default=0)
     if need.claim_per_gpu_bytes > largest:

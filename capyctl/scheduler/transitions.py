@@ -354,6 +354,7 @@ def parked(
             level=Event.Level.WARNING,
             started=started,
             actor=actor,
+            data={"mode": mode},
         )
     else:
         record(

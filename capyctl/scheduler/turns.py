@@ -83,12 +83,7 @@ class LocalRegistry:
 
     def contenders(self, host_id: int) -> list[Contender]:
         now = time.time()
-        with self._lock:
-            return [
-                w.contender(now)
-                for w in self._waits.values()
-                if w.host_id == host_id and now - w.seen < SEEN_SECONDS
-            ]
+        return [w.contender(now) for w in self.waits() if w.host_id == host_id]
 
     def waited(self, deployment_id: int) -> float:
         with self._lock:
