@@ -293,3 +293,22 @@ def test_keys_take_the_ceilings_they_leave_out(bob, alice, models):
     with pytest.raises(UserError, match="may use only these models: none"):
         issue_api_key("bob", models=["a"])
     assert ApiKey.objects.filter(user=bob).count() == 1
+
+
+def test_the_user_listing_reads_every_user_in_a_fixed_number_of_queries(
+    cli, models, django_assert_max_num_queries
+):
+    from django.contrib.auth import get_user_model
+
+    cli("user", "list")  # the first command sets up the database and the admin
+    for n in range(8):
+        get_user_model().objects.create_user(f"u{n}")
+        set_user_limits(f"u{n}", models=["a", "b"][: n % 3], requests_per_minute=10 + n)
+        issue_api_key(f"u{n}")
+    with django_assert_max_num_queries(8):  # it was three a user and more
+        listed = cli("user", "list", "--json")
+    users = {u["name"]: u for u in json.loads(listed.out)}
+    assert users["u4"]["keys"] == 1
+    assert users["u4"]["limits"]["models"] == ["a"]
+    assert users["u4"]["limits"]["requests_per_minute"] == 14
+    assert users["admin"]["limits"]["models"] is None

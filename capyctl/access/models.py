@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import timedelta
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
@@ -93,3 +96,27 @@ class UserLimits(models.Model):
 
     def __str__(self) -> str:
         return f"limits of {self.user}"
+
+    @staticmethod
+    def ceilings(limits: UserLimits | None) -> Ceilings:
+        """What a user's row of limits binds them to (no row: nothing)."""
+        if limits is None:
+            return Ceilings()
+        return Ceilings(
+            models=frozenset(d.name for d in limits.allowed_models.all())
+            if limits.models_limited
+            else None,
+            requests_per_minute=limits.requests_per_minute,
+            max_concurrent=limits.max_concurrent,
+            key_lifetime=limits.key_lifetime,
+        )
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """A user's ceilings (None: no ceiling). ``models``: the names they may use."""
+
+    models: frozenset[str] | None = None
+    requests_per_minute: int | None = None
+    max_concurrent: int | None = None
+    key_lifetime: timedelta | None = None

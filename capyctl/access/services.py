@@ -14,7 +14,6 @@ import re
 import secrets
 import string
 import time
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
@@ -24,7 +23,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from capyctl.access.guessing import RecentMisses
-from capyctl.access.models import ApiKey, UserLimits
+from capyctl.access.models import ApiKey, Ceilings, UserLimits
 from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import get_deployment
 from capyctl.errors import NotFoundError, UserError
@@ -94,28 +93,8 @@ def add_user(
     return user
 
 
-@dataclass(frozen=True)
-class Ceilings:
-    """A user's ceilings (None: no ceiling). ``models``: the names they may use."""
-
-    models: frozenset[str] | None = None
-    requests_per_minute: int | None = None
-    max_concurrent: int | None = None
-    key_lifetime: timedelta | None = None
-
-
 def ceilings_of(user: User) -> Ceilings:
-    limits = UserLimits.objects.filter(user=user).first()
-    if limits is None:
-        return Ceilings()
-    return Ceilings(
-        models=frozenset(d.name for d in limits.allowed_models.all())
-        if limits.models_limited
-        else None,
-        requests_per_minute=limits.requests_per_minute,
-        max_concurrent=limits.max_concurrent,
-        key_lifetime=limits.key_lifetime,
-    )
+    return UserLimits.ceilings(UserLimits.objects.filter(user=user).first())
 
 
 def _check_count(value: object, field: str, what: str) -> None:

@@ -19,6 +19,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import Serializer
 from rest_framework.views import exception_handler
 
+from capyctl import reports
 from capyctl.access import services as access
 from capyctl.access.models import ApiKey
 from capyctl.api import serializers as s
@@ -417,6 +418,7 @@ class UserViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
     permission_classes = (IsAdmin,)
     queryset = User.objects.order_by("username")
     lookup_field = "username"
+
     lookup_value_regex = "[^/]+"
     filterset_fields = (
         "is_staff",
@@ -424,6 +426,9 @@ class UserViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
     )
     serializer_class = s.UserOut
     http_method_names = ("get", "post", "patch", "delete", "head", "options")
+
+    def get_queryset(self) -> QuerySet[User]:
+        return reports.users_query()  # each user's keys and ceilings read in bulk
 
     def retrieve(self, request: Request, username: str) -> Response:
         return Response(s.UserOut(access.get_user(username)).data)

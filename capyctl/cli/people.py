@@ -189,9 +189,7 @@ def _span(seconds: int) -> str:
 
 
 def user_list(args: argparse.Namespace) -> int:
-    from django.contrib.auth import get_user_model
-
-    from capyctl.reports import limits_data
+    from capyctl.reports import all_users, limits_data
 
     prepare()
     users: list[dict[str, Any]] = [
@@ -199,10 +197,10 @@ def user_list(args: argparse.Namespace) -> int:
             "name": u.get_username(),
             "staff": u.is_staff,
             "active": u.is_active,
-            "keys": u.api_keys.count(),
+            "keys": u.key_count,
             "limits": limits_data(u),
         }
-        for u in get_user_model().objects.order_by("username")
+        for u in all_users()
     ]
     if args.json:
         print_json(users)
