@@ -30,6 +30,7 @@ from capyctl.scheduler.drivers import set_local_driver
 from capyctl.scheduler.reconcile import reconcile
 from hostagent.simgpu import SimSpec
 from tests.scheduling import GIB, SIM, SIM_ENV, deployment, make_host
+from tests.stress_worker import step
 from tests.watching import Watcher
 
 # What a request or a person may be told; anything else is a defect.
@@ -98,17 +99,8 @@ def test_random_concurrent_operations_keep_the_ledger_true(tmp_path, settings):
             rng = random.Random(seed * 100 + worker)  # noqa: S311 - a seeded, repeatable schedule
             try:
                 for _ in range(steps):
-                    target = rng.choice(ids)
-                    action = rng.choice(["ready", "ready", "ready", "park", "stop", "start"])
                     try:
-                        if action == "ready":
-                            operations.ensure_ready(target, timeout=60)
-                        elif action == "park":
-                            operations.park(target, rng.choice(["ram", "deep", None]))
-                        elif action == "stop":
-                            operations.stop(target)
-                        else:
-                            operations.start(target)
+                        step(rng, ids, timeout=60)
                     except operations.SchedulerError as exc:
                         codes[exc.code] += 1
             except Exception as exc:  # anything else is a defect
