@@ -19,6 +19,7 @@ from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
+from hostagent.kinds import KindError, get_kind
 
 
 def _time(value: datetime | None) -> str | None:
@@ -26,13 +27,34 @@ def _time(value: datetime | None) -> str | None:
 
 
 def engine_data(engine: Engine) -> dict[str, Any]:
+    kept = None
+    if engine.park_unverified_at is not None:
+        kept = {
+            "since": _time(engine.park_unverified_at),
+            "reason": engine.park_unverified_reason,
+            "next_check_after": _time(engine.park_check_after),
+        }
     return {
         "name": engine.name,
         "kind": engine.kind,
         "command": engine.command,
         "host": engine.host.name if engine.host else None,
+        "parks": engine_parks(engine),
+        "park_kept_memory": kept,
         "created_at": _time(engine.created_at),
     }
+
+
+def engine_parks(engine: Engine) -> str:
+    """``yes``; ``no`` (its kind cannot park); ``kept memory`` (a park of it left its GPU
+    memory held: its models are stopped instead until a park check frees memory)."""
+    try:
+        capabilities = get_kind(engine.kind).capabilities(engine.options)
+    except KindError:
+        return "no"
+    if not (capabilities.ram or capabilities.deep):
+        return "no"
+    return "kept memory" if engine.park_unverified_at is not None else "yes"
 
 
 def deployment_data(deployment: Deployment) -> dict[str, Any]:

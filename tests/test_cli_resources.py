@@ -235,6 +235,8 @@ def test_listings_print_tables_and_json(cli, chat):
             "kind": "vllm",
             "command": "/opt/vllm/bin/vllm",
             "host": None,
+            "parks": "yes",
+            "park_kept_memory": None,
             "created_at": engines[0]["created_at"],
         }
     ]

@@ -25,12 +25,23 @@ class _Report(serializers.Serializer):  # type: ignore[type-arg]
         return dict(type(self).report(instance))
 
 
+class ParkKeptMemory(serializers.Serializer):  # type: ignore[type-arg]
+    """A park of the engine left its GPU memory held: since when, what the probe saw, and
+    when an idle moment may check it again."""
+
+    since = serializers.DateTimeField()
+    reason = serializers.CharField()
+    next_check_after = serializers.DateTimeField(allow_null=True)
+
+
 class EngineOut(_Report):
     report = staticmethod(reports.engine_data)
     name = serializers.CharField()
     kind = serializers.CharField()
     command = serializers.CharField()
     host = serializers.CharField(allow_null=True)
+    parks = serializers.ChoiceField(choices=["yes", "no", "kept memory"])
+    park_kept_memory = ParkKeptMemory(allow_null=True)
     created_at = serializers.DateTimeField()
 
 

@@ -82,8 +82,10 @@ def engine_list(args: argparse.Namespace) -> int:
     if args.json:
         print_json(engines)
     else:
-        rows = [[e["name"], e["kind"], e["host"] or "(any)", e["command"]] for e in engines]
-        print_table(["name", "kind", "host", "command"], rows, empty="no engines")
+        rows = [
+            [e["name"], e["kind"], e["host"] or "(any)", e["parks"], e["command"]] for e in engines
+        ]
+        print_table(["name", "kind", "host", "parks", "command"], rows, empty="no engines")
     return 0
 
 

@@ -26,6 +26,12 @@ class Engine(models.Model):
     options = models.JSONField(
         default=dict, blank=True, help_text="kind-specific settings (health path, hooks…)"
     )
+    # A park of this engine answered but left its GPU memory held: since then its models
+    # are stopped rather than parked, until a park check (at an idle moment, not before
+    # ``park_check_after``) frees memory again.
+    park_unverified_at = models.DateTimeField(null=True, blank=True, editable=False)
+    park_unverified_reason = models.TextField(blank=True, editable=False)
+    park_check_after = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

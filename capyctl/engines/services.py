@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
+from django.utils import timezone
 
 from capyctl.engines.models import Engine
 from capyctl.errors import NotFoundError, UserError
+from capyctl.events.models import Event
 from capyctl.events.services import record_event
 from capyctl.hosts.services import get_host
 from capyctl.validation import validate_name
@@ -134,12 +137,76 @@ def update_engine(
         engine.env = env
     engine.name, engine.kind, engine.command = new_name, kind, command
     engine.options, engine.host = options, host_row
+    trusted = ""
+    if engine.park_unverified_at is not None and {"kind", "command", "env", "options"} & set(
+        changed
+    ):
+        # Another program, version or setup: a park it kept memory in says nothing of it.
+        engine.park_unverified_at = engine.park_check_after = None
+        engine.park_unverified_reason = ""
+        trusted = " (its models park again: the park that kept memory was another setup's)"
     engine.save()
     record_event(
         "engine.changed",
-        f"engine {engine.name} changed: {', '.join(changed) or 'nothing'}",
+        f"engine {engine.name} changed: {', '.join(changed) or 'nothing'}{trusted}",
         subject=engine.name,
         actor=actor,
         host_id=host_row.pk if host_row else None,
     )
     return engine
+
+
+# A park that did not free memory: the engine's models are stopped rather than parked, and
+# a park check at an idle moment, no sooner than this after the last one, checks it again.
+PARK_CHECK_INTERVAL = timedelta(minutes=30)
+
+
+def mark_park_unverified(engine_id: int, reason: str, *, actor: str = "system") -> bool:
+    """Remember that a park of this engine left its GPU memory held (``reason``); the next
+    park check comes after :data:`PARK_CHECK_INTERVAL`. True when this is news."""
+    now = timezone.now()
+    with transaction.atomic():
+        engine = Engine.objects.select_for_update().get(pk=engine_id)
+        news = engine.park_unverified_at is None
+        if news:
+            engine.park_unverified_at = now
+        engine.park_unverified_reason = reason
+        engine.park_check_after = now + PARK_CHECK_INTERVAL
+        engine.save(update_fields=["park_unverified_at", "park_unverified_reason",
+                                   "park_check_after"])  # fmt: skip
+    if news:
+        record_event(
+            "engine.park_unverified",
+            f"engine {engine.name}: a park did not free its GPU memory, so its models are "
+            f"stopped instead of parked until a park check frees it ({reason})",
+            subject=engine.name,
+            level=Event.Level.WARNING,
+            actor=actor,
+        )
+    return news
+
+
+def postpone_park_check(engine_id: int) -> None:
+    """A park check of this engine begins: the next comes after :data:`PARK_CHECK_INTERVAL`."""
+    later = timezone.now() + PARK_CHECK_INTERVAL
+    Engine.objects.filter(pk=engine_id).update(park_check_after=later)
+
+
+def clear_park_unverified(engine_id: int, how: str, *, actor: str = "system") -> bool:
+    """A park of this engine freed its memory (``how``: which one): its models park again.
+    True when it had been marked."""
+    with transaction.atomic():
+        engine = Engine.objects.select_for_update().get(pk=engine_id)
+        if engine.park_unverified_at is None:
+            return False
+        engine.park_unverified_at = engine.park_check_after = None
+        engine.park_unverified_reason = ""
+        engine.save(update_fields=["park_unverified_at", "park_unverified_reason",
+                                   "park_check_after"])  # fmt: skip
+    record_event(
+        "engine.park_verified",
+        f"engine {engine.name}: {how} freed its GPU memory, so its models park again",
+        subject=engine.name,
+        actor=actor,
+    )
+    return True

@@ -12,6 +12,7 @@ the measured figures held).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -22,6 +23,8 @@ from typing import Any
 from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, Instance, ObservedState
+from capyctl.engines import services as engines
+from capyctl.engines.models import Engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.services import host_lock
@@ -405,10 +408,16 @@ def park(
 
 
 def _park(  # noqa: PLR0911 - one operation, read top to bottom
-    deployment: Deployment, mode: str | None, *, actor: str, reason: str
+    deployment: Deployment, mode: str | None, *, actor: str, reason: str, testing: bool = False
 ) -> bool:
     """Park (or, where it cannot park, stop) a ready deployment, draining it first. False:
-    it was not ready when this call had it alone, and nothing was done."""
+    it was not ready when this call had it alone, and nothing was done.
+
+    A park the engine answers but whose memory the probe does not see freed within the
+    runtime's bound goes one step further: the model is stopped (an ended process's memory
+    is surely back) and its engine is marked, so its models are stopped rather than parked
+    until a park of it frees memory again. ``testing``: that check (:func:`check_park`); a
+    park that still keeps its memory is woken again instead of stopped."""
     with flights.operating(deployment.pk, deployment.name):
         deployment = _load(deployment.pk)  # decide on the row as it is now
         host = deployment.host
@@ -417,12 +426,8 @@ def _park(  # noqa: PLR0911 - one operation, read top to bottom
             return False
         evicting = reason.startswith("to make room")
         if mode is None:
-            snap = snapshots.snapshot(host)
-            resident = next((r for r in snap.residents if r.deployment_id == deployment.pk), None)
-            ram_free = snap.pools[snap.ram_pool].free_bytes if snap.ram_pool in snap.pools else 0
-            mode = park_mode(resident, snap, ram_free)[0] if resident else STOP
+            mode, because = _best_mode(deployment, host)
             if mode == STOP:
-                because = "its engine cannot park, so it was stopped"
                 return _drain_and_stop(
                     deployment, actor, reason=f"{because} ({reason})" if reason else because,
                     level=Event.Level.INFO,
@@ -459,6 +464,7 @@ def _park(  # noqa: PLR0911 - one operation, read top to bottom
             transitions.parked(
                 deployment, host, mode, None, reason=str(exc), started=started, actor=actor
             )
+            _kept_memory(deployment, mode, str(exc), actor=actor, reason=reason, testing=testing)
             return True
         except EngineError as exc:
             fail(deployment, driver, instance, f"park failed: {exc}", actor)
@@ -473,7 +479,68 @@ def _park(  # noqa: PLR0911 - one operation, read top to bottom
             deployment, host, mode, figures, reason=reason, started=started, actor=actor,
             **remembered,
         )  # fmt: skip
+        _engine_parks_trusted(deployment, mode, actor)
         return True
+
+
+def _engine_parks_trusted(deployment: Deployment, mode: str, actor: str) -> None:
+    """A park of ``deployment`` freed its memory: its engine, if marked, is trusted again."""
+    if Engine.objects.filter(pk=deployment.engine_id, park_unverified_at__isnull=False):
+        engines.clear_park_unverified(
+            deployment.engine_id, f"a {mode} park of {deployment.name}", actor=actor
+        )
+
+
+def _best_mode(deployment: Deployment, host: Host, *, checking: bool = False) -> tuple[str, str]:
+    """The mode a park of ``deployment`` takes here and, where that is a stop, why.
+    ``checking``: as if its engine's parks were trusted (:func:`check_park`)."""
+    snap = snapshots.snapshot(host)
+    resident = next((r for r in snap.residents if r.deployment_id == deployment.pk), None)
+    if resident is None:
+        return STOP, "its engine cannot park, so it was stopped"
+    if checking:
+        resident = dataclasses.replace(resident, parks_unverified=False)
+    ram_free = snap.pools[snap.ram_pool].free_bytes if snap.ram_pool in snap.pools else 0
+    mode, why = park_mode(resident, snap, ram_free)
+    if resident.parks_unverified:
+        return mode, f"{why}, so it was stopped"
+    return mode, "its engine cannot park, so it was stopped"
+
+
+def _kept_memory(
+    deployment: Deployment, mode: str, found: str, *, actor: str, reason: str, testing: bool
+) -> None:
+    """After a park that left its memory held (``found``, the probe's figures): the engine
+    is marked, and the model stopped (or, in a check, woken again)."""
+    engines.mark_park_unverified(deployment.engine_id, found, actor=actor)
+    if testing:  # back as it was: its memory never left
+        _wake(_load(deployment.pk), actor)
+        return
+    because = f"its {mode} park did not free its GPU memory"
+    _stop(
+        _load(deployment.pk), actor, level=Event.Level.WARNING,
+        reason=f"stopped {deployment.name} instead: {because}" + (f" ({reason})" if reason else ""),
+    )  # fmt: skip
+
+
+def check_park(deployment_id: int, actor: str = "system") -> bool:
+    """Park a ready model of an engine marked for parks that kept their memory, to see
+    whether they free it now, and wake it again: the model is left as it was found. True:
+    the park freed its memory, and the engine's models park again."""
+    deployment = _load(deployment_id)
+    host = deployment.host
+    if host is None or deployment.observed_state != S.READY:
+        return False
+    mode, _ = _best_mode(deployment, host, checking=True)
+    if mode == STOP:
+        return False
+    reason = f"to test whether engine {deployment.engine.name}'s parks free memory again"
+    if not _park(deployment, mode, actor=actor, reason=reason, testing=True):
+        return False
+    freed = not Engine.objects.filter(pk=deployment.engine_id, park_unverified_at__isnull=False)
+    if freed:
+        ensure_ready(deployment_id, actor)
+    return freed
 
 
 def _wake(deployment: Deployment, actor: str) -> Deployment:

@@ -72,6 +72,8 @@ class Resident:
     ram_bytes: int = 0  # what it holds in host RAM (a parked copy, its engine)
     busy: bool = False  # requests in flight, or one ended a moment ago
     max_turn_seconds: float = 0.0  # how long it keeps its memory busy while others wait
+    # Its engine's last park answered but left the GPU memory held: it is stopped instead.
+    parks_unverified: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,8 @@ def park_mode(  # noqa: PLR0911 - a decision table reads best as early answers
     policy = resident.park_policy
     ram_allowed = policy in ("auto", RAM) and resident.can_park_ram and not host.unified
     deep_allowed = policy in ("auto", RAM, DEEP) and resident.can_park_deep
+    if resident.parks_unverified and (ram_allowed or deep_allowed):
+        return STOP, "its engine's last park did not free its GPU memory"
     if ram_allowed and resident.weights_bytes <= ram_free:
         return RAM, "its weights copy fits in host RAM"
     if deep_allowed:

@@ -20,11 +20,12 @@ import psutil
 from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, Instance, ObservedState
+from capyctl.engines.services import postpone_park_check
 from capyctl.events.models import Event
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import flights, inflight, operations, transitions
+from capyctl.scheduler import flights, inflight, operations, transitions, turns
 from capyctl.scheduler.drivers import HostDriver, driver_for
 from hostagent.runtime import RELEASED_SHARE
 
@@ -157,6 +158,38 @@ def reconcile(host_id: int) -> None:
                 operations.park(deployment.pk, actor="system", reason=f"after {idle}s idle")
             except operations.SchedulerError as exc:
                 logger.warning("idle park of %s did not happen: %s", deployment.name, exc)
+    _check_parks(host, now)
+
+
+# How long a model of an engine whose parks kept their memory must have had no request
+# before it is parked to check that engine again (and woken again right after).
+PARK_CHECK_IDLE_SECONDS = 60
+
+
+def _check_parks(host: Host, now: datetime) -> None:
+    """At an idle moment, check one engine whose parks kept their memory, with a park of
+    one of its ready models here: nobody waits for room on the host, and the model has had
+    no request for :data:`PARK_CHECK_IDLE_SECONDS`."""
+    due = Deployment.objects.filter(
+        host=host,
+        observed_state=S.READY,
+        pinned=False,
+        engine__park_unverified_at__isnull=False,
+        engine__park_check_after__lte=now,
+    ).select_related("engine")
+    quiet = now - timedelta(seconds=PARK_CHECK_IDLE_SECONDS)
+    for deployment in due:
+        last = deployment.last_request_at or deployment.state_changed_at
+        if last is None or last > quiet or inflight.count_or_none(deployment.pk) != 0:
+            continue
+        if turns.contenders(host.pk):
+            return  # someone waits for room: not an idle moment
+        postpone_park_check(deployment.engine_id)  # one check, even if this one fails
+        try:
+            operations.check_park(deployment.pk)
+        except operations.SchedulerError as exc:
+            logger.warning("the park check of %s did not happen: %s", deployment.name, exc)
+        return
 
 
 DOWNLOAD_WATCH_SECONDS = 120  # a download's asker writes its progress every 0.5 s

@@ -50,6 +50,7 @@ _RESIDENT_FIELDS = (
     "created_at",
     "engine__kind",
     "engine__options",
+    "engine__park_unverified_at",
 )
 
 
@@ -132,6 +133,7 @@ def residents(host: Host, now: float) -> list[Resident]:
                 ram_bytes=ram.get(deployment.pk, 0),
                 busy=deployment.observed_state == "ready" and busy(deployment, now),
                 max_turn_seconds=deployment.setting("max_turn_seconds"),
+                parks_unverified=deployment.engine.park_unverified_at is not None,
             )
         )
     return residents

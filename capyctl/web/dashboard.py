@@ -176,6 +176,7 @@ def _deployments(ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "host__name",
             "engine__name",
             "engine__kind",
+            "engine__park_unverified_at",
             "desired_state",
             "observed_state",
             "parked_mode",
@@ -212,6 +213,7 @@ def _deployments(ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "host": found["host__name"],
                 "engine": found["engine__name"],
                 "kind": found["engine__kind"],
+                "engine_parks_kept_memory": found["engine__park_unverified_at"] is not None,
                 "desired_state": found["desired_state"],
                 "observed_state": found["observed_state"],
                 "parked_mode": found["parked_mode"] or None,
@@ -255,7 +257,8 @@ def dashboard_data() -> dict[str, Any]:
     ``hosts``: each host with its pools; a pool has its capacity and byte counts by ledger
     status and ``segments`` for its bar, one per deployment and status (``held``,
     ``promised``, ``unconfirmed``), then ``foreign``, then ``free`` (capacity - used).
-    ``deployments``: each model's states, its ledger bytes per pool, requests in flight
+    ``deployments``: each model's states, whether its engine's parks kept memory (its
+    models are stopped instead), its ledger bytes per pool, requests in flight
     and waiting (and, while it waits for room, for how long), and its last switch (start,
     park, wake or stop) with how long it took. ``timeline``: the last hour of each GPU pool
     (:func:`capyctl.web.timeline.timeline_data`).

@@ -147,7 +147,20 @@
         d.pinned ? " " : null,
         d.pinned ? el("span", { className: "tag", text: "pinned" }) : null,
       ),
-      el("td", { className: "engine" }, d.engine + " ", el("span", { className: "muted", text: d.kind })),
+      el(
+        "td",
+        { className: "engine" },
+        d.engine + " ",
+        el("span", { className: "muted", text: d.kind }),
+        d.engine_parks_kept_memory
+          ? el("span", {
+              className: "tag warn parks-kept",
+              text: "parks kept memory: stopped instead",
+              title: "A park of this engine left its GPU memory held; its models are stopped " +
+                "instead of parked until a park check at an idle moment frees memory.",
+            })
+          : null,
+      ),
       el("td", { className: "host", text: d.host || "—" }),
       el("td", { className: "state state-" + d.observed_state, text: d.observed_state }),
       detail,
