@@ -279,6 +279,9 @@ CAPYCTL: dict[str, Any] = {
     # at once, a switch per change of model).
     "MAX_TURN_SECONDS": env_int("CAPYCTL_MAX_TURN_SECONDS", 30, minimum=0),
     "START_TIMEOUT_SECONDS": env_int("CAPYCTL_START_TIMEOUT", 900, minimum=1),
+    # How long after a park the GPU probe may take to show its memory freed; past it the
+    # model is stopped instead and its engine marked (docs/engines.md).
+    "PARK_CONFIRM_SECONDS": env_float("CAPYCTL_PARK_CONFIRM_SECONDS", 10, minimum=0.1),
     "DRAIN_TIMEOUT_SECONDS": env_int("CAPYCTL_DRAIN_TIMEOUT", 120, minimum=0),
     "GPU_RESERVE_BYTES": env_size("CAPYCTL_GPU_RESERVE", 512 * 1024**2),
     "RAM_RESERVE_BYTES": env_size("CAPYCTL_RAM_RESERVE", 2 * 1024**3),

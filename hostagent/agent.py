@@ -30,6 +30,7 @@ from hostagent.datadir import make_private_dir
 from hostagent.errors import EngineError
 from hostagent.host import HostRuntime
 from hostagent.probe import Probe, make_probe
+from hostagent.runtime import DEFAULT_RELEASE_SECONDS
 from hostagent.simgpu import parse_sim_gpus
 
 logger = logging.getLogger("hostagent.agent")
@@ -330,7 +331,9 @@ def probe_from_env(files: AgentFiles) -> Probe:
     return make_probe(spec, Path(state_dir) if state_dir else files.directory / "sim-gpus")
 
 
-def serve(files: AgentFiles, host: str, port: int) -> None:
+def serve(
+    files: AgentFiles, host: str, port: int, *, release_timeout: float = DEFAULT_RELEASE_SECONDS
+) -> None:
     """Serve the agent API on ``host:port`` with mutual TLS until SIGTERM or Ctrl-C."""
     if not files.joined():
         raise AgentError(f"{files.directory} holds no enrolment: start with --join TOKEN")
@@ -340,6 +343,7 @@ def serve(files: AgentFiles, host: str, port: int) -> None:
         probe_from_env(files),
         files.directory / "logs",
         state_file=files.directory / "instances.json",
+        release_timeout=release_timeout,
     )
     for ident in runtime.restore():  # engines outlive a crashed or killed agent
         logger.warning("serving engine %s again after a restart", ident)

@@ -18,7 +18,7 @@ import psutil
 
 from hostagent.errors import EngineExitedError
 from hostagent.probe import DeviceReading, Inventory, Probe, ProcessUsage
-from hostagent.runtime import EngineRuntime, Instance, InstanceRequest
+from hostagent.runtime import DEFAULT_RELEASE_SECONDS, EngineRuntime, Instance, InstanceRequest
 from hostagent.sources import FetchStatus, SourceCache
 
 logger = logging.getLogger("hostagent.host")
@@ -46,9 +46,10 @@ class HostRuntime:
         log_dir: Path,
         state_file: Path | None = None,
         models_dir: Path | None = None,
+        release_timeout: float = DEFAULT_RELEASE_SECONDS,
     ) -> None:
         self.probe = probe
-        self.runtime = EngineRuntime(probe, log_dir)
+        self.runtime = EngineRuntime(probe, log_dir, release_timeout=release_timeout)
         self.sources = SourceCache(models_dir or log_dir.parent / "models")
         self.state_file = state_file
         self._instances: dict[str, Instance] = {}

@@ -115,6 +115,11 @@ class Instance:
         return self.client.base_url
 
 
+# How long after a park the probe may take to show the memory freed (a vLLM sleep frees
+# it before answering; NVML sees it at once): ``CAPYCTL_PARK_CONFIRM_SECONDS``.
+DEFAULT_RELEASE_SECONDS = 10.0
+
+
 class EngineRuntime:
     """Launches and drives engine instances on this host."""
 
@@ -124,7 +129,7 @@ class EngineRuntime:
         log_dir: Path,
         *,
         log_max_bytes: int = DEFAULT_LOG_MAX_BYTES,
-        release_timeout: float = 30.0,
+        release_timeout: float = DEFAULT_RELEASE_SECONDS,
     ) -> None:
         self.probe = probe
         self.log_dir = log_dir

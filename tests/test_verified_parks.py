@@ -149,3 +149,15 @@ def test_a_changed_engine_setup_is_trusted_again(sticky):
         "engine sticky changed: env (its models park again: the park that kept memory was "
         "another setup's)"
     )
+
+
+def test_the_bound_for_a_park_to_free_its_memory_is_a_setting(settings, tmp_path):
+    from capyctl.scheduler.drivers import local_driver, set_local_driver
+
+    assert settings.CAPYCTL["PARK_CONFIRM_SECONDS"] == 10  # it was a fixed 30 s
+    settings.CAPYCTL = {**settings.CAPYCTL, "PARK_CONFIRM_SECONDS": 2.5}
+    set_local_driver(None)
+    try:
+        assert local_driver().runtime.release_timeout == 2.5
+    finally:
+        set_local_driver(None)

@@ -238,7 +238,7 @@ def start_host(args: argparse.Namespace) -> int:
             name = join(args.join, files)
             print(f"joined as host {name}; certificate in {files.cert}", flush=True)
         _check_port_free(host, port)
-        serve(files, host, port)
+        serve(files, host, port, release_timeout=settings.CAPYCTL["PARK_CONFIRM_SECONDS"])
     except (AgentError, UserError) as exc:
         print(f"capyctl: error: {exc}", file=sys.stderr)
         return 2

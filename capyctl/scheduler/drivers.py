@@ -72,7 +72,11 @@ def local_driver() -> LocalHostDriver:
     with _local_lock:
         if _local is None:
             probe = make_probe(settings.CAPYCTL["SIM_GPUS"], settings.CAPYCTL["SIM_STATE_DIR"])
-            _local = LocalHostDriver(probe, Path(settings.DATA_DIR) / "logs")
+            _local = LocalHostDriver(
+                probe,
+                Path(settings.DATA_DIR) / "logs",
+                release_timeout=settings.CAPYCTL["PARK_CONFIRM_SECONDS"],
+            )
         return _local
 
 
