@@ -35,12 +35,9 @@ def test_memory_kept_after_a_failed_check_stays_unconfirmed_until_the_probe_show
     a = deployment("a", engine="sticky")
     operations.ensure_ready(a.pk)
     Engine.objects.filter(name="sticky").update(park_unverified_at=timezone.now())
-    waking = operations._wake
-    operations._wake = lambda *args: None  # the wake back never comes: it stays parked
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(operations, "_wake", lambda *args: None)  # it stays parked
         assert operations.check_park(a.pk) is False
-    finally:
-        operations._wake = waking
     assert state("a") == ("parked", "ram")
     assert entries("a")["gpu0"][0] == "unconfirmed"
     assert "still sees its memory" in Deployment.objects.get(name="a").state_reason

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,7 +64,9 @@ def _setup(env: dict[str, str]) -> None:
         assert result.code == 0, result.err
 
 
-def _joined_host(env: dict[str, str], tmp_path: Path, server_mode: bool) -> tuple[object, Path]:
+def _joined_host(
+    env: dict[str, str], tmp_path: Path, server_mode: bool
+) -> tuple[subprocess.Popen[str], Path]:
     """Host ``box`` added and joined; its agent running (returned) and its sim dir."""
     enrol_port, agent_port = free_port(), free_port()
     env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{enrol_port}"
@@ -95,7 +98,7 @@ def _polled(env: dict[str, str]) -> bool:
     return any(h["name"] == "box" and h["state"] == "online" and h["gpus"] for h in hosts)
 
 
-def _spawn(env: dict[str, str], tmp_path: Path, name: str, *argv: object) -> subprocess.Popen:
+def _spawn(env: dict[str, str], tmp_path: Path, name: str, *argv: object) -> subprocess.Popen[str]:
     out = (tmp_path / f"{name}.out").open("w")
     err = (tmp_path / f"{name}.err").open("w")
     return subprocess.Popen(
@@ -104,11 +107,14 @@ def _spawn(env: dict[str, str], tmp_path: Path, name: str, *argv: object) -> sub
     )  # fmt: skip
 
 
-def _report(tmp_path: Path, name: str, process: subprocess.Popen, replay: str) -> dict:
+def _report(
+    tmp_path: Path, name: str, process: subprocess.Popen[str], replay: str
+) -> dict[str, Any]:
     code = process.wait()
     err = (tmp_path / f"{name}.err").read_text()
     assert code == 0, f"{name} exited with {code} {replay}:\n{err[-3000:]}"
-    return json.loads((tmp_path / f"{name}.out").read_text())
+    report: dict[str, Any] = json.loads((tmp_path / f"{name}.out").read_text())
+    return report
 
 
 def _status(env: dict[str, str]) -> list[tuple[str, str]]:

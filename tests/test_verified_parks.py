@@ -116,6 +116,7 @@ def test_a_park_check_at_an_idle_moment_trusts_the_engine_again(sticky):
     assert entries("a")["gpu0"][0] == "held"
     engine = Engine.objects.get(name="sticky")
     assert engine.park_unverified_at is not None
+    assert engine.park_check_after is not None
     assert engine.park_check_after > timezone.now() + timedelta(minutes=29)
     reconcile(host.pk)  # not due again for half an hour
     assert len(messages("deployment.parked")) == 2
