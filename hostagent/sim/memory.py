@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hostagent.sim.cuda import CudaBytes, open_torch
 from hostagent.sim.options import Knobs, SimOptions
 from hostagent.simgpu import (
     SIM_GPUS_ENV,
@@ -28,17 +29,25 @@ class SimMemory:
         self.pid = os.getpid()
         self.state_dir: Path = state_dir_from_env()
         self.keep_memory = knobs.keep_memory
-        spec_text = os.environ.get(SIM_GPUS_ENV, "")
-        spec = parse_sim_gpus(spec_text) if spec_text else None
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if spec is None:
-            self.devices: list[int] = []
-        elif visible is None:
-            self.devices = [0]
+        self.cuda: CudaBytes | None = None
+        if knobs.device == "cuda":
+            # Real devices: what the process sees is cuda:0 …, their sizes PyTorch's.
+            self.cuda = CudaBytes(open_torch())
+            self.devices: list[int] = list(range(self.cuda.count))
+            totals = dict(enumerate(self.cuda.totals()))
+            self.unified = False
         else:
-            self.devices = [int(i) for i in visible.split(",") if i.strip()]
-        totals = {i: spec.sizes[i] for i in self.devices} if spec else {}
-        self.unified = bool(spec and spec.unified)
+            spec_text = os.environ.get(SIM_GPUS_ENV, "")
+            spec = parse_sim_gpus(spec_text) if spec_text else None
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if spec is None:
+                self.devices = []
+            elif visible is None:
+                self.devices = [0]
+            else:
+                self.devices = [int(i) for i in visible.split(",") if i.strip()]
+            totals = {i: spec.sizes[i] for i in self.devices} if spec else {}
+            self.unified = bool(spec and spec.unified)
         claims = {}
         for index, total in totals.items():
             if knobs.gpu_bytes is not None:
@@ -83,9 +92,22 @@ class SimMemory:
         return sum(self.weights.values()) if self.weights_in_ram else 0
 
     def record(self) -> None:
-        write_allocation(self.state_dir, self.pid, self.gpu_bytes(), self.host_bytes())
+        if self.cuda is None:
+            write_allocation(self.state_dir, self.pid, self.gpu_bytes(), self.host_bytes())
+            return
+        keep = self.keep_memory and self.loaded  # a park that frees nothing
+        self.cuda.apply(
+            {i: self.weights[i] for i in self.devices},
+            {i: self.claims[i] - self.weights[i] - self.residual[i] for i in self.devices},
+            weights_on_gpu=self.loaded and (self.weights_on_gpu or keep),
+            kv_on_gpu=self.loaded and (self.kv_on_gpu or keep),
+            weights_in_ram=self.weights_in_ram and not keep,
+        )
 
     def clear(self) -> None:
+        if self.cuda is not None:
+            self.cuda.release_all()
+            return
         clear_allocation(self.state_dir, self.pid)
 
     # -- transitions ------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hostagent.sim.cuda import check_device
 from hostagent.units import parse_size
 
 KINDS = ("vllm", "sglang", "llamacpp", "tensorfold")
@@ -41,6 +42,7 @@ class Knobs:
     wake_gate: Path | None
     keep_memory: bool
     die_mid_stream: bool
+    device: str = "sim"  # "cuda": real allocations behind the figures (hostagent.sim.cuda)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,4 +128,5 @@ def read_knobs() -> Knobs:
         wake_gate=_path("CAPYCTL_SIM_WAKE_GATE"),
         keep_memory=os.environ.get("CAPYCTL_SIM_KEEP_MEMORY") == "1",
         die_mid_stream=os.environ.get("CAPYCTL_SIM_DIE_MID_STREAM") == "1",
+        device=check_device(os.environ.get("CAPYCTL_SIM_DEVICE", "")),
     )
