@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import time
 import uuid
@@ -526,7 +527,10 @@ class SimEngine:
 
 def main(argv: list[str]) -> int:
     options = parse_options(argv)
-    engine = SimEngine(options, read_knobs())
+    knobs = read_knobs()
+    if knobs.device == "cuda":  # its copies' lines (bytes, seconds, GB/s) go to its log
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    engine = SimEngine(options, knobs)
     try:
         import uvloop  # noqa: PLC0415 - optional: without it the simulator runs on asyncio's loop
 
