@@ -10,13 +10,14 @@ ARGS ?=
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/capyctl
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: help venv dev run demo test lint typecheck djangocheck test-sqlite test-postgres test-loaded clean
+.PHONY: help venv dev run demo test lint typecheck djangocheck test-sqlite test-postgres test-loaded gpu-wheels clean
 
 help:
 	@echo "make run    set up .venv and run 'capyctl start standalone' on http://127.0.0.1:8000"
 	@echo "make demo   the same with a simulated GPU, models and a key in .capyctl-demo (no GPU needed)"
 	@echo "make test   set up .venv and run lint, type checks and the tests (SQLite and PostgreSQL)"
 	@echo "make venv   only create .venv with CapyCTL installed (capyctl on its PATH)"
+	@echo "make gpu-wheels  CapyCTL's dependencies as Python 3.12 wheels in .whl/, for bench/gpu_check.sh on a GPU machine without a network"
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "CapyCTL needs Python 3.11 or newer; set PYTHON=/path/to/python3.11")'
@@ -97,6 +98,16 @@ test-loaded: dev
 	@busy=""; for i in 1 2; do (while :; do :; done) & busy="$$busy $$!"; done; \
 	  trap 'kill $$busy 2>/dev/null || true' EXIT; \
 	  $(MAKE) --no-print-directory test
+
+# For bench/gpu_check.sh on a GPU machine with no network (its Python: 3.12, x86-64).
+GPU_PY ?= 3.12
+gpu-wheels: venv
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > .whl/requirements.txt
+	$(BIN)/pip download -q --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl -r .whl/requirements.txt
+	@du -sh .whl
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

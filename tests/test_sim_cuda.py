@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,3 +191,31 @@ def test_on_a_real_device_a_ram_park_frees_what_nvml_sees(tmp_path, monkeypatch)
     sim.wake({"weights", "kv_cache"})
     assert torch.cuda.mem_get_info(0)[0] <= used[0] + GIB // 4  # and taken again
     sim.clear()
+
+
+# --- bench/gpu_check.sh ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch_has_cuda(), reason="this machine has a GPU: the check would run")
+def test_the_gpu_check_says_there_is_no_gpu_and_exits_0():
+    done = subprocess.run(["bench/gpu_check.sh"], capture_output=True, text=True, timeout=120,
+                          check=False, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("gpu_check: no NVIDIA GPU to check here (")
+    assert done.stdout.strip().endswith("nothing was measured")
+
+
+def test_the_gpu_checks_switching_runs_on_a_simulated_gpu(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--sim", "--switches", "3"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**env, "TMPDIR": str(tmp_path)},
+        cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("switch ")] == [
+        "switch  1 to b (its start)", "switch  2 to a", "switch  3 to b",
+    ]  # fmt: skip
+    assert lines[-1] == "ledger agreed with the probe after 3 of 3 switches"
