@@ -91,3 +91,17 @@ def test_a_database_that_cannot_be_reached_exits_1_with_one_line(program_env):
         assert len(lines) == 1, result.err
         assert lines[0].startswith("capyctl: error: database error: "), lines[0]
         assert f"port {port} failed: Connection refused" in lines[0]
+
+
+@pytest.mark.e2e
+def test_a_host_agent_refuses_a_bad_park_bound_in_one_line(program_env, tmp_path):
+    from hostagent.runtime import free_port
+
+    env = {k: v for k, v in program_env.items() if k != "CAPYCTL_DATA_DIR"}
+    env["CAPYCTL_PARK_CONFIRM_SECONDS"] = "soon"
+    result = run_program(env, "start", "host", "--listen", f"127.0.0.1:{free_port()}",
+                         "--data-dir", str(tmp_path / "agent"))  # fmt: skip
+    assert result.code == 2
+    assert (
+        result.err.strip() == "capyctl: error: CAPYCTL_PARK_CONFIRM_SECONDS='soon' is not a number"
+    )

@@ -220,14 +220,18 @@ def _serve_enrolment(listen: str) -> Any:
 
 
 def start_host(args: argparse.Namespace) -> int:
-    """The host agent. Needs no database: it answers the server over mutual TLS."""
+    """The host agent. Needs no database (nor Django's settings): it answers the server
+    over mutual TLS."""
+    from capyctl.conf import ConfigError, env_float
     from hostagent.agent import AgentError, AgentFiles, join, serve
+    from hostagent.runtime import DEFAULT_RELEASE_SECONDS
 
     data_dir = Path(getattr(args, "data_dir", None) or os.environ.get("CAPYCTL_DATA_DIR")
                     or Path.cwd() / ".capyctl-host")  # fmt: skip
     files = AgentFiles(data_dir)
     _warn_if_open(data_dir)
     try:
+        release = env_float("CAPYCTL_PARK_CONFIRM_SECONDS", DEFAULT_RELEASE_SECONDS, minimum=0.1)
         host, port = parse_listen(args.listen)
         if args.join:
             if files.joined():
@@ -238,8 +242,8 @@ def start_host(args: argparse.Namespace) -> int:
             name = join(args.join, files)
             print(f"joined as host {name}; certificate in {files.cert}", flush=True)
         _check_port_free(host, port)
-        serve(files, host, port, release_timeout=settings.CAPYCTL["PARK_CONFIRM_SECONDS"])
-    except (AgentError, UserError) as exc:
+        serve(files, host, port, release_timeout=release)
+    except (AgentError, UserError, ConfigError) as exc:
         print(f"capyctl: error: {exc}", file=sys.stderr)
         return 2
     return 0
