@@ -418,7 +418,6 @@ class UserViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
     permission_classes = (IsAdmin,)
     queryset = User.objects.order_by("username")
     lookup_field = "username"
-
     lookup_value_regex = "[^/]+"
     filterset_fields = (
         "is_staff",

@@ -485,10 +485,14 @@ def _park(  # noqa: PLR0911 - one operation, read top to bottom
 
 def _engine_parks_trusted(deployment: Deployment, mode: str, actor: str) -> None:
     """A park of ``deployment`` freed its memory: its engine, if marked, is trusted again."""
-    if Engine.objects.filter(pk=deployment.engine_id, park_unverified_at__isnull=False):
+    if _engine_marked(deployment.engine_id):
         engines.clear_park_unverified(
             deployment.engine_id, f"a {mode} park of {deployment.name}", actor=actor
         )
+
+
+def _engine_marked(engine_id: int) -> bool:
+    return Engine.objects.filter(pk=engine_id, park_unverified_at__isnull=False).exists()
 
 
 def _best_mode(deployment: Deployment, host: Host, *, checking: bool = False) -> tuple[str, str]:
@@ -537,7 +541,7 @@ def check_park(deployment_id: int, actor: str = "system") -> bool:
     reason = f"to test whether engine {deployment.engine.name}'s parks free memory again"
     if not _park(deployment, mode, actor=actor, reason=reason, testing=True):
         return False
-    freed = not Engine.objects.filter(pk=deployment.engine_id, park_unverified_at__isnull=False)
+    freed = not _engine_marked(deployment.engine_id)
     if freed:
         ensure_ready(deployment_id, actor)
     return freed
