@@ -52,6 +52,8 @@ def _handler(name: str) -> Callable[[argparse.Namespace], int]:
             module = "start"
         elif name.startswith(("key_", "user_")):
             module = "people"
+        elif name.startswith("simulate"):
+            module = "whatif"
         handler: Any = getattr(importlib.import_module(f"capyctl.cli.{module}"), name)
         result: int = handler(args)
         return result
@@ -92,6 +94,7 @@ def build_parser() -> Parser:
     _build_user(commands)
     _build_host(commands)
     _build_cache(commands)
+    _build_simulate(commands)
 
     status = _sub(commands, "status", "hosts, pools, deployments and the ledger", "status")
     _add_json(status)
@@ -335,3 +338,46 @@ def _build_user(commands: Any) -> None:
         )  # fmt: skip
     listing = _sub(sub, "list", "list users", "user_list")
     _add_json(listing)
+
+
+def _build_simulate(commands: Any) -> None:
+    simulate = _sub(
+        commands,
+        "simulate",
+        "replay a trace against these settings or other hardware, on a virtual clock",
+        "simulate",
+    )
+    simulate.add_argument("trace", metavar="TRACE", help="a trace file (JSON Lines; - for stdin)")
+    simulate.add_argument(
+        "--scenario",
+        metavar="FILE",
+        help="replay against this scenario (capyctl status --json's shape) instead of the "
+        "current configuration",
+    )
+    simulate.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME.FIELD=VALUE",
+        help="change a model's setting (NAME * for every model), e.g. chat.min_ready_seconds=30",
+    )
+    simulate.add_argument(
+        "--hosts", metavar="SPEC", help="other hosts instead, e.g. 2x80GiB,1x24GiB (GPUs x size)"
+    )
+    simulate.add_argument(
+        "--compare",
+        metavar="SCENARIO",
+        help="also replay against this scenario file (or `current`) and show both side by side",
+    )
+    simulate.add_argument(
+        "--warm",
+        action="store_true",
+        help="models begin as they are now (ready, parked) instead of stopped",
+    )
+    simulate.add_argument(
+        "--timeline", metavar="FILE", help="draw each GPU's occupancy (.png or .svg)"
+    )
+    simulate.add_argument(
+        "--save-scenario", metavar="FILE", help="write the scenario replayed (after --set, --hosts)"
+    )
+    _add_json(simulate)

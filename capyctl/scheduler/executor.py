@@ -72,10 +72,16 @@ def run_operation(operation_id: int) -> None:
         connection.close()
 
 
+# How often standalone's loop reconciles its hosts (idle parks, engines gone, parks to confirm).
+RECONCILE_SECONDS = 2.0
+
+
 class SchedulerLoop(threading.Thread):
     """Runs in standalone's server process beside the ASGI server."""
 
-    def __init__(self, *, interval: float = 0.2, reconcile_every: float = 2.0) -> None:
+    def __init__(
+        self, *, interval: float = 0.2, reconcile_every: float = RECONCILE_SECONDS
+    ) -> None:
         super().__init__(name="capyctl-scheduler", daemon=True)
         self.interval = interval
         self.reconcile_every = reconcile_every

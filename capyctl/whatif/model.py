@@ -1,0 +1,122 @@
+"""The plain data a replay runs on: hosts, models with their settings and timings, and
+requests. No database and no clock: a scenario is built from ``capyctl status --json`` (or
+the live configuration) by :mod:`capyctl.whatif.scenario`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+
+# What each kind of engine takes, in seconds, when CapyCTL has not measured it for a model
+# yet (its events carry each start, park and wake it timed): typical figures for a model of
+# some 8-16 GB. A kind that cannot park never uses its park and wake figures.
+KIND_TIMINGS: dict[str, dict[str, float]] = {
+    "vllm": {"start": 60.0, "park_ram": 2.0, "park_deep": 1.0, "wake_ram": 3.0,
+             "wake_deep": 20.0, "stop": 3.0},
+    "sglang": {"start": 60.0, "park_ram": 2.0, "park_deep": 1.0, "wake_ram": 3.0,
+               "wake_deep": 20.0, "stop": 3.0},
+    "llama-server": {"start": 5.0, "park_ram": 0.0, "park_deep": 0.0, "wake_ram": 0.0,
+                     "wake_deep": 0.0, "stop": 1.0},
+    "tensorfold": {"start": 30.0, "park_ram": 0.0, "park_deep": 1.0, "wake_ram": 0.0,
+                   "wake_deep": 20.0, "stop": 2.0},
+    "custom": {"start": 30.0, "park_ram": 2.0, "park_deep": 1.0, "wake_ram": 3.0,
+               "wake_deep": 20.0, "stop": 2.0},
+}  # fmt: skip
+DEFAULT_SERVICE_SECONDS = 1.0  # a request's time in the engine when its trace line lacks it
+TIMING_NAMES = ("start", "park_ram", "park_deep", "wake_ram", "wake_deep", "stop", "service")
+
+
+@dataclass
+class Timings:
+    """Seconds each step takes for one model."""
+
+    start: float = 30.0
+    park_ram: float = 2.0
+    park_deep: float = 1.0
+    wake_ram: float = 3.0
+    wake_deep: float = 20.0
+    stop: float = 2.0
+    service: float = DEFAULT_SERVICE_SECONDS
+
+    @classmethod
+    def for_kind(cls, kind: str) -> Timings:
+        return cls(**KIND_TIMINGS.get(kind, KIND_TIMINGS["custom"]))
+
+    def park(self, mode: str) -> float:
+        return self.park_ram if mode == "ram" else self.park_deep
+
+    def wake(self, mode: str) -> float:
+        return self.wake_ram if mode == "ram" else self.wake_deep
+
+
+@dataclass
+class SimHost:
+    name: str
+    gpus: list[int]  # each GPU's capacity in bytes
+    ram_bytes: int
+    unified: bool = False
+    foreign: dict[str, int] = field(default_factory=dict)  # pool -> what no model holds
+    online: bool = True
+
+    @property
+    def pools(self) -> dict[str, int]:
+        """Pool name -> capacity, named as the ledger names them."""
+        if self.unified:
+            return {"unified": self.gpus[0] if self.gpus else self.ram_bytes}
+        found = {f"gpu{i}": size for i, size in enumerate(self.gpus)}
+        found["ram"] = self.ram_bytes
+        return found
+
+
+@dataclass
+class SimModel:
+    """A deployment and its settings (each already resolved from its own value or the
+    global default), and where it stands when the replay begins."""
+
+    name: str
+    kind: str = "vllm"
+    host: str | None = None  # None: placed where it fits on its first start
+    gpus: int = 1
+    claim_bytes: int = 16 * GIB  # per GPU
+    weights_bytes: int = 8 * GIB  # the copy a ram park keeps in host RAM
+    residual_bytes: int | None = None  # what a park leaves on each GPU; None: the policy's guess
+    park: str = "auto"
+    pinned: bool = False
+    priority: int = 0
+    min_ready_seconds: float = 10.0
+    max_turn_seconds: float = 30.0
+    max_queue_seconds: float = 300.0
+    max_waiting: int = 256
+    idle_park_seconds: float = 0.0
+    can_park_ram: bool = True
+    can_park_deep: bool = True
+    desired: str = "running"
+    aliases: list[str] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+    # At the start of the replay: stopped, ready or parked; the GPU pools it holds then.
+    state: str = "stopped"
+    parked_mode: str = ""
+    pools: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Scenario:
+    hosts: list[SimHost]
+    models: list[SimModel]
+    name: str = "current"
+
+    def model(self, name: str) -> SimModel | None:
+        return next((m for m in self.models if m.name == name or name in m.aliases), None)
+
+
+@dataclass
+class Request:
+    """One line of a trace: when it came (seconds from the trace's start), for which model,
+    and how long its engine worked on it."""
+
+    at: float
+    model: str
+    service: float | None = None  # seconds in the engine; None: the model's timing
+    key: int | None = None
+    stream: bool = False

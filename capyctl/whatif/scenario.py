@@ -1,0 +1,377 @@
+"""Scenarios: what a replay runs against, and the changes people try.
+
+A scenario file has the shape of ``capyctl status --json`` (its ``hosts``, ``engines``,
+``deployments`` and ``ledger``; the rest is ignored); each deployment may also carry
+``timings`` (seconds: ``start``, ``park_ram``, ``park_deep``, ``wake_ram``, ``wake_deep``,
+``stop``, ``service``) and ``can_park_ram``/``can_park_deep``. :func:`current` makes one
+from the live configuration, with each model's timings as CapyCTL measured them (the
+median of its recorded starts, parks, wakes and stops). Memory claims follow DESIGN §6
+through :mod:`capyctl.scheduler.estimates`, as a start would.
+
+Changes: ``--set NAME.FIELD=VALUE`` (NAME ``*``: every model) for the fields in
+:data:`SETTABLE`, and ``--hosts 2x80GiB,1x24GiB`` (hosts of N GPUs of a size each, host
+RAM after a colon: ``2x80GiB:512GiB``), which replaces the hosts: models then go where they
+fit.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+from capyctl.errors import UserError
+from capyctl.whatif.model import TIMING_NAMES, Scenario, SimHost, SimModel, Timings
+
+GIB = 1024**3
+DEFAULT_HOST_RAM = 64 * GIB  # host RAM of a host given by --hosts without one
+MAX_HOSTS = 10_000
+MAX_GPUS_PER_HOST = 64
+
+# --set fields: name -> (kind of value, what SimModel field it sets)
+SETTABLE: dict[str, str] = {
+    "min_ready_seconds": "seconds",
+    "max_turn_seconds": "seconds",
+    "max_queue_seconds": "seconds",
+    "idle_park_seconds": "seconds",
+    "max_waiting": "count",
+    "priority": "integer",
+    "pinned": "bool",
+    "park": "park",
+    "gpus": "count",
+    "gpu_memory": "size",
+    "weights": "size",
+    "host": "host",
+    **{f"{name}_seconds": "timing" for name in TIMING_NAMES},
+}
+_PARK_POLICIES = ("auto", "ram", "deep", "stop", "never")
+_HOSTS_RE = re.compile(r"^(\d{1,3})x([0-9.]+[A-Za-z]*)(?::([0-9.]+[A-Za-z]*))?$")
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """A scenario file's JSON (``capyctl status --json`` or ``capyctl simulate
+    --save-scenario``)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"scenario {path}: no such file") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise UserError(f"scenario {path}: cannot be read ({type(exc).__name__})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"scenario {path}: not JSON (line {exc.lineno})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("deployments"), list):
+        raise UserError(
+            f"scenario {path}: not a scenario (want the shape of `capyctl status --json`)"
+        )
+    return data
+
+
+def current() -> dict[str, Any]:
+    """The live configuration as a scenario: ``capyctl status --json``'s data, each
+    deployment with what its engine can park and the timings CapyCTL measured."""
+    from capyctl.deployments.models import Deployment  # noqa: PLC0415 - Django only here
+    from capyctl.reports import status_data  # noqa: PLC0415
+    from hostagent.kinds import KindError, get_kind  # noqa: PLC0415
+
+    data = status_data()
+    measured = measured_timings()
+    engines = {d.name: d.engine for d in Deployment.objects.select_related("engine")}
+    for row in data["deployments"]:
+        engine = engines.get(row["name"])
+        if engine is not None:
+            try:
+                can = get_kind(engine.kind).capabilities(engine.options)
+                row["can_park_ram"], row["can_park_deep"] = can.ram, can.deep
+            except KindError:
+                row["can_park_ram"] = row["can_park_deep"] = False
+        if row["name"] in measured:
+            row["timings"] = measured[row["name"]]
+    return {key: data[key] for key in ("hosts", "engines", "deployments", "ledger")}
+
+
+def measured_timings() -> dict[str, dict[str, float]]:
+    """Per deployment, the median seconds of its recorded starts, parks and wakes (by
+    mode) and stops: what its events say they took."""
+    from capyctl.events.models import Event  # noqa: PLC0415
+
+    rows = Event.objects.filter(
+        kind__in=("deployment.ready", "deployment.parked", "deployment.woke",
+                  "deployment.stopped"),
+        duration_ms__isnull=False,
+        deployment__isnull=False,
+    ).values_list("deployment__name", "kind", "data", "duration_ms")  # fmt: skip
+    found: dict[str, dict[str, list[float]]] = {}
+    for name, kind, data, duration in rows.iterator():
+        mode = (data or {}).get("mode") if isinstance(data, dict) else None
+        step = {
+            "deployment.ready": "start",
+            "deployment.stopped": "stop",
+            "deployment.parked": f"park_{mode}" if mode in ("ram", "deep") else None,
+            "deployment.woke": f"wake_{mode}" if mode in ("ram", "deep") else None,
+        }[kind]
+        if step is not None:
+            found.setdefault(name, {}).setdefault(step, []).append((duration or 0) / 1000)
+    return {
+        name: {step: round(statistics.median(values), 3) for step, values in steps.items()}
+        for name, steps in found.items()
+    }
+
+
+# -- changes ---------------------------------------------------------------------------------
+
+
+def apply_sets(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
+    """``NAME.FIELD=VALUE`` changes, checked, on a copy of the scenario's data."""
+    data = copy.deepcopy(data)
+    deployments = data["deployments"]
+    names = {d.get("name") for d in deployments}
+    for item in sets:
+        target, sep, value = item.partition("=")
+        name, dot, field = target.rpartition(".")
+        if not sep or not dot or not name:
+            raise UserError(f"--set {item!r}: use NAME.FIELD=VALUE, like chat.min_ready_seconds=30")
+        if field not in SETTABLE:
+            raise UserError(
+                f"--set {item!r}: no field {field!r}; one of {', '.join(sorted(SETTABLE))}"
+            )
+        if name != "*" and name not in names:
+            raise UserError(f"--set {item!r}: no model {name!r} in the scenario")
+        parsed = _value(SETTABLE[field], value, item)
+        for row in deployments:
+            if name in ("*", row.get("name")):
+                _set(row, field, SETTABLE[field], parsed)
+    return data
+
+
+def _value(kind: str, value: str, item: str) -> Any:  # noqa: PLR0911 - one answer per kind
+    from capyctl.validation import parse_size_value  # noqa: PLC0415
+
+    text = value.strip()
+    try:
+        if kind in ("seconds", "timing"):
+            number = float(text)
+            if not 0 <= number <= 10**7:
+                raise ValueError
+            return number
+        if kind == "count":
+            count = int(text)
+            if not 0 <= count <= 10**6:
+                raise ValueError
+            return count
+        if kind == "integer":
+            return int(text)
+    except ValueError:
+        raise UserError(f"--set {item!r}: {value!r} is not a {kind} value") from None
+    if kind == "bool":
+        if text.lower() not in ("true", "false", "yes", "no", "1", "0"):
+            raise UserError(f"--set {item!r}: use true or false")
+        return text.lower() in ("true", "yes", "1")
+    if kind == "park":
+        if text not in _PARK_POLICIES:
+            raise UserError(f"--set {item!r}: park is one of {', '.join(_PARK_POLICIES)}")
+        return text
+    if kind == "size":
+        try:
+            return parse_size_value(text, field="size")
+        except UserError as exc:
+            raise UserError(f"--set {item!r}: {exc}") from None
+    return text or None  # a host's name; empty: placed where it fits
+
+
+def _set(row: dict[str, Any], field: str, kind: str, value: Any) -> None:
+    if kind == "timing":
+        row.setdefault("timings", {})[field.removesuffix("_seconds")] = value
+    elif field == "gpu_memory":
+        row["gpu_memory_bytes"], row["gpu_memory_fraction"] = value, None
+        row["measured_gpu_bytes"] = None
+    elif field == "weights":
+        row["weights_bytes"] = value
+    else:
+        row[field] = value
+    if field in ("gpus", "host", "gpu_memory"):
+        row["observed_state"] = "stopped"  # placed afresh
+
+
+def parse_hosts(spec: str) -> list[dict[str, Any]]:
+    """``2x80GiB,1x24GiB:128GiB`` -> hosts as ``capyctl status --json`` shows them."""
+    from django.conf import settings  # noqa: PLC0415
+
+    from hostagent.units import SizeError, parse_size  # noqa: PLC0415
+
+    gpu_reserve = int(settings.CAPYCTL["GPU_RESERVE_BYTES"])
+    ram_reserve = int(settings.CAPYCTL["RAM_RESERVE_BYTES"])
+    hosts = []
+    parts = [p.strip() for p in spec.split(",")]
+    if not spec.strip() or len(parts) > MAX_HOSTS:
+        raise UserError(f"--hosts {spec!r}: use a list like 2x80GiB,1x24GiB")
+    for number, part in enumerate(parts, 1):
+        match = _HOSTS_RE.match(part)
+        if match is None:
+            raise UserError(f"--hosts {spec!r}: {part!r} is not NxSIZE (like 2x80GiB)")
+        count = int(match[1])
+        if not 1 <= count <= MAX_GPUS_PER_HOST:
+            raise UserError(f"--hosts {spec!r}: {part!r}: 1 to {MAX_GPUS_PER_HOST} GPUs a host")
+        try:
+            size = parse_size(match[2])
+            ram = parse_size(match[3]) if match[3] else DEFAULT_HOST_RAM
+        except SizeError as exc:
+            raise UserError(f"--hosts {spec!r}: {exc}") from None
+        pools = [{"pool": f"gpu{i}", "capacity_bytes": max(size - gpu_reserve, 0),
+                  "total_bytes": size, "foreign_bytes": 0} for i in range(count)]  # fmt: skip
+        pools.append({"pool": "ram", "capacity_bytes": max(ram - ram_reserve, 0),
+                      "total_bytes": ram, "foreign_bytes": 0})  # fmt: skip
+        hosts.append(
+            {
+                "name": f"sim{number}",
+                "state": "online",
+                "unified": False,
+                "gpus": [{"index": i, "total_bytes": size} for i in range(count)],
+                "ram_total_bytes": ram,
+                "pools": pools,
+            }
+        )
+    return hosts
+
+
+def with_hosts(data: dict[str, Any], spec: str) -> dict[str, Any]:
+    """The scenario on other hosts: models go where they fit, each starting stopped."""
+    data = copy.deepcopy(data)
+    data["hosts"] = parse_hosts(spec)
+    data["ledger"] = []
+    for row in data["deployments"]:
+        row["host"], row["observed_state"] = None, "stopped"
+    return data
+
+
+# -- building ---------------------------------------------------------------------------------
+
+
+def build(data: dict[str, Any], name: str = "current", *, warm: bool = False) -> Scenario:
+    """The scenario a replay runs on. ``warm``: models hold what the ledger says they
+    hold (ready or parked) when the replay begins; else every model starts stopped."""
+    hosts = [_host(row) for row in data.get("hosts") or []]
+    if not hosts:
+        raise UserError("the scenario has no hosts (add one, or give --hosts 1x24GiB)")
+    engines = {e.get("name"): e for e in data.get("engines") or [] if isinstance(e, dict)}
+    held: dict[str, list[str]] = {}
+    for entry in data.get("ledger") or []:
+        pool = str(entry.get("pool", ""))
+        if entry.get("deployment") and pool != "ram":
+            held.setdefault(str(entry["deployment"]), []).append(pool)
+    models = []
+    sizes = {h.name: min(h.gpus, default=0) for h in hosts}
+    for row in data["deployments"]:
+        if not isinstance(row, dict) or not isinstance(row.get("name"), str):
+            raise UserError("the scenario has a deployment without a name")
+        models.append(_model(row, engines, held, sizes, warm=warm))
+    return Scenario(hosts, models, name)
+
+
+def _host(row: dict[str, Any]) -> SimHost:
+    pools = {str(p["pool"]): p for p in row.get("pools") or [] if isinstance(p, dict)}
+    unified = bool(row.get("unified"))
+    if unified:
+        unified_pool = pools.get("unified", {})
+        capacity = int(unified_pool.get("capacity_bytes") or row.get("ram_total_bytes") or 0)
+        gpus, ram = [capacity], capacity
+    else:
+        gpus = [
+            int(pools[name]["capacity_bytes"])
+            for name in sorted((p for p in pools if p.startswith("gpu")), key=lambda p: int(p[3:]))
+        ]
+        ram = int(pools.get("ram", {}).get("capacity_bytes") or row.get("ram_total_bytes") or 0)
+    foreign = {name: int(p.get("foreign_bytes") or 0) for name, p in pools.items()}
+    online = row.get("state") != "unreachable"
+    foreign = {k: v for k, v in foreign.items() if v}
+    return SimHost(str(row.get("name")), gpus, ram, unified, foreign, online)
+
+
+def _model(
+    row: dict[str, Any],
+    engines: dict[Any, dict[str, Any]],
+    held: dict[str, list[str]],
+    device_sizes: dict[str, int],
+    *,
+    warm: bool,
+) -> SimModel:
+    from capyctl.deployments.models import Deployment  # noqa: PLC0415
+    from capyctl.engines.models import Engine  # noqa: PLC0415
+    from capyctl.scheduler import estimates  # noqa: PLC0415
+    from hostagent.kinds import KindError, get_kind  # noqa: PLC0415
+
+    name = row["name"]
+    kind = str(row.get("kind") or engines.get(row.get("engine"), {}).get("kind") or "custom")
+    # The claim as a start works it out (DESIGN §6), from an unsaved row of these figures.
+    deployment = Deployment(
+        name=name,
+        engine=Engine(name=str(row.get("engine") or "sim"), kind=kind),
+        source=str(row.get("source") or ""),
+        engine_args=list(row.get("engine_args") or []),
+        gpu_memory_bytes=row.get("gpu_memory_bytes"),
+        gpu_memory_fraction=row.get("gpu_memory_fraction"),
+        weights_bytes=row.get("weights_bytes"),
+        measured_gpu_bytes=row.get("measured_gpu_bytes"),
+        measured_weights_bytes=row.get("measured_weights_bytes"),
+        source_bytes=row.get("source_bytes"),
+        gpus=int(row.get("gpus", 1)),
+    )
+    host = row.get("host")
+    device = device_sizes.get(host) if host else min(device_sizes.values(), default=0)
+    claim = estimates.claim_per_gpu(deployment, device or 0)
+    weights = estimates.weights_bytes(deployment, claim * max(deployment.gpus, 1))
+    if "can_park_ram" in row or "can_park_deep" in row:
+        can_ram, can_deep = bool(row.get("can_park_ram")), bool(row.get("can_park_deep"))
+    else:
+        try:
+            can = get_kind(kind).capabilities({})
+            can_ram, can_deep = can.ram, can.deep
+        except KindError:
+            can_ram = can_deep = False
+        if engines.get(row.get("engine"), {}).get("parks") == "no":
+            can_ram = can_deep = False
+    timings = Timings.for_kind(kind)
+    for step, seconds in (row.get("timings") or {}).items():
+        if step in TIMING_NAMES and isinstance(seconds, int | float) and seconds >= 0:
+            setattr(timings, step, float(seconds))
+    state = str(row.get("observed_state") or "stopped") if warm else "stopped"
+    if state not in ("ready", "parked"):
+        state = "stopped"
+    return SimModel(
+        name=name,
+        kind=kind,
+        host=host,
+        gpus=deployment.gpus,
+        claim_bytes=claim,
+        weights_bytes=weights,
+        park=str(row.get("park") or "auto"),
+        pinned=bool(row.get("pinned")),
+        priority=int(row.get("priority") or 0),
+        min_ready_seconds=float(row.get("min_ready_seconds") or 0),
+        max_turn_seconds=float(row.get("max_turn_seconds") or 0),
+        max_queue_seconds=float(
+            row.get("max_queue_seconds") or row.get("wake_timeout_seconds") or 300
+        ),
+        max_waiting=int(row.get("max_waiting") or 256),
+        idle_park_seconds=float(row.get("idle_park_seconds") or 0),
+        can_park_ram=can_ram,
+        can_park_deep=can_deep,
+        desired=str(row.get("desired_state") or "running"),
+        aliases=[str(a) for a in row.get("aliases") or []],
+        timings=timings,
+        state=state,
+        parked_mode=str(row.get("parked_mode") or "") if state == "parked" else "",
+        pools=sorted(held.get(name, []), key=_pool_order) if state != "stopped" else [],
+    )
+
+
+def _pool_order(pool: str) -> tuple[int, str]:
+    return (int(pool[3:]), pool) if pool.startswith("gpu") and pool[3:].isdigit() else (-1, pool)
+
+
+def save(data: dict[str, Any], path: str) -> None:
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
