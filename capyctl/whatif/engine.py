@@ -75,8 +75,6 @@ def _constant(name: str) -> float:
 
 _FIRST_TRY_SECONDS = 0.05  # a try that found nothing in the way, waiting on a switch
 
-ACTIVE = ("starting", "ready", "draining", "parking", "waking")  # hold their GPU memory
-
 
 @dataclass
 class Switch:
@@ -397,12 +395,11 @@ class Replay:
     # -- state changes ----------------------------------------------------------------------
 
     def _move(self, model: _Model, state: str) -> None:
-        before = model.state
+        if _phase(model.state) != _phase(state):
+            self._end_hold(model)  # the time it spent in its phase so far, on its pools
+            model.phase_since = self.now
         model.state = state
         model.changed_at = self.now
-        if (before in ACTIVE) != (state in ACTIVE) or _phase(before) != _phase(state):
-            self._end_hold(model)
-            model.phase_since = self.now
 
     def _end_hold(self, model: _Model) -> None:
         phase = _phase(model.state)
