@@ -223,13 +223,18 @@ def _evictable(resident: Resident, need: Need) -> bool:
     )
 
 
-def _turn_left(resident: Resident, need: Need) -> float:
-    """Seconds left of a busy ``resident``'s turn against ``need`` (0 or less: it has no
-    turn to keep): its turn runs from when ``need`` began to wait (or from when it became
-    ready, if later) for its ``max_turn_seconds``."""
-    if not resident.busy:
+def turn_left(busy: bool, max_turn_seconds: float, waited: float, ready_for: float) -> float:
+    """Seconds left of a busy resident's turn against a need that has ``waited`` (0 or
+    less: it has no turn to keep): its turn runs from when the need began to wait (or from
+    when it became ready, ``ready_for`` seconds ago, if later) for its ``max_turn_seconds``."""
+    if not busy:
         return 0.0
-    return resident.max_turn_seconds - min(need.waited_seconds, resident.ready_for_seconds)
+    return max_turn_seconds - min(waited, ready_for)
+
+
+def _turn_left(resident: Resident, need: Need) -> float:
+    return turn_left(resident.busy, resident.max_turn_seconds, need.waited_seconds,
+                     resident.ready_for_seconds)  # fmt: skip
 
 
 def _in_its_turn(resident: Resident, need: Need) -> bool:

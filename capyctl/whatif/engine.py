@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from capyctl.scheduler.policy import (
     expected_residual,
     park_mode,
     plan,
+    turn_left,
 )
 from capyctl.whatif.model import Request, Scenario, SimHost, SimModel
 
@@ -130,15 +132,25 @@ class Outcome:
     pools: dict[tuple[str, str], int] = field(default_factory=dict)  # (host, pool) -> capacity
     events: int = 0  # clock events handled
     plans: int = 0  # calls of the policy
+    plans_saved: int = 0  # tries that found nothing changed since the last plan
     plan_seconds: float = 0.0  # wall time spent in them
     wall_seconds: float = 0.0
 
 
 class _Signal:
-    """Something a process waits for (a drain's end); fired once it happens."""
+    """Something a process waits for (a drain's end, a change of state); fired each time
+    it happens."""
 
     def __init__(self) -> None:
-        self.waiters: list[Generator[Any, Any, None]] = []
+        self.waiters: list[Callable[[], None]] = []
+
+
+@dataclass(frozen=True)
+class _Until:
+    """Wait for ``signal``, or ``seconds`` at most (whichever comes first)."""
+
+    signal: _Signal
+    seconds: float
 
 
 class _Model:
@@ -149,7 +161,7 @@ class _Model:
         self.spec = spec
         self.name = spec.name
         self.state = spec.state if spec.desired == "running" else "stopped"
-        self.parked_mode = spec.parked_mode
+        self.sleep_mode = spec.parked_mode  # ram | deep, when parked
         self.host: _Host | None = None
         self.pools: tuple[str, ...] = tuple(spec.pools)
         self.entries: dict[str, int] = {}  # pool -> bytes, on its host
@@ -160,6 +172,7 @@ class _Model:
         self.queue: list[tuple[Request, int]] = []  # waiting requests, with their index
         self.waking = False  # a wake loop runs for it
         self.drained = _Signal()
+        self.changed = _Signal()  # its state changed, or an operation on it ended
         self.operating = False  # an eviction or an idle park has it
         # Its wait for room (what turns are decided on): since when, on which host and pools.
         self.wait_since: float | None = None
@@ -185,6 +198,9 @@ class _Host:
         self.name = spec.name
         self.capacity = spec.pools
         self.models: dict[int, _Model] = {}  # those with ledger entries here
+        self.waiters: dict[int, _Model] = {}  # those waiting for room here (turns)
+        self.version = 0  # bumped at every change of state of a model here
+        self.changed = _Signal()  # that, or a request begun or ended on a model here
 
 
 class Replay:
@@ -207,6 +223,7 @@ class Replay:
         self.out.pools = {(h.name, p): c for h in self.hosts for p, c in h.capacity.items()
                           if p != "ram"}  # fmt: skip
         self._queued = 0
+        self._memo: dict[tuple[int, int, bool], tuple[tuple[Any, ...], Placement | NoCapacity]] = {}
         self._engine_ram = int(_constant("engine_ram"))
         self._place_initial()
 
@@ -224,14 +241,24 @@ class Replay:
         except StopIteration:
             return
         if isinstance(waits, _Signal):
-            waits.waiters.append(process)
+            waits.waiters.append(partial(self._step, process))
+        elif isinstance(waits, _Until):
+            resumed = [False]
+
+            def resume() -> None:
+                if not resumed[0]:
+                    resumed[0] = True
+                    self._step(process)
+
+            waits.signal.waiters.append(resume)
+            self._at(self.now + waits.seconds, resume)
         else:
             self._at(self.now + float(waits), partial(self._step, process))
 
     def _fire(self, signal: _Signal) -> None:
         waiters, signal.waiters = signal.waiters, []
-        for process in waiters:
-            self._at(self.now, partial(self._step, process))
+        for resume in waiters:
+            self._at(self.now, resume)
 
     def run(self) -> Outcome:
         began = time.perf_counter()
@@ -283,6 +310,8 @@ class Replay:
             self._spawn(self._ensure_ready(model))
 
     def _serve(self, model: _Model, request: Request, index: int) -> None:
+        if model.host is not None:
+            self._fire(model.host.changed)
         model.in_flight += 1
         model.last_used = self.now
         served = self.out.requests[index]
@@ -292,6 +321,8 @@ class Replay:
         self._at(served.ended, partial(self._done, model))
 
     def _done(self, model: _Model) -> None:
+        if model.host is not None:
+            self._fire(model.host.changed)
         model.in_flight -= 1
         model.last_used = model.last_end = self.now
         if model.in_flight == 0:
@@ -371,8 +402,8 @@ class Replay:
             )
         contenders = tuple(
             Contender(m.id, m.name, self.now - m.wait_since, m.spec.priority, m.wait_pools)
-            for m in self.models
-            if m.wait_since is not None and m.wait_host is host
+            for m in host.waiters.values()
+            if m.wait_since is not None
         )
         return HostSnapshot(host.id, host.name, host.spec.unified, pools, residents,
                             host.spec.online, contenders)  # fmt: skip
@@ -385,6 +416,48 @@ class Replay:
             self.out.plans += 1
             self.out.plan_seconds += time.perf_counter() - began
 
+    def _plan_on(
+        self, host: _Host, model: _Model, need: Need, *, waking: bool = False
+    ) -> Placement | NoCapacity:
+        """:func:`plan` for ``model`` on ``host``, or its answer of the last try when
+        nothing it decides on has changed since: the ledger and the states on the host
+        (its version), the order of its residents, and what time changes of them (a
+        model's min_ready_seconds over, a busy model's turn over, a model no longer busy).
+        A wait for room tries four times a second; most tries find the same host."""
+        key = self._decides_on(host, model, need)
+        memo = self._memo.get((model.id, host.id, waking))
+        if memo is not None and memo[0] == key:
+            self.out.plans_saved += 1
+            return memo[1]
+        if waking:
+            snap = self._snapshot(host, leave_out=model.id)
+            pools = model.pools
+            snap = HostSnapshot(snap.host_id, snap.name, snap.unified,
+                                {p: snap.pools[p] for p in (*pools, _ram(host)) if p in snap.pools},
+                                snap.residents, contenders=snap.contenders)  # fmt: skip
+        else:
+            snap = self._snapshot(host)
+        result = self._plan([snap], need)
+        self._memo[(model.id, host.id, waking)] = (key, result)
+        return result
+
+    def _decides_on(self, host: _Host, model: _Model, need: Need) -> tuple[Any, ...]:
+        residents = []
+        for other in host.models.values():
+            if other is model:
+                continue
+            busy = other.state == "ready" and self._busy(other)
+            ready_for = self.now - other.changed_at
+            spec = other.spec
+            residents.append((
+                spec.priority, other.last_used or other.changed_at, other.id, busy,
+                ready_for >= spec.min_ready_seconds,
+                turn_left(busy, spec.max_turn_seconds, need.waited_seconds, ready_for) > 0,
+            ))  # fmt: skip
+        residents.sort()
+        order = tuple(r[2:] for r in residents)
+        return (host.version, need.claim_per_gpu_bytes, order)
+
     def _need(self, model: _Model, host: _Host, claim: int | None = None) -> Need:
         return Need(model.id, model.name, model.spec.gpus,
                     model.spec.claim_bytes if claim is None else claim,
@@ -395,11 +468,18 @@ class Replay:
     # -- state changes ----------------------------------------------------------------------
 
     def _move(self, model: _Model, state: str) -> None:
+        if model.host is not None:
+            self._bump(model.host)
+        self._fire(model.changed)
         if _phase(model.state) != _phase(state):
             self._end_hold(model)  # the time it spent in its phase so far, on its pools
             model.phase_since = self.now
         model.state = state
         model.changed_at = self.now
+
+    def _bump(self, host: _Host) -> None:
+        host.version += 1
+        self._fire(host.changed)
 
     def _end_hold(self, model: _Model) -> None:
         phase = _phase(model.state)
@@ -422,7 +502,7 @@ class Replay:
         for model in self.models:
             host = self._host_by_name.get(model.spec.host or "")
             if model.state not in ("ready", "parked") or host is None:
-                model.state, model.parked_mode, model.pools = "stopped", "", ()
+                model.state, model.sleep_mode, model.pools = "stopped", "", ()
                 if host is not None:
                     model.host = host
                 continue
@@ -437,7 +517,7 @@ class Replay:
             if model.state == "ready":
                 model.entries = {**dict.fromkeys(pools, claim), "ram": self._engine_ram}
             else:
-                copy = model.spec.weights_bytes if model.parked_mode == RAM else 0
+                copy = model.spec.weights_bytes if model.sleep_mode == RAM else 0
                 model.entries = {**{p: model.residual(claim) for p in pools},
                                  "ram": self._engine_ram + copy}  # fmt: skip
             model.changed_at = -max(model.spec.min_ready_seconds, 0.0) - 1.0
@@ -468,14 +548,76 @@ class Replay:
                     self._release_queue(model, "wake_timeout", 504)
                     return
                 if no_room is None:
-                    yield _FIRST_TRY_SECONDS
+                    # Nothing to try until its own switch ends (it starts, wakes, drains or
+                    # parks): the loop polls every 0.05 s; it is woken at the first poll
+                    # after the change, or at the deadline's.
+                    began = self.now
+                    left = max(deadline - began, 0.0)
+                    yield _Until(model.changed, math.ceil(left / _FIRST_TRY_SECONDS + 1e-9)
+                                 * _FIRST_TRY_SECONDS)  # fmt: skip
+                    ticks = max(math.ceil((self.now - began) / _FIRST_TRY_SECONDS - 1e-9), 1)
+                    rest = began + ticks * _FIRST_TRY_SECONDS - self.now
+                    if rest > 1e-9:
+                        yield rest
                 else:
-                    yield _constant("room_retry") if tries > 1 else _constant("busy_grace")
+                    yield from self._until_room_may_change(model, tries, deadline)
                 if no_room is not None and not model.queue:
                     return  # nobody waits for it any more
         finally:
             model.waking = False
+            if model.wait_host is not None:
+                model.wait_host.waiters.pop(model.id, None)
+                self._bump(model.wait_host)
             model.wait_since, model.wait_host, model.wait_pools = None, None, ()
+
+    def _until_room_may_change(
+        self, model: _Model, tries: int, deadline: float
+    ) -> Generator[Any, Any, None]:
+        """Wait as the loop does between tries for room (after 0.1 s, then every 0.25 s),
+        skipping the tries that would find the same host: it wakes at the first try after
+        anything the plan decides on may have changed (a change of state or of a request on
+        the host, a min_ready_seconds or turn running out, a model no longer busy), or at
+        its deadline. A skipped try is one the plan would have answered as before."""
+        first = _constant("room_retry") if tries > 1 else _constant("busy_grace")
+        step = _constant("room_retry")
+        host = model.wait_host
+        began = self.now
+        if host is None or (model.host is None and len(self.hosts) > 1):
+            yield first  # not on one host yet: every host may change, so every try runs
+            return
+        horizon = min(self._horizon(host, model), deadline)
+        wait = max(horizon - began, first)
+        ticks = math.ceil((wait - first) / step - 1e-9)
+        yield _Until(host.changed, first + max(ticks, 0) * step)
+        waited = self.now - began
+        if waited < first - 1e-9:
+            yield first - waited
+            return
+        ticks = math.ceil((waited - first) / step - 1e-9)
+        rest = first + ticks * step - waited
+        if rest > 1e-9:
+            yield rest
+
+    def _horizon(self, host: _Host, model: _Model) -> float:
+        """The first moment at which time alone changes something the plan decides on."""
+        soonest = math.inf
+        since = model.wait_since if model.wait_since is not None else self.now
+        grace = _constant("busy_grace")
+        for other in host.models.values():
+            if other is model:
+                continue
+            spec = other.spec
+            mature = other.changed_at + spec.min_ready_seconds
+            if mature > self.now:
+                soonest = min(soonest, mature)
+            if other.in_flight == 0 and other.last_end is not None:
+                idle = other.last_end + grace
+                if idle > self.now:
+                    soonest = min(soonest, idle)
+            turn_over = max(since, other.changed_at) + spec.max_turn_seconds
+            if turn_over > self.now:
+                soonest = min(soonest, turn_over)
+        return soonest
 
     def _try_once(self, model: _Model) -> Generator[Any, Any, NoCapacity | None]:
         if model.state == "stopped":
@@ -488,16 +630,22 @@ class Replay:
                  pools: tuple[str, ...] = ()) -> NoCapacity:  # fmt: skip
         if not result.lasting:  # noted as turns.note does: a wait kept on the same host
             if model.wait_since is None or model.wait_host is not host:
+                if model.wait_host is not None:
+                    model.wait_host.waiters.pop(model.id, None)
+                    self._bump(model.wait_host)
                 model.wait_since = self.now
-            model.wait_host = host
-            model.wait_pools = tuple(result.pools or pools)
+            wait_pools = tuple(result.pools or pools)
+            if model.wait_host is not host or model.wait_pools != wait_pools:
+                self._bump(host)
+            model.wait_host, model.wait_pools = host, wait_pools
+            host.waiters[model.id] = model
         return result
 
     def _source_host(self, model: _Model) -> _Host | None:
         if model.host is not None:
             return model.host
         for host in self.hosts:
-            result = self._plan([self._snapshot(host)], self._need(model, host))
+            result = self._plan_on(host, model, self._need(model, host))
             if not isinstance(result, NoCapacity):
                 return host
         return self.hosts[0] if self.hosts else None
@@ -508,7 +656,7 @@ class Replay:
             return NoCapacity(f"no host can run {model.name}: there are no hosts")
         for _round in range(int(_constant("rounds"))):
             need = self._need(model, host)
-            result = self._plan([self._snapshot(host)], need)
+            result = self._plan_on(host, model, need)
             if isinstance(result, NoCapacity):
                 return self._refused(model, host, result)
             if result.victims:
@@ -547,13 +695,9 @@ class Replay:
             mine = model.entries
             if all(host.capacity[p] - used[p] + mine.get(p, 0) >= claim for p in pools):
                 break
-            snap = self._snapshot(host, leave_out=model.id)
-            others = HostSnapshot(snap.host_id, snap.name, snap.unified,
-                                  {p: snap.pools[p] for p in (*pools, _ram(host))
-                                   if p in snap.pools},
-                                  snap.residents, contenders=snap.contenders)  # fmt: skip
             residual = min((mine.get(p, 0) for p in pools), default=0)
-            result = self._plan([others], self._need(model, host, claim - residual))
+            need = self._need(model, host, claim - residual)
+            result = self._plan_on(host, model, need, waking=True)
             if isinstance(result, NoCapacity):
                 return self._refused(model, host, result, pools)
             for victim in result.victims:
@@ -562,7 +706,7 @@ class Replay:
                 return None
         else:
             return NoCapacity(f"{model.name}: memory was not freed", lasting=False)
-        mode = model.parked_mode or RAM
+        mode = model.sleep_mode or RAM
         for pool in pools:
             model.entries[pool] = claim
         seconds = model.spec.timings.wake(mode)
@@ -572,7 +716,7 @@ class Replay:
         model.entries = {**dict.fromkeys(pools, claim), _ram(host): self._engine_ram}
         if host.spec.unified:
             model.entries = {"unified": claim + self._engine_ram}
-        model.parked_mode = ""
+        model.sleep_mode = ""
         self._move(model, "ready")
         return None
 
@@ -613,10 +757,11 @@ class Replay:
             yield seconds
             for pool in model.pools:
                 model.entries[pool] = model.residual(model.entries.get(pool, 0))
-            model.parked_mode = mode
+            model.sleep_mode = mode
             self._move(model, "parked")
         finally:
             model.operating = False
+            self._fire(model.changed)
 
     def _stop(self, model: _Model, cause: str) -> Generator[Any, Any, None]:
         seconds = model.spec.timings.stop
@@ -626,7 +771,7 @@ class Replay:
         if model.host is not None:
             model.host.models.pop(model.id, None)
         model.entries = {}
-        model.parked_mode = ""
+        model.sleep_mode = ""
         self._move(model, "stopped")
 
     # -- reconcile: idle parks -------------------------------------------------------------

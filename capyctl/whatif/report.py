@@ -3,10 +3,10 @@ JSON; and a timeline picture of each GPU pool."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
-from capyctl.whatif.engine import Hold, Outcome
+from capyctl.whatif.engine import Hold, Outcome, Served, Switch
 
 SWITCH_KINDS = ("start", "wake ram", "wake deep", "park ram", "park deep", "stop")
 
@@ -18,12 +18,10 @@ def _percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
 
 
-def _figures(outcome: Outcome, model: str | None) -> dict[str, Any]:
-    requests = [r for r in outcome.requests if model is None or r.model == model]
+def _figures(requests: list[Served], switches: list[Switch], holds: list[Hold]) -> dict[str, Any]:
     served = [r for r in requests if r.status == 200]
     refused = Counter(r.code or str(r.status) for r in requests if r.status != 200)
-    switches = Counter(s.label for s in outcome.switches if model is None or s.model == model)
-    held = sum(h.end - h.begin for h in outcome.holds if model is None or h.model == model)
+    kinds = Counter(s.label for s in switches)
     waits = [r.waited for r in served]
     return {
         "requests": len(requests),
@@ -31,8 +29,8 @@ def _figures(outcome: Outcome, model: str | None) -> dict[str, Any]:
         "refused": dict(sorted(refused.items())),
         "wait_p50_seconds": round(_percentile(waits, 0.5), 3),
         "wait_p99_seconds": round(_percentile(waits, 0.99), 3),
-        "switches": {kind: switches.get(kind, 0) for kind in SWITCH_KINDS},
-        "gpu_seconds_held": round(held, 1),
+        "switches": {kind: kinds.get(kind, 0) for kind in SWITCH_KINDS},
+        "gpu_seconds_held": round(sum(h.end - h.begin for h in holds), 1),
     }
 
 
@@ -55,14 +53,23 @@ def _idle_gpu_seconds(outcome: Outcome) -> float:
 
 def summary(outcome: Outcome) -> dict[str, Any]:
     """Everything ``capyctl simulate --json`` prints for one scenario."""
-    names = sorted({r.model for r in outcome.requests} | {s.model for s in outcome.switches})
-    overall = _figures(outcome, None)
+    requests: dict[str, list[Served]] = defaultdict(list)
+    switches: dict[str, list[Switch]] = defaultdict(list)
+    holds: dict[str, list[Hold]] = defaultdict(list)
+    for request in outcome.requests:
+        requests[request.model].append(request)
+    for switch in outcome.switches:
+        switches[switch.model].append(switch)
+    for hold in outcome.holds:
+        holds[hold.model].append(hold)
+    names = sorted(set(requests) | set(switches))
+    overall = _figures(outcome.requests, outcome.switches, outcome.holds)
     overall["idle_gpu_seconds"] = round(_idle_gpu_seconds(outcome), 1)
     overall["replayed_seconds"] = round(outcome.duration, 1)
     return {
         "scenario": outcome.scenario,
         "overall": overall,
-        "models": {name: _figures(outcome, name) for name in names},
+        "models": {name: _figures(requests[name], switches[name], holds[name]) for name in names},
         "simulator": {
             "events": outcome.events,
             "wall_seconds": round(outcome.wall_seconds, 3),
