@@ -23,15 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +33,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-CAPYCTL = str(Path(sys.executable).with_name("capyctl"))
+sys.path.insert(0, str(ROOT))  # the server harness is the tests' own: tests/live_server.py
+from tests.live_server import LiveServer, sim_engine  # noqa: E402 - importable from ROOT only
 
 
 @dataclass
@@ -91,78 +86,30 @@ def traces(kind: str, args: argparse.Namespace, models: list[str]) -> list[list[
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def start_server(args: argparse.Namespace, models: list[str], turn: int) -> LiveServer:
+    """A fresh standalone server with the models, each of 16 GiB, on a simulated engine."""
+    server = LiveServer(
+        settings={"CAPYCTL_MIN_READY_SECONDS": "0", "CAPYCTL_MAX_TURN_SECONDS": str(turn)},
+        prefix="capyctl-contention-",
+    )
+    sim_env = {
+        "CAPYCTL_SIM_WEIGHTS_BYTES": "8GiB",
+        "CAPYCTL_SIM_SLEEP_SECONDS": str(args.park),
+        "CAPYCTL_SIM_WAKE_SECONDS": str(args.wake),
+        "CAPYCTL_SIM_TOKENS_PER_SECOND": "100",
+        "CAPYCTL_SIM_COMPLETION_TOKENS": "16",
+    }
+    deployments = (["deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
+                    "--gpu-memory", "16GiB"] for name in models)  # fmt: skip
+    try:
+        server.start(sim_engine("sim", sim_env), *deployments)
+    except BaseException:
+        server.close()
+        raise
+    return server
 
 
-class Server:
-    def __init__(self, args: argparse.Namespace, models: list[str], turn: int) -> None:
-        self.data = Path(tempfile.mkdtemp(prefix="capyctl-contention-"))
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
-        self.env.update(
-            {
-                "CAPYCTL_DATA_DIR": str(self.data),
-                "CAPYCTL_SIM_GPUS": "24GiB",
-                "CAPYCTL_MIN_READY_SECONDS": "0",
-                "CAPYCTL_MAX_TURN_SECONDS": str(turn),
-                "CAPYCTL_LOG_LEVEL": "WARNING",
-            }
-        )
-        sim_env = {
-            "CAPYCTL_SIM_WEIGHTS_BYTES": "8GiB",
-            "CAPYCTL_SIM_SLEEP_SECONDS": str(args.park),
-            "CAPYCTL_SIM_WAKE_SECONDS": str(args.wake),
-            "CAPYCTL_SIM_TOKENS_PER_SECOND": "100",
-            "CAPYCTL_SIM_COMPLETION_TOKENS": "16",
-        }
-        self.cli("engine", "add", "sim", "--kind", "vllm", "--command",
-                 f"{sys.executable} -m hostagent.sim vllm",
-                 *(x for k, v in sim_env.items() for x in ("--env", f"{k}={v}")))  # fmt: skip
-        for name in models:
-            self.cli("deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
-                     "--gpu-memory", "16GiB")  # fmt: skip
-        self.key = self.cli("key", "create", "--user", "admin").strip().splitlines()[-1]
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = (self.data / "server.log").open("w")
-        self.process = subprocess.Popen(
-            [CAPYCTL, "start", "standalone", "--listen", f"127.0.0.1:{port}"],
-            env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise SystemExit(f"the server did not start; see {self.data / 'server.log'}")
-
-    def cli(self, *argv: str) -> str:
-        done = subprocess.run([CAPYCTL, *argv], env=self.env, capture_output=True, text=True,
-                              check=False, cwd=ROOT)  # fmt: skip
-        if done.returncode != 0:
-            raise SystemExit(f"capyctl {' '.join(argv)} failed: {done.stderr.strip()}")
-        return done.stdout
-
-    def count_switches(self, outcome: Outcome) -> None:
-        events = json.loads(self.cli("events", "--json", "--limit", "100000"))
-        outcome.parks = sum(1 for e in events if e["kind"] == "deployment.parked")
-        outcome.stops = sum(1 for e in events if e["kind"] == "deployment.stopped")
-
-    def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
-        shutil.rmtree(self.data, ignore_errors=True)
-
-
-async def drive(server: Server, plan: list[list[str]], outcome: Outcome) -> None:
+async def drive(server: LiveServer, plan: list[list[str]], outcome: Outcome) -> None:
     headers = {"Authorization": f"Bearer {server.key}"}
     limits = httpx.Limits(max_connections=len(plan) + 4)
     async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=600,
@@ -190,18 +137,15 @@ async def drive(server: Server, plan: list[list[str]], outcome: Outcome) -> None
 def run_one(args: argparse.Namespace, kind: str, strategy: str, turn: int,
             models: list[str]) -> Outcome:  # fmt: skip
     plan = traces(kind, args, models)
-    server = Server(args, models, turn)
+    server = start_server(args, models, turn)
     outcome = Outcome(f"{kind}, {strategy}")
     try:
         # Every model started once before the clock runs (the first starts are not switches).
-        for model in models:
-            server.cli("deployment", "start", model)
-        before = Outcome("before")
-        server.count_switches(before)
+        _, before = server.commands_then_snapshot(*(["deployment", "start", m] for m in models))
         asyncio.run(drive(server, plan, outcome))
-        server.count_switches(outcome)
-        outcome.parks -= before.parks
-        outcome.stops -= before.stops
+        kinds = [event["kind"] for event in server.snapshot(before.last_event_id).events]
+        outcome.parks = kinds.count("deployment.parked")
+        outcome.stops = kinds.count("deployment.stopped")
     finally:
         server.close()
     return outcome

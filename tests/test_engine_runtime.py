@@ -126,6 +126,31 @@ def test_park_deep_drops_weights_and_wake_reloads_them(runtime, launched, kind, 
     assert runtime.park(instance, "ram" if ram_park else "deep").gpu == {0: 512 * MIB}
 
 
+@pytest.mark.parametrize(("kind", "ram_park"), [("vllm", True), ("sglang", False)])
+def test_a_deep_park_and_its_wake_take_their_own_times(runtime, launched, kind, ram_park):
+    times = {
+        "CAPYCTL_SIM_SLEEP_SECONDS": "0.05",
+        "CAPYCTL_SIM_WAKE_SECONDS": "0.3",
+        "CAPYCTL_SIM_DEEP_SLEEP_SECONDS": "0.4",
+        "CAPYCTL_SIM_DEEP_WAKE_SECONDS": "0.6",
+    }
+    instance = launched(kind, ram_park=ram_park, env=times)
+    runtime.wait_ready(instance, timeout=30)
+
+    def took(step, *args):
+        started = time.monotonic()
+        step(instance, *args)
+        return time.monotonic() - started
+
+    assert 0.4 <= took(runtime.park, "deep") < 0.7
+    # The whole deep wake is its reload's 0.6 s: its wake calls take no wake time of their own.
+    assert 0.6 <= took(runtime.wake, "deep", 30) < 0.9
+    assert chat(instance).status_code == 200
+    if ram_park:
+        assert took(runtime.park, "ram") < 0.3
+        assert 0.3 <= took(runtime.wake, "ram", 30) < 0.6
+
+
 def test_an_sglang_launch_without_cpu_backup_cannot_park_ram(runtime, launched):
     instance = launched("sglang", ram_park=False)
     runtime.wait_ready(instance, timeout=30)

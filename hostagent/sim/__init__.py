@@ -8,6 +8,9 @@ knobs for timing and switches for faults, read from the environment:
 ``CAPYCTL_SIM_LOAD_SECONDS``    time to "load the model" before becoming healthy
 ``CAPYCTL_SIM_SLEEP_SECONDS``   time a park (sleep / release) takes
 ``CAPYCTL_SIM_WAKE_SECONDS``    time a wake takes
+``CAPYCTL_SIM_DEEP_SLEEP_SECONDS`` time a deep park takes (default: the sleep seconds)
+``CAPYCTL_SIM_DEEP_WAKE_SECONDS`` time a wake from a deep park takes in all, spent reloading
+                                the weights (default: each wake call's wake seconds)
 ``CAPYCTL_SIM_TOKENS_PER_SECOND`` streaming pace (0: as fast as possible)
 ``CAPYCTL_SIM_COMPLETION_TOKENS`` tokens in each answer (default 8)
 ``CAPYCTL_SIM_GPU_BYTES``       claim per GPU (default: the engine's fraction of the device)

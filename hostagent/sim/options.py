@@ -43,6 +43,10 @@ class Knobs:
     keep_memory: bool
     die_mid_stream: bool
     device: str = "sim"  # "cuda": real allocations behind the figures (hostagent.sim.cuda)
+    # A deep park's time (None: sleep_seconds), and a deep wake's in all (None: each wake
+    # call takes wake_seconds, as for a ram one).
+    deep_sleep_seconds: float | None = None
+    deep_wake_seconds: float | None = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,6 +105,11 @@ def _float(name: str, default: float) -> float:
     return float(value) if value else default
 
 
+def _optional_float(name: str) -> float | None:
+    value = os.environ.get(name, "")
+    return float(value) if value else None
+
+
 def _size(name: str) -> int | None:
     value = os.environ.get(name, "")
     return parse_size(value) if value else None
@@ -129,4 +138,6 @@ def read_knobs() -> Knobs:
         keep_memory=os.environ.get("CAPYCTL_SIM_KEEP_MEMORY") == "1",
         die_mid_stream=os.environ.get("CAPYCTL_SIM_DIE_MID_STREAM") == "1",
         device=check_device(os.environ.get("CAPYCTL_SIM_DEVICE", "")),
+        deep_sleep_seconds=_optional_float("CAPYCTL_SIM_DEEP_SLEEP_SECONDS"),
+        deep_wake_seconds=_optional_float("CAPYCTL_SIM_DEEP_WAKE_SECONDS"),
     )

@@ -61,6 +61,8 @@ class SimEngine:
         self.responses: dict[str, dict[str, Any]] = {}
         self.created = int(time.time())
         self.ready = asyncio.Event()
+        # After a deep park with CAPYCTL_SIM_DEEP_WAKE_SECONDS: the wake's time is the reload's.
+        self.reload_pending = False
         record = os.environ.get("CAPYCTL_SIM_RECORD", "")
         self._record = Path(record).open("a", buffering=1) if record else None  # noqa: SIM115
 
@@ -413,21 +415,39 @@ class SimEngine:
 
     async def sleep(self, request: web.Request) -> web.Response:
         level = int(request.query.get("level", "1"))
-        await asyncio.sleep(self.knobs.sleep_seconds)
-        self.memory.release(keep_weights_in_ram=level == 1)
+        await self._release(keep_weights_in_ram=level == 1)
         return web.Response(status=200)
 
+    async def _release(self, *, keep_weights_in_ram: bool) -> None:
+        """A park's time (a deep one's, when it has its own), then the memory given back."""
+        deep = not keep_weights_in_ram
+        seconds = self.knobs.deep_sleep_seconds if deep else None
+        await asyncio.sleep(self.knobs.sleep_seconds if seconds is None else seconds)
+        self.memory.release(keep_weights_in_ram=keep_weights_in_ram)
+        self.reload_pending = deep and self.knobs.deep_wake_seconds is not None
+
     async def _take_wake_time(self) -> None:
-        """A wake's time: never over (hang), held until the gate file exists, then its seconds."""
+        """A wake's time: never over (hang), held until the gate file exists, then its
+        seconds (none when a deep wake's time is its reload's)."""
         if self.knobs.hang_on_wake:
             await asyncio.sleep(10**6)
         await _held_at(self.knobs.wake_gate)
-        await asyncio.sleep(self.knobs.wake_seconds)
+        await asyncio.sleep(0 if self.reload_pending else self.knobs.wake_seconds)
+
+    async def _take_reload_time(self) -> None:
+        """A deep wake's time, with CAPYCTL_SIM_DEEP_WAKE_SECONDS: the weights read again."""
+        if self.reload_pending and self.memory.weights_on_gpu:
+            await asyncio.sleep(self.knobs.deep_wake_seconds or 0)
+
+    def _woken(self) -> None:
+        if self.memory.serving:
+            self.reload_pending = False
 
     async def wake_up(self, request: web.Request) -> web.Response:
         tags = set(request.query.getall("tags", [])) or {"weights", "kv_cache"}
         await self._take_wake_time()
         self.memory.wake(tags)
+        self._woken()
         return web.Response(status=200)
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
@@ -437,8 +457,10 @@ class SimEngine:
         body = await request.json()
         if body.get("method") != "reload_weights":
             return _error(f"unknown method {body.get('method')!r}", 400)
+        await self._take_reload_time()
         if not self.memory.reload_weights():
             return _error("weights are not on the GPU: wake them first", 400)
+        self._woken()
         return _json({"results": [None]})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
@@ -449,8 +471,7 @@ class SimEngine:
     async def release(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
             return _error("Invalid API key", 401, "authentication_error")
-        await asyncio.sleep(self.knobs.sleep_seconds)
-        self.memory.release(keep_weights_in_ram=self.options.cpu_backup)
+        await self._release(keep_weights_in_ram=self.options.cpu_backup)
         return _json(None)
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -458,13 +479,16 @@ class SimEngine:
             return _error("Invalid API key", 401, "authentication_error")
         await self._take_wake_time()
         self.memory.wake({"weights", "kv_cache"})
+        self._woken()
         return _json(None)
 
     async def update_weights(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
             return _error("Invalid API key", 401, "authentication_error")
+        await self._take_reload_time()
         if not self.memory.reload_weights():
             return _error("weights are not on the GPU: resume them first", 400)
+        self._woken()
         return _json({"success": True, "message": "Succeeded to update model weights."})
 
     # -- the app ---------------------------------------------------------------------------
