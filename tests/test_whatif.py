@@ -353,3 +353,32 @@ def test_the_summary_counts_idle_gpu_time() -> None:
     two = Scenario([SimHost("h1", [24 * GIB, 24 * GIB], 64 * GIB)], [_model("a")])
     idle = report.summary(replay(two, [Request(0.0, "a"), Request(100.0, "a")]))["overall"]
     assert idle["idle_gpu_seconds"] == pytest.approx(100.2, abs=0.5)  # the second GPU
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_skipping_tries_that_find_nothing_changed_never_changes_an_answer(seed: int) -> None:
+    """The replay plans only when something the plan decides on may have changed; planning
+    at every try (as the server does, four times a second) gives the very same replay."""
+    rng = random.Random(seed)  # noqa: S311 - a seeded trace, not a secret
+    models = [
+        _model(f"m{i}", claim_bytes=rng.choice([8, 12, 16, 20]) * GIB,
+               min_ready_seconds=rng.choice([0, 2, 5]), max_turn_seconds=rng.choice([0, 3, 10]),
+               priority=rng.choice([0, 0, 1]), gpus=rng.choice([1, 1, 2]),
+               idle_park_seconds=rng.choice([0, 0, 20]))
+        for i in range(6)
+    ]  # fmt: skip
+    hosts = [SimHost("h1", [24 * GIB, 24 * GIB], 40 * GIB), SimHost("h2", [24 * GIB], 16 * GIB)]
+    requests, at = [], 0.0
+    for _ in range(400):
+        at += rng.expovariate(3)
+        requests.append(Request(at, rng.choice(models).name, rng.uniform(0.05, 2.0)))
+    fast = replay(Scenario(hosts, models), requests)
+    every = replay(Scenario(hosts, models), requests, every_try=True)
+    assert fast.plans_saved > 0 or fast.plans < every.plans
+    # (the same moments, to the rounding of adding quarter seconds one by one or at once)
+    assert [(round(s.at, 6), s.label, s.model, s.host, s.pools) for s in fast.switches] == [
+        (round(s.at, 6), s.label, s.model, s.host, s.pools) for s in every.switches
+    ]
+    assert [(r.status, r.code, round(r.waited, 6)) for r in fast.requests] == [
+        (r.status, r.code, round(r.waited, 6)) for r in every.requests
+    ]

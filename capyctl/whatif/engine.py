@@ -206,7 +206,13 @@ class _Host:
 class Replay:
     """One run of a trace against a scenario."""
 
-    def __init__(self, scenario: Scenario, requests: Iterable[Request]) -> None:
+    def __init__(
+        self, scenario: Scenario, requests: Iterable[Request], *, every_try: bool = False
+    ) -> None:
+        """``every_try``: plan at every try for room, as the server does, instead of only
+        when something the plan decides on may have changed (the same answers, slower:
+        tests check that they are the same)."""
+        self.every_try = every_try
         self.scenario = scenario
         self.requests = list(requests)
         self.now = 0.0
@@ -426,7 +432,7 @@ class Replay:
         A wait for room tries four times a second; most tries find the same host."""
         key = self._decides_on(host, model, need)
         memo = self._memo.get((model.id, host.id, waking))
-        if memo is not None and memo[0] == key:
+        if memo is not None and memo[0] == key and not self.every_try:
             self.out.plans_saved += 1
             return memo[1]
         if waking:
@@ -548,17 +554,7 @@ class Replay:
                     self._release_queue(model, "wake_timeout", 504)
                     return
                 if no_room is None:
-                    # Nothing to try until its own switch ends (it starts, wakes, drains or
-                    # parks): the loop polls every 0.05 s; it is woken at the first poll
-                    # after the change, or at the deadline's.
-                    began = self.now
-                    left = max(deadline - began, 0.0)
-                    yield _Until(model.changed, math.ceil(left / _FIRST_TRY_SECONDS + 1e-9)
-                                 * _FIRST_TRY_SECONDS)  # fmt: skip
-                    ticks = max(math.ceil((self.now - began) / _FIRST_TRY_SECONDS - 1e-9), 1)
-                    rest = began + ticks * _FIRST_TRY_SECONDS - self.now
-                    if rest > 1e-9:
-                        yield rest
+                    yield from self._until_switch_ends(model, deadline)
                 else:
                     yield from self._until_room_may_change(model, tries, deadline)
                 if no_room is not None and not model.queue:
@@ -569,6 +565,23 @@ class Replay:
                 model.wait_host.waiters.pop(model.id, None)
                 self._bump(model.wait_host)
             model.wait_since, model.wait_host, model.wait_pools = None, None, ()
+
+    def _until_switch_ends(self, model: _Model, deadline: float) -> Generator[Any, Any, None]:
+        """Nothing to try until its own switch ends (it starts, wakes, drains or parks): the
+        loop polls every 0.05 s; it is woken at the first poll after the change, or at the
+        deadline's."""
+        if self.every_try:
+            yield _FIRST_TRY_SECONDS
+            return
+        began = self.now
+        left = max(deadline - began, 0.0)
+        yield _Until(
+            model.changed, math.ceil(left / _FIRST_TRY_SECONDS + 1e-9) * _FIRST_TRY_SECONDS
+        )
+        ticks = max(math.ceil((self.now - began) / _FIRST_TRY_SECONDS - 1e-9), 1)
+        rest = began + ticks * _FIRST_TRY_SECONDS - self.now
+        if rest > 1e-9:
+            yield rest
 
     def _until_room_may_change(
         self, model: _Model, tries: int, deadline: float
@@ -582,7 +595,7 @@ class Replay:
         step = _constant("room_retry")
         host = model.wait_host
         began = self.now
-        if host is None or (model.host is None and len(self.hosts) > 1):
+        if host is None or (model.host is None and len(self.hosts) > 1) or self.every_try:
             yield first  # not on one host yet: every host may change, so every try runs
             return
         horizon = min(self._horizon(host, model), deadline)
@@ -822,9 +835,9 @@ def _pool_names(host: _Host, placement: Placement) -> tuple[str, ...]:
     return tuple(placement.pools)
 
 
-def replay(scenario: Scenario, requests: Iterable[Request]) -> Outcome:
+def replay(scenario: Scenario, requests: Iterable[Request], *, every_try: bool = False) -> Outcome:
     """Replay ``requests`` (sorted by arrival) against ``scenario``."""
-    return Replay(scenario, sorted(requests, key=lambda r: r.at)).run()
+    return Replay(scenario, sorted(requests, key=lambda r: r.at), every_try=every_try).run()
 
 
 __all__ = ["Hold", "Outcome", "Replay", "Served", "SimHost", "SimModel", "Switch", "replay"]
