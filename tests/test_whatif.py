@@ -382,3 +382,26 @@ def test_skipping_tries_that_find_nothing_changed_never_changes_an_answer(seed: 
     assert [(r.status, r.code, round(r.waited, 6)) for r in fast.requests] == [
         (r.status, r.code, round(r.waited, 6)) for r in every.requests
     ]
+
+
+def test_timings_are_what_the_events_say_a_switch_took_without_the_room_made(db, gpu24) -> None:
+    """A wake's event counts from when it was asked, so it holds the park that made room:
+    the wake's own time is the rest."""
+    from capyctl.engines.services import add_engine
+    from capyctl.scheduler import operations
+    from tests.scheduling import SIM, SIM_ENV, deployment
+
+    env = {**SIM_ENV, "CAPYCTL_SIM_SLEEP_SECONDS": "0.6", "CAPYCTL_SIM_WAKE_SECONDS": "0.3"}
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=env)
+    a, b = deployment("a"), deployment("b")
+    operations.start(a.pk)
+    operations.start(b.pk)  # parks a
+    operations.ensure_ready(a.pk)  # parks b, wakes a
+    measured = scenario.measured_timings()
+    assert 0.6 <= measured["a"]["park_ram"] < 0.9
+    b_park = measured["b"].get("park_ram", measured["b"].get("park_deep"))  # as RAM allows
+    assert b_park is not None
+    assert 0.6 <= b_park < 0.9
+    assert 0.3 <= measured["a"]["wake_ram"] < 0.55  # not 0.9 and more: b's park is not in it
+    assert measured["b"]["start"] < measured["a"]["start"] + 0.3  # nor a's park in b's start
+    assert set(measured["a"]) == {"start", "park_ram", "wake_ram"}

@@ -96,7 +96,9 @@ def current() -> dict[str, Any]:
 
 def measured_timings() -> dict[str, dict[str, float]]:
     """Per deployment, the median seconds of its recorded starts, parks and wakes (by
-    mode) and stops: what its events say they took."""
+    mode) and stops: what its events say they took. A start's or a wake's event counts
+    from when it was asked, so it holds the parks and stops that made room for it on its
+    host meanwhile: those are taken out."""
     from capyctl.events.models import Event  # noqa: PLC0415
 
     rows = Event.objects.filter(
@@ -104,10 +106,20 @@ def measured_timings() -> dict[str, dict[str, float]]:
                   "deployment.stopped"),
         duration_ms__isnull=False,
         deployment__isnull=False,
-    ).values_list("deployment__name", "kind", "data", "duration_ms")  # fmt: skip
+    ).order_by("created_at", "id").values_list(
+        "deployment__name", "deployment__host_id", "kind", "data", "duration_ms", "created_at"
+    )  # fmt: skip
     found: dict[str, dict[str, list[float]]] = {}
-    for name, kind, data, duration in rows.iterator():
-        mode = (data or {}).get("mode") if isinstance(data, dict) else None
+    making_room: dict[object, list[tuple[float, float]]] = {}  # host -> (end, seconds)
+    for name, host, kind, data, duration, created in rows.iterator():
+        seconds = (duration or 0) / 1000
+        end = created.timestamp()
+        mode = data.get("mode") if isinstance(data, dict) else None
+        if kind in ("deployment.parked", "deployment.stopped"):
+            making_room.setdefault(host, []).append((end, seconds))
+        if kind in ("deployment.ready", "deployment.woke"):
+            seconds -= sum(took for at, took in making_room.get(host, [])
+                           if end - (duration or 0) / 1000 <= at - took and at <= end)  # fmt: skip
         step = {
             "deployment.ready": "start",
             "deployment.stopped": "stop",
@@ -115,7 +127,7 @@ def measured_timings() -> dict[str, dict[str, float]]:
             "deployment.woke": f"wake_{mode}" if mode in ("ram", "deep") else None,
         }[kind]
         if step is not None:
-            found.setdefault(name, {}).setdefault(step, []).append((duration or 0) / 1000)
+            found.setdefault(name, {}).setdefault(step, []).append(max(seconds, 0.0))
     return {
         name: {step: round(statistics.median(values), 3) for step, values in steps.items()}
         for name, steps in found.items()
