@@ -39,6 +39,7 @@ DATABASE_MODULES = frozenset(
         "test_scheduler_faults.py",
         "test_scheduler_stress.py",
         "test_switching.py",
+        "test_traces.py",
         "test_transitions.py",
         "test_user_ceilings.py",
     }

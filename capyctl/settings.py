@@ -102,6 +102,7 @@ INSTALLED_APPS = [  # not "daphne": it only adds runserver, and costs every comm
     "capyctl.access",
     "capyctl.events",
     "capyctl.scheduler",
+    "capyctl.traces",
     "capyctl.web",
 ]
 
@@ -289,6 +290,10 @@ CAPYCTL: dict[str, Any] = {
     # A streaming request that waits for its model gets its answer's head and then an SSE
     # comment line this often, so proxies and clients that cut idle connections do not.
     "STREAM_KEEPALIVE_SECONDS": env_float("CAPYCTL_STREAM_KEEPALIVE_SECONDS", 10.0, minimum=0.5),
+    # Each /v1 request's metadata (never its body) is recorded for `capyctl trace export`,
+    # in at most TRACE_MAX_ROWS rows: past them the oldest go.
+    "TRACE": env_bool("CAPYCTL_TRACE", True),
+    "TRACE_MAX_ROWS": env_int("CAPYCTL_TRACE_MAX_ROWS", 1_000_000, minimum=1),
     # Where hosts reach the server to enrol (HOST:PORT of its enrolment listener): it goes
     # into join tokens. The listener itself is `capyctl start … --enrol-listen`.
     "ENROL_ADDRESS": env_str("CAPYCTL_ENROL_ADDRESS", f"{socket.getfqdn()}:7443"),

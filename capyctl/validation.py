@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from capyctl.errors import UserError
 from hostagent.units import SizeError, parse_size
@@ -15,6 +15,7 @@ _NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 # (``Qwen/Qwen2.5-7B-Instruct``, ``llama3.1:8b``), but no spaces or control characters.
 _ALIAS_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._:/@+-]{0,126}[A-Za-z0-9])?$")
 _DURATION_RE = re.compile(r"^(\d+)\s*([smhdw])$")
+_ISO_START = re.compile(r"^\d{4}-\d\d-\d\d")  # a date first: an ISO time, not a duration
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -101,6 +102,26 @@ def parse_duration(value: str, *, field: str) -> timedelta:
     if seconds > 100 * 365 * 86400:
         raise UserError(f"invalid {field} {value!r}: at most 100 years", field=field)
     return timedelta(seconds=seconds)
+
+
+def parse_moment(value: str, *, field: str, now: datetime) -> datetime:
+    """A point in time: an ISO time (``2026-12-01T08:00Z``; UTC when it names no zone) or
+    a duration before ``now`` (``24h``, ``30m``, ``7d``: :func:`parse_duration`)."""
+    text = value.strip()
+    if _ISO_START.match(text):
+        try:
+            moment = datetime.fromisoformat(text)
+        except ValueError:
+            pass
+        else:
+            return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    elif _DURATION_RE.match(text):
+        return now - parse_duration(text, field=field)
+    raise UserError(
+        f"invalid {field} {value!r}: use a duration before now (24h, 30m, 7d) or an ISO "
+        "time (2026-12-01T08:00Z)",
+        field=field,
+    )
 
 
 def split_engine_args(value: str) -> list[str]:

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psycopg
 import pytest
+from asgiref.sync import sync_to_async
 from django.contrib.auth.models import User
+from django.db import connection
 
 from hostagent.runtime import free_port
 
@@ -241,6 +246,33 @@ def stop_server(server: Server, sig: int) -> float:
             server.process.kill()
             server.process.wait()
     return time.monotonic() - started
+
+
+def close_connection() -> None:
+    connection.close()
+
+
+@pytest.fixture
+async def database_threads():
+    """The loop's worker threads (where the gateway reads the database) and asgiref's,
+    whose database connections are closed after the test, so its database can be
+    dropped."""
+    workers = 4
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=workers)
+    loop.set_default_executor(pool)
+    try:
+        yield
+    finally:
+        everyone = threading.Barrier(workers)
+
+        def close_on_each() -> None:
+            everyone.wait(timeout=30)  # one call on each thread
+            close_connection()
+
+        await asyncio.gather(*(loop.run_in_executor(pool, close_on_each) for _ in range(workers)))
+        pool.shutdown()
+        await sync_to_async(close_connection)()  # and on asgiref's thread, the test's own
 
 
 @pytest.fixture

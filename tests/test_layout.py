@@ -171,7 +171,8 @@ def test_the_admin_checks_see_every_model_admin(tmp_path):
     out = _run_cli_code(code, tmp_path)
     registered = (
         "access.ApiKey access.UserLimits auth.Group auth.User deployments.Deployment "
-        "deployments.Instance engines.Engine events.Event hosts.Host ledger.LedgerEntry"
+        "deployments.Instance engines.Engine events.Event hosts.Host ledger.LedgerEntry "
+        "traces.RequestTrace"
     )
     assert out.splitlines() == ["0", "[]", registered]
 

@@ -5,7 +5,6 @@ import contextlib
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import httpx
@@ -253,33 +252,6 @@ def test_a_ram_park_goes_deep_when_the_ram_was_taken_meanwhile(gpu24):
     assert overcommitted(Host.objects.get(name="local")) == []
     operations.ensure_ready(a.pk)  # a deep wake reloads its weights
     assert state("a") == ("ready", "")
-
-
-def close_connection() -> None:
-    connection.close()
-
-
-@pytest.fixture
-async def database_threads():
-    """The loop's worker threads (where the gateway reads the database) and asgiref's,
-    whose database connections are closed after the test, so its database can be
-    dropped."""
-    workers = 4
-    loop = asyncio.get_running_loop()
-    pool = ThreadPoolExecutor(max_workers=workers)
-    loop.set_default_executor(pool)
-    try:
-        yield
-    finally:
-        everyone = threading.Barrier(workers)
-
-        def close_on_each() -> None:
-            everyone.wait(timeout=30)  # one call on each thread
-            close_connection()
-
-        await asyncio.gather(*(loop.run_in_executor(pool, close_on_each) for _ in range(workers)))
-        pool.shutdown()
-        await sync_to_async(close_connection)()  # and on asgiref's thread, the test's own
 
 
 @pytest.mark.django_db(transaction=True)

@@ -52,6 +52,8 @@ def _handler(name: str) -> Callable[[argparse.Namespace], int]:
             module = "start"
         elif name.startswith(("key_", "user_")):
             module = "people"
+        elif name.startswith("trace_"):
+            module = "traces"
         elif name.startswith("simulate"):
             module = "whatif"
         handler: Any = getattr(importlib.import_module(f"capyctl.cli.{module}"), name)
@@ -94,6 +96,7 @@ def build_parser() -> Parser:
     _build_user(commands)
     _build_host(commands)
     _build_cache(commands)
+    _build_trace(commands)
     _build_simulate(commands)
 
     status = _sub(commands, "status", "hosts, pools, deployments and the ledger", "status")
@@ -197,6 +200,18 @@ def _build_cache(commands: Any) -> None:
     prune.add_argument("--host", help="only this host")
     prune.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
     _add_json(prune)
+
+
+def _build_trace(commands: Any) -> None:
+    trace = _sub(commands, "trace", "what each /v1 request came to (never its body), for replay")
+    sub = trace.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
+    export = _sub(sub, "export", "print the recorded requests as JSON Lines, oldest first",
+                  "trace_export")  # fmt: skip
+    export.add_argument("--since", metavar="AGE|TIME",
+                        help="from this long ago (24h, 30m, 7d) or this ISO time (default: "
+                        "the oldest recorded)")  # fmt: skip
+    export.add_argument("--until", metavar="AGE|TIME", help="up to then (default: now)")
+    export.add_argument("--model", metavar="NAME", help="only this deployment's requests")
 
 
 def _build_engine(commands: Any) -> None:

@@ -25,6 +25,7 @@ from django.db import connection
 
 from capyctl.errors import UserError
 from capyctl.gateway import queueview
+from capyctl.gateway.batches import BatchedWrites
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
 from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.queues import Place, Queues
@@ -45,6 +46,7 @@ from capyctl.scheduler.errors import (
     is_control_plane_error,
     outage,
 )
+from capyctl.traces.recording import TraceBook, TraceWriter
 from capyctl.validation import validate_alias
 from capyctl.web import metrics
 from hostagent import routes
@@ -77,7 +79,11 @@ class Gateway:
         self._touched: dict[int, float] = {}
         self.limits = make_limiter(settings.REDIS_URL)
         self.usage = UsageBook()
-        self._usage_flush: asyncio.Task[None] | None = None
+        self._usage_writes = BatchedWrites(self.usage, write_usage, "usage")
+        self.traces = TraceBook()
+        self._trace_writes = BatchedWrites(self.traces, TraceWriter(), "traces")
+        # Read once: a settings lookup costs more than the rest of a request's trace.
+        self._tracing = bool(settings.CAPYCTL["TRACE"])
         self.stored_responses = StoredResponses()
         self._tls: ssl.SSLContext | None = None
         self._stopping: asyncio.Future[None] | None = None  # set when the server stops
@@ -90,7 +96,7 @@ class Gateway:
         try:
             await self._handle(scope, receive, send, started, outcome)
         except GatewayError as error:
-            outcome.status = error.status
+            outcome.status, outcome.code = error.status, error.code
             await _respond(send, error.status, error.body(), error.response_headers())
         except Exception as exc:  # never a bare 500: an OpenAI-shaped answer, logged once
             # The path as a quoted literal: a client's text never shapes the log's lines.
@@ -98,13 +104,29 @@ class Gateway:
             if outcome.headers_at:
                 return  # the answer had begun: it ends here, and its client sees it cut
             failure = _failure(exc)
-            outcome.status = failure.status
+            outcome.status, outcome.code = failure.status, failure.code
             await _respond(send, failure.status, failure.body(), failure.response_headers())
         finally:
             if outcome.admitted is not None:
                 await self.limits.leave(*outcome.admitted)
             metrics.count(outcome.model, outcome.status, started, outcome.headers_at,
                           outcome.overhead)  # fmt: skip
+            if self._tracing and outcome.admitted is not None and outcome.model != "-":
+                self._trace(outcome, outcome.admitted[0].pk, started)
+
+    def _trace(self, outcome: _Outcome, key_pk: int, started: float) -> None:
+        """Note what the request came to, for ``capyctl trace export`` (a tuple appended;
+        written within a second, off the request path)."""
+        took = time.perf_counter() - started
+        if outcome.headers_at:
+            head_ms: float | None = (outcome.headers_at - started) * 1000
+        else:  # an error answer goes out as the request ends; a client that left got none
+            head_ms = None if outcome.status == 499 else took * 1000
+        self.traces.add((time.time() - took, outcome.model, key_pk, outcome.stream,
+                         outcome.status, outcome.code, outcome.queued_ms, head_ms, took * 1000,
+                         outcome.prompt_tokens, outcome.completion_tokens,
+                         outcome.switch))  # fmt: skip
+        self._trace_writes.soon()
 
     async def _handle(
         self, scope: Scope, receive: Any, send: Any, started: float, outcome: _Outcome
@@ -128,6 +150,7 @@ class Gateway:
             return
         body = await _read_body(receive, int(settings.CAPYCTL["MAX_BODY_BYTES"]))
         name, parsed = self._model_named(target, key, headers, body)
+        outcome.stream = parsed is not None and parsed.get("stream") is True
         route = await self.routes.get(name)
         if route is None or not key.allows(route.deployment_id):
             raise model_not_found(name)
@@ -146,7 +169,7 @@ class Gateway:
         if name != route.name:  # an alias: the engine serves the deployment's own name
             body = _rename_model(body, parsed, route.name)
         waits = route.observed_state != "ready" or route.base_url is None
-        if waits and isinstance(parsed, dict) and parsed.get("stream") is True:
+        if waits and outcome.stream:
             # A stream that waits gets its head and comment lines meanwhile (see _KeepAlive).
             keepalive = _KeepAlive(send, route, self.routes, outcome)
             try:
@@ -181,10 +204,11 @@ class Gateway:
         keepalive: _KeepAlive | None = None,
     ) -> None:
         try:
-            route, waited_ms, outcome.switch = await self._admit(route, receive, key.pk)
+            route = await self._admit(route, receive, key.pk, outcome)
         except _ClientGone:  # it left the queue, and counts for nothing
             outcome.status = 499
             return
+        waited_ms = outcome.queued_ms
         try:
             if keepalive is not None:
                 await keepalive.stop()  # no more comment lines: the answer follows
@@ -230,27 +254,26 @@ class Gateway:
             )
         return maker, None
 
-    async def _admit(self, route: Route, receive: Any, key: int) -> tuple[Route, float, str]:
+    async def _admit(self, route: Route, receive: Any, key: int, outcome: _Outcome) -> Route:
         """Count the request in flight on a ready engine, waiting for a wake if needed;
-        returns the route to use, the milliseconds waited and what the wake switched. A
-        client that goes away while it waits leaves the queue at once
-        (:class:`_ClientGone`)."""
-        waited_ms = 0.0
-        switched = ""
+        returns the route to use, and notes in ``outcome`` the milliseconds waited and
+        what the wake switched. A client that goes away while it waits leaves the queue at
+        once (:class:`_ClientGone`)."""
         ready = route.observed_state == "ready" and route.base_url is not None
         for _ in range(_GATE_TRIES):
             if not ready:
                 wait_started = time.perf_counter()
                 try:
                     route, switch = await self._wait_or_leave(route, receive, key)
-                    switched = switch or switched
+                    outcome.switch = switch or outcome.switch
                 except GatewayError as refused:  # it says how long it waited, too
-                    waited_ms += (time.perf_counter() - wait_started) * 1000
+                    waited_ms = outcome.queued_ms + (time.perf_counter() - wait_started) * 1000
                     refused.headers.append((b"x-capyctl-queued-ms", f"{waited_ms:.0f}".encode()))
                     raise
-                waited_ms += (time.perf_counter() - wait_started) * 1000
+                finally:  # served, refused or left: its trace says how long it waited
+                    outcome.queued_ms += (time.perf_counter() - wait_started) * 1000
             if await inflight.abegin(route.deployment_id):
-                return route, waited_ms, switched
+                return route
             ready = False  # it began draining after our route was read: wait for the wake
         raise GatewayError(
             503,
@@ -428,7 +451,10 @@ class Gateway:
         return self._tls
 
     async def close(self) -> None:
-        """Close the connections to engines (at shutdown)."""
+        """Write the usage and traces not written yet, and close the connections to
+        engines (at shutdown)."""
+        await self._usage_writes.close()
+        await self._trace_writes.close()
         if self._upstream is not None:
             await self._upstream.close()
         await self.limits.close()
@@ -490,9 +516,9 @@ class Gateway:
             watcher.cancel()
             if tap.response_id is not None:
                 self.stored_responses.put(tap.response_id, route.name, key.user_id)
-            prompt, completion = tap.tokens()
-            self.usage.add(key.pk, prompt, completion)
-            self._schedule_usage_flush()
+            outcome.prompt_tokens, outcome.completion_tokens = tap.tokens()
+            self.usage.add(key.pk, outcome.prompt_tokens, outcome.completion_tokens)
+            self._usage_writes.soon()
 
     async def _stream(
         self,
@@ -555,6 +581,7 @@ class Gateway:
             if not sent_headers:
                 raise GatewayError(502, "engine_failed", message, "server_error") from exc
             error = GatewayError(502, "engine_failed", message, "server_error")
+            outcome.code = error.code  # the answer ends with this error's line
             await send(
                 {
                     "type": "http.response.body",
@@ -562,22 +589,6 @@ class Gateway:
                     "more_body": False,
                 }
             )
-
-    def _schedule_usage_flush(self) -> None:
-        if self._usage_flush is None or self._usage_flush.done():
-            self._usage_flush = asyncio.ensure_future(self._flush_usage_soon())
-
-    async def _flush_usage_soon(self) -> None:
-        await asyncio.sleep(1.0)  # one write per second, however many requests
-        pending = self.usage.take()
-        if not pending:
-            return
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, write_usage, pending)
-        except Exception as exc:  # kept, and written with the next flush
-            self.usage.put_back(pending)
-            logger.warning("usage not written yet (%s); it is kept for the next try", exc)
-            self._usage_flush = asyncio.ensure_future(self._flush_usage_soon())
 
     def _touch(self, deployment_id: int) -> None:
         now = time.monotonic()
@@ -721,7 +732,7 @@ class _KeepAlive:
         else:
             logger.error("%s failed in the gateway", what, exc_info=exc)
             error = _failure(exc)
-        self._outcome.status = error.status
+        self._outcome.status, self._outcome.code = error.status, error.code
         await self.end_with(error.body())
 
     async def end_with(self, error: bytes) -> None:
@@ -744,17 +755,23 @@ class _KeepAlive:
 
 
 class _Outcome:
-    """What one request came to, for the metrics."""
+    """What one request came to, for the metrics and its trace."""
 
-    __slots__ = ("admitted", "headers_at", "model", "overhead", "status", "switch")
+    __slots__ = ("admitted", "code", "completion_tokens", "headers_at", "model", "overhead",
+                 "prompt_tokens", "queued_ms", "status", "stream", "switch")  # fmt: skip
 
     def __init__(self) -> None:
         self.admitted: tuple[KeyInfo, str | None] | None = None  # a key and its in-flight token
         self.model = "-"  # no model label for requests refused before one was resolved
         self.status = 500
+        self.code: str | None = None  # an error answer's code
+        self.stream = False  # the body asked for a stream
         self.headers_at = 0.0
         self.overhead = 0.0
+        self.queued_ms = 0.0  # waiting for a start or wake
         self.switch = ""  # what the wake it waited for switched (x-capyctl-switch)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
 
 
 class StoredResponses:

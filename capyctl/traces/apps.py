@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class TracesConfig(AppConfig):
+    name = "capyctl.traces"
+    verbose_name = "Request traces"
