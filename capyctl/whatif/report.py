@@ -194,7 +194,8 @@ def timeline(outcome: Outcome, path: str) -> None:
                     "red: a park or stop)", fontsize=9)  # fmt: skip
     handles = [Patch(color=colour[m], label=m) for m in models[:20]]
     if handles:
-        lanes.legend(handles=handles, loc="upper right", fontsize=7, ncols=min(len(handles), 6))
+        lanes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7,
+                     frameon=False)  # fmt: skip
     times = [t for t, _ in outcome.waiting]
     counts = [n for _, n in outcome.waiting]
     if times:
