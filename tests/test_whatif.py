@@ -251,6 +251,8 @@ def test_sets_change_a_copy_and_refuse_what_they_cannot_be(db) -> None:
     assert (model.min_ready_seconds, model.pinned, model.timings.wake_ram) == (30, True, 1.5)
     assert model.claim_bytes == 8 * GIB
     assert data["deployments"][0]["min_ready_seconds"] == 10  # the original is untouched
+    with pytest.raises(UserError, match="model chat: no host 'elsewhere' in the scenario"):
+        scenario.build(scenario.apply_sets(data, ["chat.host=elsewhere"]))
     for bad, says in [
         ("chat.min_ready_seconds", "use NAME.FIELD=VALUE"),
         ("chat.colour=red", "no field 'colour'"),

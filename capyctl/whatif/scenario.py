@@ -280,7 +280,10 @@ def build(data: dict[str, Any], name: str = "current", *, warm: bool = False) ->
     for row in data["deployments"]:
         if not isinstance(row, dict) or not isinstance(row.get("name"), str):
             raise UserError("the scenario has a deployment without a name")
-        models.append(_model(row, engines, held, sizes, warm=warm))
+        model = _model(row, engines, held, sizes, warm=warm)
+        if model.host is not None and model.host not in sizes:
+            raise UserError(f"model {model.name}: no host {model.host!r} in the scenario")
+        models.append(model)
     return Scenario(hosts, models, name)
 
 
