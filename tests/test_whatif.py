@@ -407,3 +407,13 @@ def test_timings_are_what_the_events_say_a_switch_took_without_the_room_made(db,
     assert 0.3 <= measured["a"]["wake_ram"] < 0.55  # not 0.9 and more: b's park is not in it
     assert measured["b"]["start"] < measured["a"]["start"] + 0.3  # nor a's park in b's start
     assert set(measured["a"]) == {"start", "park_ram", "wake_ram"}
+
+
+def test_a_scenario_file_with_values_of_the_wrong_kind_is_one_line(db) -> None:
+    bad = _status(gpus="many")
+    with pytest.raises(UserError, match="model chat: a setting in the scenario"):
+        scenario.build(bad)
+    broken = _status()
+    broken["hosts"][0]["pools"][0]["capacity_bytes"] = "lots"
+    with pytest.raises(UserError, match="a host it cannot read"):
+        scenario.build(broken)

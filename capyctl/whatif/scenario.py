@@ -266,7 +266,10 @@ def with_hosts(data: dict[str, Any], spec: str) -> dict[str, Any]:
 def build(data: dict[str, Any], name: str = "current", *, warm: bool = False) -> Scenario:
     """The scenario a replay runs on. ``warm``: models hold what the ledger says they
     hold (ready or parked) when the replay begins; else every model starts stopped."""
-    hosts = [_host(row) for row in data.get("hosts") or []]
+    try:
+        hosts = [_host(row) for row in data.get("hosts") or []]
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"the scenario has a host it cannot read ({type(exc).__name__})") from None
     if not hosts:
         raise UserError("the scenario has no hosts (add one, or give --hosts 1x24GiB)")
     engines = {e.get("name"): e for e in data.get("engines") or [] if isinstance(e, dict)}
@@ -280,7 +283,13 @@ def build(data: dict[str, Any], name: str = "current", *, warm: bool = False) ->
     for row in data["deployments"]:
         if not isinstance(row, dict) or not isinstance(row.get("name"), str):
             raise UserError("the scenario has a deployment without a name")
-        model = _model(row, engines, held, sizes, warm=warm)
+        try:
+            model = _model(row, engines, held, sizes, warm=warm)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise UserError(
+                f"model {row['name']}: a setting in the scenario is not a number or name it "
+                f"can be ({type(exc).__name__})"
+            ) from None
         if model.host is not None and model.host not in sizes:
             raise UserError(f"model {model.name}: no host {model.host!r} in the scenario")
         models.append(model)
