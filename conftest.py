@@ -36,6 +36,7 @@ DATABASE_MODULES = frozenset(
         "test_key_cache_flood.py",
         "test_key_scope.py",
         "test_ledger.py",
+        "test_measured_by_device.py",
         "test_scheduler_faults.py",
         "test_scheduler_stress.py",
         "test_switching.py",

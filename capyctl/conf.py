@@ -143,11 +143,13 @@ def env_secret(
     return value
 
 
-def parse_sim_gpus(name: str, value: str | None) -> SimSpec | None:
-    """Parse ``CAPYCTL_SIM_GPUS`` (``24GiB``, ``2x80GiB``, ``unified:128GiB``), or ``None``."""
+def parse_sim_gpus(name: str, value: str | None, pids: str = "own") -> SimSpec | None:
+    """Parse ``CAPYCTL_SIM_GPUS`` (``24GiB``, ``2x80GiB``, ``unified:128GiB``), or ``None``;
+    ``pids`` (``CAPYCTL_SIM_PIDS``, read by :func:`env_choice`) is how the simulated probe
+    lists the engines' processes."""
     if value is None or value.strip() == "":
         return None
     try:
-        return _parse_sim_gpus(value)
+        return _parse_sim_gpus(value, pids)
     except ValueError as exc:
         raise ConfigError(f"{name}={value!r}: {exc}") from None

@@ -124,6 +124,8 @@ def host_data(host: Host) -> dict[str, Any]:
         "local": host.is_local,
         "state": host.state,
         "probe": inventory.get("probe"),
+        "measures": host.measures,
+        "measures_reason": inventory.get("measures_reason") or "",
         "unified": bool(inventory.get("unified")),
         "gpus": inventory.get("gpus", []),
         "ram_total_bytes": inventory.get("ram_total_bytes"),

@@ -29,6 +29,7 @@ from capyctl.conf import (
     env_str,
     parse_sim_gpus,
 )
+from hostagent.simgpu import SIM_PIDS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -263,7 +264,12 @@ LOGGING = {
 
 # CapyCTL's own settings. Per-deployment values override these defaults.
 CAPYCTL: dict[str, Any] = {
-    "SIM_GPUS": parse_sim_gpus("CAPYCTL_SIM_GPUS", env_optional_str("CAPYCTL_SIM_GPUS")),
+    "SIM_GPUS": parse_sim_gpus(
+        "CAPYCTL_SIM_GPUS",
+        env_optional_str("CAPYCTL_SIM_GPUS"),
+        # What the simulated probe shows of the engines' pids (docs/engines.md).
+        env_choice("CAPYCTL_SIM_PIDS", "own", SIM_PIDS),
+    ),
     # Where simulated engines record what they hold, for the simulated probe to read.
     "SIM_STATE_DIR": env_path("CAPYCTL_SIM_STATE_DIR", DATA_DIR / "sim-gpus"),
     "DEFAULT_PARK": env_choice(

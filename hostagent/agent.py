@@ -31,7 +31,7 @@ from hostagent.errors import EngineError
 from hostagent.host import HostRuntime
 from hostagent.probe import Probe, make_probe
 from hostagent.runtime import DEFAULT_RELEASE_SECONDS
-from hostagent.simgpu import parse_sim_gpus
+from hostagent.simgpu import SIM_PIDS, SIM_PIDS_ENV, parse_sim_gpus
 
 logger = logging.getLogger("hostagent.agent")
 _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
@@ -318,14 +318,18 @@ async def _read_json(receive: Any) -> dict[str, Any]:
 
 
 def probe_from_env(files: AgentFiles) -> Probe:
-    """Simulated GPUs with ``CAPYCTL_SIM_GPUS`` (tests, demos), else NVML, else none.
+    """Simulated GPUs with ``CAPYCTL_SIM_GPUS`` (tests, demos; ``CAPYCTL_SIM_PIDS``: how
+    their processes are listed), else NVML, else none.
 
     The simulation is kept in ``CAPYCTL_SIM_STATE_DIR``, by default ``sim-gpus`` in the
     agent's data dir: two agents on one machine each have their own devices."""
     sim = os.environ.get("CAPYCTL_SIM_GPUS")
     state_dir = os.environ.get("CAPYCTL_SIM_STATE_DIR")
+    pids = os.environ.get(SIM_PIDS_ENV) or "own"
+    if pids not in SIM_PIDS:
+        raise AgentError(f"{SIM_PIDS_ENV}={pids!r} must be one of: {', '.join(SIM_PIDS)}")
     try:
-        spec = parse_sim_gpus(sim) if sim else None
+        spec = parse_sim_gpus(sim, pids) if sim else None
     except ValueError as exc:
         raise AgentError(f"CAPYCTL_SIM_GPUS: {exc}") from None
     return make_probe(spec, Path(state_dir) if state_dir else files.directory / "sim-gpus")

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -69,6 +69,8 @@ class HostRuntime:
                     "pid": i.pid,
                     "create_time": _create_time(i.pid),
                     "parked_mode": i.parked_mode,
+                    "measured_by": i.measured_by,
+                    "device_held": {str(k): v for k, v in i.device_held.items()},
                 }
                 for i in self._instances.values()
             ]
@@ -102,6 +104,12 @@ class HostRuntime:
                 logger.warning("engine %s (pid %s) is gone", request.instance_id, record["pid"])
                 continue
             instance.parked_mode = record.get("parked_mode")
+            instance.measured_by = record.get("measured_by")
+            instance.device_held = {
+                int(k): None if v is None else int(v)
+                for k, v in (record.get("device_held") or {}).items()
+            }
+            self.runtime.meter.adopt(instance.measured_by)
             with self._lock:
                 self._instances[request.instance_id] = instance
             adopted.append(request.instance_id)
@@ -114,7 +122,13 @@ class HostRuntime:
             return list(self._instances)
 
     def inventory(self) -> Inventory:
-        return self.probe.inventory()
+        """The probe's inventory, with how this host measures its engines as they showed
+        it (the probe's own listing says it until one has)."""
+        inventory = self.probe.inventory()
+        learned = self.runtime.meter.learned()
+        if learned is None or inventory.unified or not inventory.gpus:
+            return inventory
+        return replace(inventory, measures=learned[0], measures_reason=learned[1])
 
     def devices(self) -> list[DeviceReading]:
         return self.probe.devices()
@@ -142,7 +156,10 @@ class HostRuntime:
         )
 
     def wait_ready(self, instance_id: str, timeout: float) -> float:
-        return self.runtime.wait_ready(self._get(instance_id), timeout)
+        try:
+            return self.runtime.wait_ready(self._get(instance_id), timeout)
+        finally:
+            self._save()  # how its start measured it, for a restart
 
     def park(self, instance_id: str, mode: str, timeout: float) -> ProcessUsage:
         try:

@@ -14,6 +14,12 @@ Three probes share one interface:
 Host RAM always comes from psutil. Per-process GPU figures can be unknown (NVML answers
 ``None`` without the right permissions, or inside some containers); they are then
 ``None``, and callers must treat unknown as "not confirmed released".
+
+Where NVML cannot tie GPU memory to the engine's processes (a container without the
+host's pids lists host pids, or none; ``None`` figures), the host runtime measures an
+engine by its device's used memory before and after each of its steps instead
+(:mod:`hostagent.measure`). Each probe says which way its listing allows, as far as one
+reading shows (``measures``).
 """
 
 from __future__ import annotations
@@ -27,9 +33,23 @@ from typing import Any, Protocol
 
 import psutil
 
-from hostagent.simgpu import SimSpec, default_state_dir, read_allocations
+from hostagent.simgpu import ProcessAllocation, SimSpec, default_state_dir, read_allocations
+from hostagent.units import format_size
 
 logger = logging.getLogger("hostagent.probe")
+
+# How a host measures what each engine holds on its GPUs: by the probe's figures for the
+# engine's own processes, or by the device's used memory before and after each step.
+PER_PROCESS = "per process"
+DEVICE = "device before/after"
+
+# A GPU with this much in use while NVML lists no process on it is used by processes NVML
+# does not show here (memory info v2 reports an idle device's use as a few MiB).
+UNLISTED_USE_BYTES = 1024**3
+
+# The simulated probe's ``foreign`` pids: past the kernel's largest pid (2**22), so that no
+# process here has one, as with the host's pids seen from inside a container.
+FOREIGN_PID_OFFSET = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -41,12 +61,16 @@ class GpuInfo:
 
 @dataclass(frozen=True)
 class Inventory:
-    """A host's devices. ``unified``: GPU and RAM are one pool (GB10, integrated GPUs)."""
+    """A host's devices. ``unified``: GPU and RAM are one pool (GB10, integrated GPUs).
+    ``measures``: how engines' GPU memory is measured here (:data:`PER_PROCESS` or
+    :data:`DEVICE`), and ``measures_reason`` why not per process (empty when it is)."""
 
     probe: str
     ram_total_bytes: int
     unified: bool = False
     gpus: list[GpuInfo] = field(default_factory=list)
+    measures: str = PER_PROCESS
+    measures_reason: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +83,8 @@ class Inventory:
             unified=bool(data.get("unified")),
             gpus=[GpuInfo(int(g["index"]), str(g["name"]), int(g["total_bytes"]))
                   for g in data.get("gpus") or []],
+            measures=str(data.get("measures") or PER_PROCESS),
+            measures_reason=str(data.get("measures_reason") or ""),
         )  # fmt: skip
 
 
@@ -106,9 +132,59 @@ class Probe(Protocol):
         """Every process using a GPU: pid → bytes per GPU index (``None`` = unknown)."""
         ...
 
+    def measures(self) -> tuple[str, str]:
+        """(:data:`PER_PROCESS` or :data:`DEVICE`, why), as far as the processes listed now
+        show; the host runtime learns the rest at its engines' starts."""
+        ...
+
     def ram(self) -> tuple[int, int]:
         """(total, available) bytes of host RAM."""
         ...
+
+
+def measures_seen(
+    processes: dict[int, dict[int, int | None]],
+    readings: list[DeviceReading],
+    refused: dict[int, str] | None = None,
+) -> tuple[str, str]:
+    """How per-process figures can be used, judged from one listing of the GPUs' processes
+    (``refused``: GPUs whose processes NVML would not list, with its error). A listing with
+    no process and no use shows nothing: per process, until a start shows otherwise."""
+    for pid, per_device in sorted(processes.items()):
+        for index, used in sorted(per_device.items()):
+            if used is None:
+                return DEVICE, f"NVML gives no memory figure for pid {pid} on gpu{index}"
+    for index, error in sorted((refused or {}).items()):
+        return DEVICE, f"NVML does not list gpu{index}'s processes ({error})"
+    if processes and not any(psutil.pid_exists(pid) for pid in processes):
+        shown = ", ".join(str(pid) for pid in sorted(processes)[:3])
+        return DEVICE, (
+            f"NVML lists pids ({shown}) of which none is a process here: another pid "
+            "namespace's (a container without the host's pids)"
+        )
+    listed = {index for per_device in processes.values() for index in per_device}
+    for reading in readings:
+        if reading.index not in listed and reading.used_bytes >= UNLISTED_USE_BYTES:
+            return DEVICE, (
+                f"gpu{reading.index} has {format_size(reading.used_bytes)} in use, and NVML "
+                "lists no process on it"
+            )
+    return PER_PROCESS, ""
+
+
+def tree_gpu(processes: dict[int, dict[int, int | None]], pids: set[int]) -> dict[int, int | None]:
+    """Bytes per GPU index that the processes ``pids`` hold, from a listing of the GPUs'
+    processes (``None``: some figure is unknown)."""
+    gpu: dict[int, int | None] = {}
+    for proc_pid, per_device in processes.items():
+        if proc_pid not in pids:
+            continue
+        for index, used in per_device.items():
+            if used is None or gpu.get(index, 0) is None:
+                gpu[index] = None
+            else:
+                gpu[index] = (gpu.get(index) or 0) + used
+    return gpu
 
 
 # Finding descendants scans every process on the host (a few ms); an engine's workers
@@ -174,12 +250,18 @@ class CpuOnlyProbe:
     def gpu_processes(self) -> dict[int, dict[int, int | None]]:
         return {}
 
+    def measures(self) -> tuple[str, str]:
+        return PER_PROCESS, ""
+
     def ram(self) -> tuple[int, int]:
         return host_ram()
 
 
 class SimulatedProbe:
-    """Devices from ``CAPYCTL_SIM_GPUS``; use from what simulated engines record."""
+    """Devices from ``CAPYCTL_SIM_GPUS``; use from what simulated engines record. Their
+    processes are listed as ``spec.pids`` says (:data:`hostagent.simgpu.SIM_PIDS`): by
+    their own pids, or as NVML lists them where it cannot see this pid namespace (on
+    discrete GPUs: a unified pool is host memory, read per process)."""
 
     name = "simulated"
 
@@ -200,7 +282,9 @@ class SimulatedProbe:
             GpuInfo(index=i, name=f"Simulated GPU {i}", total_bytes=size)
             for i, size in enumerate(self.spec.sizes)
         ]
-        return Inventory(probe=self.name, ram_total_bytes=host_ram()[0], gpus=gpus)
+        measures, reason = self.measures()
+        return Inventory(probe=self.name, ram_total_bytes=host_ram()[0], gpus=gpus,
+                         measures=measures, measures_reason=reason)  # fmt: skip
 
     def devices(self) -> list[DeviceReading]:
         used = [0] * len(self.spec.sizes)
@@ -218,21 +302,34 @@ class SimulatedProbe:
     def process_usage(self, pid: int) -> ProcessUsage:
         tree = process_tree(pid)
         pids = {proc.pid for proc in tree}
-        gpu: dict[int, int | None] = {}
-        simulated_host = 0
-        for allocation in read_allocations(self.state_dir):
-            if allocation.pid in pids:
-                for index, num_bytes in allocation.gpu.items():
-                    gpu[index] = (gpu.get(index) or 0) + num_bytes
-                simulated_host += allocation.host_bytes
+        allocations = read_allocations(self.state_dir)
+        # Host RAM is read by the process's own pid wherever it runs (psutil sees it).
+        simulated_host = sum(a.host_bytes for a in allocations if a.pid in pids)
+        gpu = tree_gpu(self._listing(allocations), pids)
         return ProcessUsage(gpu=gpu, host_bytes=_tree_rss(tree) + simulated_host)
 
     def gpu_processes(self) -> dict[int, dict[int, int | None]]:
+        return self._listing(read_allocations(self.state_dir))
+
+    def _listing(self, allocations: list[ProcessAllocation]) -> dict[int, dict[int, int | None]]:
+        """The processes on the GPUs as this simulated NVML lists them (``spec.pids``)."""
+        shown = "own" if self.spec.unified else self.spec.pids
+        if shown == "empty":
+            return {}
+        offset = FOREIGN_PID_OFFSET if shown == "foreign" else 0
         return {
-            allocation.pid: dict(allocation.gpu.items())
-            for allocation in read_allocations(self.state_dir)
+            allocation.pid + offset: {
+                index: None if shown == "unknown" else num_bytes
+                for index, num_bytes in allocation.gpu.items()
+            }
+            for allocation in allocations
             if allocation.gpu
         }
+
+    def measures(self) -> tuple[str, str]:
+        if self.spec.unified:
+            return PER_PROCESS, ""
+        return measures_seen(self.gpu_processes(), self.devices())
 
     def ram(self) -> tuple[int, int]:
         """Host RAM as the simulation has it: the real machine's, less the weights copies
@@ -284,6 +381,7 @@ class NvmlProbe:
         return name.decode() if isinstance(name, bytes) else str(name)
 
     def inventory(self) -> Inventory:
+        measures, reason = self.measures()
         with self._lock:
             ram_total = host_ram()[0]
             if self._unified:
@@ -298,7 +396,8 @@ class NvmlProbe:
                 GpuInfo(index=i, name=self._name(h), total_bytes=int(self._memory(h).total))
                 for i, h in enumerate(self._handles)
             ]
-            return Inventory(probe=self.name, ram_total_bytes=ram_total, gpus=gpus)
+            return Inventory(probe=self.name, ram_total_bytes=ram_total, gpus=gpus,
+                             measures=measures, measures_reason=reason)  # fmt: skip
 
     def devices(self) -> list[DeviceReading]:
         with self._lock:
@@ -325,14 +424,50 @@ class NvmlProbe:
                 )
             return readings
 
-    def gpu_processes(self) -> dict[int, dict[int, int | None]]:
+    def _mig_instances(self, handle: Any) -> list[Any]:
+        """The MIG device handles of a GPU in MIG mode (empty otherwise)."""
+        nvml = self._nvml
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        except (nvml.NVMLError, AttributeError):
+            return []  # a GPU without MIG, or an NVML too old to know it
+        if current != nvml.NVML_DEVICE_MIG_ENABLE:
+            return []
+        found = []
+        for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                found.append(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))
+            except nvml.NVMLError_NotFound:
+                continue  # an empty slot
+        return found
+
+    def _device_processes(self, handle: Any) -> list[Any]:
+        """The compute processes on a GPU. In MIG mode, those of each of its MIG instances
+        with their per-instance figures: the GPU's own list is an aggregate that NVML gives
+        only to the privileged (elsewhere it is empty, or has no figures)."""
+        nvml = self._nvml
+        instances = self._mig_instances(handle)
+        if not instances:
+            return list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        processes = []
+        for instance in instances:
+            processes.extend(nvml.nvmlDeviceGetComputeRunningProcesses(instance))
+        return processes
+
+    def _listing(self) -> tuple[dict[int, dict[int, int | None]], dict[int, str]]:
+        """Every process on the GPUs (pid → bytes per GPU index), and the GPUs whose
+        processes NVML would not list, with its error (no permission, in a container)."""
         nvml = self._nvml
         found: dict[int, dict[int, int | None]] = {}
+        refused: dict[int, str] = {}
         with self._lock:
             for index, handle in enumerate(self._handles):
                 try:
-                    processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                    processes = self._device_processes(handle)
                 except nvml.NVMLError_NotSupported:
+                    continue
+                except nvml.NVMLError as exc:
+                    refused[index] = str(exc)
                     continue
                 for proc in processes:
                     used = proc.usedGpuMemory
@@ -341,23 +476,23 @@ class NvmlProbe:
                         per_device[index] = None
                     else:
                         per_device[index] = (per_device.get(index) or 0) + int(used)
-        return found
+        return found, refused
+
+    def gpu_processes(self) -> dict[int, dict[int, int | None]]:
+        return self._listing()[0]
+
+    def measures(self) -> tuple[str, str]:
+        if self._unified:
+            return PER_PROCESS, ""  # the pool is host memory: psutil reads it per process
+        found, refused = self._listing()
+        return measures_seen(found, self.devices(), refused)
 
     def ram(self) -> tuple[int, int]:
         return host_ram()
 
     def process_usage(self, pid: int) -> ProcessUsage:
         tree = process_tree(pid)
-        pids = {proc.pid for proc in tree}
-        gpu: dict[int, int | None] = {}
-        for proc_pid, per_device in self.gpu_processes().items():
-            if proc_pid not in pids:
-                continue
-            for index, used in per_device.items():
-                if used is None or gpu.get(index, 0) is None:
-                    gpu[index] = None
-                else:
-                    gpu[index] = (gpu.get(index) or 0) + used
+        gpu = tree_gpu(self.gpu_processes(), {proc.pid for proc in tree})
         host = _tree_rss(tree)
         if self._unified:
             # On unified memory GPU allocations are host memory: count them once, in the pool.

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 
 from hostagent.errors import EngineExitedError, EngineStuckError, StartTimeoutError
+from hostagent.kinds.base import KEY_VARIABLES
 
 logger = logging.getLogger("hostagent.process")
 
@@ -26,7 +27,9 @@ DEFAULT_LOG_MAX_BYTES = 8 * 1024 * 1024
 
 # What an engine inherits from this process's environment; nothing else does (a database
 # password or a token meant for the server stays here). CAPYCTL_SIM_ reaches the simulated
-# engines' knobs. The kind's variables and the engine's own env are added on top.
+# engines' knobs. The kind's variables and the engine's own env are added on top. Variables
+# engines read API keys from are never inherited (VLLM_API_KEY matches VLLM_, and would
+# open the engine to the host's key): the kind sets the one its engine reads.
 INHERITED_NAMES = frozenset({"PATH", "HOME", "LANG", "TMPDIR"})
 INHERITED_PREFIXES = (
     "LC_", "CUDA_", "NVIDIA_", "HF_", "VLLM_", "SGLANG_", "LLAMA_", "CAPYCTL_SIM_",
@@ -38,7 +41,8 @@ def inherited_env() -> dict[str, str]:
     return {
         name: value
         for name, value in os.environ.items()
-        if name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)
+        if (name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES))
+        and name not in KEY_VARIABLES
     }
 
 

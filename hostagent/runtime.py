@@ -2,7 +2,8 @@
 
 This is what the control plane drives, in-process for the standalone host and through the
 host agent elsewhere. It trusts no engine's word alone: a park is confirmed with the GPU
-probe's per-process figures before it counts as done.
+probe's per-process figures before it counts as done, or, where the probe cannot see the
+engine's processes, by its GPUs' used memory falling (:mod:`hostagent.measure`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ from hostagent.errors import (
     MemoryNotReleasedError,
 )
 from hostagent.kinds import EngineClient, EngineKind, LaunchSpec, get_kind
-from hostagent.probe import Probe, ProcessUsage, SimulatedProbe
+from hostagent.measure import (
+    LAUNCH_LEASE_SECONDS,
+    LEASE_MARGIN_SECONDS,
+    RELEASED_SHARE,
+    DeviceMeter,
+    Lease,
+    release_tolerance,
+    released_on_device,
+)
+from hostagent.probe import DEVICE, Probe, ProcessUsage, SimulatedProbe
 from hostagent.process import (
     DEFAULT_LOG_MAX_BYTES,
     EngineProcess,
@@ -35,14 +45,11 @@ from hostagent.process import (
     stop_process,
     wait_ready,
 )
+from hostagent.rundir import prepare_run_dir, remove_run_dir
 from hostagent.simgpu import SIM_GPUS_ENV, SIM_STATE_ENV
 from hostagent.units import format_size
 
 logger = logging.getLogger("hostagent.runtime")
-
-# A park counts as released when each GPU's figure fell to at most this share of what it
-# was: engines keep a residual (CUDA context, graphs) that is small next to their claim.
-RELEASED_SHARE = 0.5
 
 
 # Ports handed out lately, by when: the kernel may give a port that was just free to the
@@ -89,7 +96,12 @@ class InstanceRequest:
 
 @dataclass
 class Instance:
-    """A launched engine: its process, its loopback port and launch key, its state."""
+    """A launched engine: its process, its loopback port and launch key, its state.
+
+    ``measured_by``: how its GPU memory is read (``None`` until its start showed it). On
+    the device path ``device_held`` is what it holds per GPU, as its steps measured it (its
+    share once ready, its residual once parked; ``None``: unknown). ``start_before`` (the
+    GPUs' use before its launch) and ``lease`` (its GPUs, held) last while a step does."""
 
     request: InstanceRequest
     kind: EngineKind
@@ -97,6 +109,10 @@ class Instance:
     process: EngineProcess
     client: EngineClient
     parked_mode: str | None = None
+    measured_by: str | None = None
+    device_held: dict[int, int | None] = field(default_factory=dict)
+    start_before: dict[int, int] | None = None
+    lease: Lease | None = None
 
     @property
     def pid(self) -> int:
@@ -132,7 +148,9 @@ class EngineRuntime:
         release_timeout: float = DEFAULT_RELEASE_SECONDS,
     ) -> None:
         self.probe = probe
+        self.meter = DeviceMeter(probe)
         self.log_dir = log_dir
+        self.run_root = log_dir.parent / "run"  # each instance's run dir: its key file
         self.log_max_bytes = log_max_bytes
         self.release_timeout = release_timeout
 
@@ -159,6 +177,7 @@ class EngineRuntime:
             options=dict(request.options),
             ram_park=request.ram_park,
             memory_fraction=request.memory_fraction,
+            run_dir=self.run_root / request.instance_id,
         )
 
     def adopt(
@@ -179,15 +198,30 @@ class EngineRuntime:
         )
 
     def launch(self, request: InstanceRequest) -> Instance:
-        """Start the engine process; it is not ready yet (see :meth:`wait_ready`)."""
+        """Start the engine process; it is not ready yet (see :meth:`wait_ready`). Where its
+        start may be measured by device, its GPUs are held from here until it is ready."""
         kind = get_kind(request.kind)
         # A key that never starts with "-", which flag parsers would misread.
         spec = self._spec(request, free_port(), secrets.token_hex(24))
         launch = kind.build_launch(spec)
         log_path = self.log_dir / f"{request.instance_id}.log"
-        process = start_process(
-            launch.argv, env=launch.env, log_path=log_path, log_max_bytes=self.log_max_bytes
-        )
+        gpus = self.meter.gpus(request.gpu_indices)
+        lease = None
+        if gpus and self.meter.leases_starts():
+            lease = self.meter.leases.acquire(
+                f"the start of {request.served_name}", gpus, LAUNCH_LEASE_SECONDS
+            )
+        try:
+            prepare_run_dir(self.run_root / request.instance_id, launch.files)
+            before = self.meter.used(gpus) if lease is not None else None
+            process = start_process(
+                launch.argv, env=launch.env, log_path=log_path, log_max_bytes=self.log_max_bytes
+            )
+        except BaseException:
+            remove_run_dir(self.run_root / request.instance_id)
+            if lease is not None:
+                self.meter.leases.release(lease)
+            raise
         logger.info(
             "started %s engine for %s: pid %s on 127.0.0.1:%s",
             kind.name,
@@ -201,21 +235,68 @@ class EngineRuntime:
             spec=spec,
             process=process,
             client=EngineClient(spec.port, spec.api_key),
+            start_before=before,
+            lease=lease,
         )
 
     def wait_ready(self, instance: Instance, timeout: float) -> float:
-        """Wait for health, then warm up; return the seconds it took."""
+        """Wait for health, then warm up; return the seconds it took. A start held on its
+        GPUs is measured here, once warm, and its GPUs let go."""
         what = f"{instance.kind.name} engine for {instance.request.served_name}"
         started = time.monotonic()
-        wait_ready(
-            instance.process,
-            lambda: instance.kind.is_healthy(instance.client, instance.spec),
-            timeout=timeout,
-            what=what,
-        )
-        self._check_loopback(instance, what)
-        self._call(instance, lambda: instance.kind.warm_up(instance.client, instance.spec))
+        lease = instance.lease  # its launch's, where its start is measured
+        if lease is not None:
+            self.meter.leases.renew(lease, timeout + LEASE_MARGIN_SECONDS)
+        try:
+            wait_ready(
+                instance.process,
+                lambda: instance.kind.is_healthy(instance.client, instance.spec),
+                timeout=timeout,
+                what=what,
+            )
+            self._check_loopback(instance, what)
+            self._call(instance, lambda: instance.kind.warm_up(instance.client, instance.spec))
+            if instance.start_before is not None:
+                self._measure_start(instance, instance.start_before)
+        finally:
+            instance.start_before = None
+            self._unlease(instance, lease)
         return time.monotonic() - started
+
+    def _measure_start(self, instance: Instance, before: dict[int, int]) -> None:
+        """Decide how the instance is measured from its GPUs' growth over its start and
+        what the probe shows its processes holding; on the device path, its share is that
+        growth (unknown if its lease was lost)."""
+        after = self.meter.used(list(before))
+        grew = {index: after.get(index, 0) - used for index, used in before.items()}
+        seen = self.probe.process_usage(instance.pid)
+        what = f"{instance.request.served_name} (pid {instance.pid})"
+        instance.measured_by = self.meter.judge_start(seen, grew, what)
+        if instance.measured_by == DEVICE:
+            intact = instance.lease is not None and not instance.lease.lost
+            instance.device_held = {i: max(g, 0) if intact else None for i, g in grew.items()}
+            logger.info(
+                "%s holds %s, measured by device", what, _describe_gpu(instance.device_held)
+            )
+
+    def _hold(self, instance: Instance, step: str, seconds: float) -> Lease | None:
+        """Hold the instance's GPUs for ``step``, where steps are measured by device."""
+        gpus = self.meter.gpus(instance.request.gpu_indices)
+        if not gpus or not self.meter.leases_steps():
+            return None
+        lease = self.meter.leases.acquire(
+            f"the {step} of {instance.request.served_name}", gpus, seconds
+        )
+        instance.lease = lease
+        return lease
+
+    def _unlease(self, instance: Instance, lease: Lease | None) -> None:
+        """Let go of a step's GPUs (a stop may have ended its lease already)."""
+        if lease is None:
+            return
+        self.meter.leases.release(lease)
+        if instance.lease is lease:
+            instance.lease = None
 
     def _check_loopback(self, instance: Instance, what: str) -> None:
         """An engine that listens beyond loopback exposes routes no key guards (vLLM's
@@ -224,14 +305,25 @@ class EngineRuntime:
         if not exposed:
             return
         stop_process(instance.process, grace_seconds=2.0)
+        remove_run_dir(self.run_root / instance.request.instance_id)
         raise EngineExposedError(
             f"{what} listens on {', '.join(exposed)}, not on 127.0.0.1 and ::1 only, so "
             "it was stopped (does its command or args set another address?)"
         )
 
     def usage(self, instance: Instance) -> ProcessUsage:
-        """What the probe sees the instance's process tree hold now."""
-        return self.probe.process_usage(instance.pid)
+        """What the instance's process tree holds now: the probe's figures, or on the device
+        path what its steps measured (while its start is measured: what its GPUs grew by so
+        far, so that it is never counted as someone else's)."""
+        seen = self.probe.process_usage(instance.pid)
+        if instance.measured_by == DEVICE:
+            return ProcessUsage(gpu=dict(instance.device_held), host_bytes=seen.host_bytes)
+        before = instance.start_before
+        if before is not None and not any(seen.gpu.get(i) for i in before):
+            now = self.meter.used(list(before))
+            grown = {i: max(now.get(i, 0) - used, 0) for i, used in before.items()}
+            return ProcessUsage(gpu={**seen.gpu, **grown}, host_bytes=seen.host_bytes)
+        return seen
 
     def _call(self, instance: Instance, action: Any) -> None:
         """Run a control call; if the engine died meanwhile, say so with its last logs."""
@@ -255,6 +347,16 @@ class EngineRuntime:
         :class:`~hostagent.errors.MemoryNotReleasedError` when the engine says it parked
         but the probe does not show the memory released within ``release_timeout``.
         """
+        seconds = timeout + self.release_timeout + LEASE_MARGIN_SECONDS
+        lease = self._hold(instance, f"{mode} park", seconds)
+        try:
+            if instance.measured_by == DEVICE:
+                return self._park_by_device(instance, mode, timeout, lease)
+            return self._park_per_process(instance, mode, timeout)
+        finally:
+            self._unlease(instance, lease)
+
+    def _park_per_process(self, instance: Instance, mode: str, timeout: float) -> ProcessUsage:
         before = self.usage(instance)
         assigned = instance.request.gpu_indices or []
         if assigned and not all(before.gpu.get(i) is not None for i in assigned):
@@ -277,25 +379,84 @@ class EngineRuntime:
                 )
             time.sleep(0.05)
 
-    def wake(self, instance: Instance, mode: str, timeout: float) -> float:
-        """Wake from a ``mode`` park and wait until healthy; return the seconds it took."""
-        started = time.monotonic()
+    def _park_by_device(
+        self, instance: Instance, mode: str, timeout: float, lease: Lease | None
+    ) -> ProcessUsage:
+        """A park confirmed by each of its GPUs' used memory falling by the instance's share
+        there, less :func:`~hostagent.measure.release_tolerance`; what stays is its
+        residual."""
+        share = dict(instance.device_held)
+        before = self.meter.used(list(share))
         with _client_for(instance, timeout) as client:
-            self._call(instance, lambda: instance.kind.wake(client, instance.spec, mode))
-        instance.parked_mode = None
-        remaining = max(timeout - (time.monotonic() - started), 1.0)
-        wait_ready(
-            instance.process,
-            lambda: instance.kind.is_healthy(instance.client, instance.spec),
-            timeout=remaining,
-            what=f"{instance.kind.name} engine for {instance.request.served_name}",
-        )
+            self._call(instance, lambda: instance.kind.park(client, instance.spec, mode))
+        instance.parked_mode = mode
+        deadline = time.monotonic() + self.release_timeout
+        while True:
+            now = self.meter.used(list(share))
+            fell = {i: before.get(i, 0) - now.get(i, 0) for i in share}
+            intact = lease is not None and not lease.lost
+            if intact and all(
+                held is not None and released_on_device(held, fell[i]) for i, held in share.items()
+            ):
+                instance.device_held = {
+                    i: max((held or 0) - fell[i], 0) for i, held in share.items()
+                }
+                return self.usage(instance)
+            if time.monotonic() >= deadline:
+                raise MemoryNotReleasedError(
+                    f"{instance.kind.name} engine for {instance.request.served_name} answered "
+                    f"the {mode} park, but its GPUs' used memory did not fall by its share "
+                    f"({_describe_fall(share, fell)})",
+                    still_held={
+                        i: None if held is None else max(held - fell[i], 0)
+                        for i, held in share.items()
+                    },
+                )
+            time.sleep(0.05)
+
+    def wake(self, instance: Instance, mode: str, timeout: float) -> float:
+        """Wake from a ``mode`` park and wait until healthy; return the seconds it took. On
+        the device path what its GPUs grew by is added to what it kept parked."""
+        started = time.monotonic()
+        lease = self._hold(instance, f"{mode} wake", timeout + LEASE_MARGIN_SECONDS)
+        try:
+            before = self.meter.used(list(instance.device_held))
+            with _client_for(instance, timeout) as client:
+                self._call(instance, lambda: instance.kind.wake(client, instance.spec, mode))
+            instance.parked_mode = None
+            remaining = max(timeout - (time.monotonic() - started), 1.0)
+            wait_ready(
+                instance.process,
+                lambda: instance.kind.is_healthy(instance.client, instance.spec),
+                timeout=remaining,
+                what=f"{instance.kind.name} engine for {instance.request.served_name}",
+            )
+            if instance.measured_by == DEVICE:
+                after = self.meter.used(list(before))
+                intact = lease is not None and not lease.lost
+                instance.device_held = {
+                    i: None if held is None or not intact
+                    else held + max(after.get(i, 0) - before.get(i, 0), 0)
+                    for i, held in instance.device_held.items()
+                }  # fmt: skip
+        finally:
+            self._unlease(instance, lease)
         return time.monotonic() - started
 
     def stop(self, instance: Instance, grace_seconds: float = 10.0) -> int:
-        """End the engine process (SIGTERM, then SIGKILL); return its exit status."""
+        """End the engine process (SIGTERM, then SIGKILL); return its exit status. A step of
+        the instance still under way is cut short: what it measures no longer counts."""
         instance.client.close()
-        code = stop_process(instance.process, grace_seconds=grace_seconds)
+        if instance.lease is not None:
+            self.meter.leases.end(instance.lease)
+            instance.lease = None
+        # SIGKILL's own wait is 30 s (hostagent.process): the lease outlasts it.
+        lease = self._hold(instance, "stop", grace_seconds + 30 + LEASE_MARGIN_SECONDS)
+        try:
+            code = stop_process(instance.process, grace_seconds=grace_seconds)
+        finally:
+            self._unlease(instance, lease)
+            remove_run_dir(self.run_root / instance.request.instance_id)
         logger.info(
             "stopped %s engine for %s (pid %s, status %s)",
             instance.kind.name,
@@ -322,6 +483,28 @@ def _released(before: ProcessUsage, now: ProcessUsage) -> bool:
         if held_before and held_now > held_before * RELEASED_SHARE:
             return False
     return True
+
+
+def _describe_gpu(gpu: dict[int, int | None]) -> str:
+    parts = [
+        f"gpu{index} {'unknown' if value is None else format_size(value)}"
+        for index, value in sorted(gpu.items())
+    ]
+    return ", ".join(parts) or "no GPU memory"
+
+
+def _describe_fall(share: dict[int, int | None], fell: dict[int, int]) -> str:
+    parts = []
+    for index, held in sorted(share.items()):
+        if held is None:
+            parts.append(f"gpu{index}: its share is unknown")
+        else:
+            needed = held - release_tolerance(held)
+            parts.append(
+                f"gpu{index} fell by {format_size(max(fell[index], 0))}, of its "
+                f"{format_size(held)}: at least {format_size(needed)} needed"
+            )
+    return "; ".join(parts)
 
 
 def _describe(usage: ProcessUsage) -> str:

@@ -19,29 +19,41 @@ from hostagent.units import SizeError, parse_size
 
 SIM_GPUS_ENV = "CAPYCTL_SIM_GPUS"
 SIM_STATE_ENV = "CAPYCTL_SIM_STATE_DIR"
+# What the simulated probe lets CapyCTL see of the engines' processes, as NVML does in the
+# places it runs: ``own`` (their pids, as on a bare host), ``foreign`` (pids of another pid
+# namespace: a container without the host's pids), ``empty`` (no process listed) or
+# ``unknown`` (processes listed with no figure: NVML_VALUE_NOT_AVAILABLE).
+SIM_PIDS_ENV = "CAPYCTL_SIM_PIDS"
+SIM_PIDS = ("own", "foreign", "empty", "unknown")
 
 _PART_RE = re.compile(r"^(?:(?P<count>\d+)x)?(?P<size>\d[0-9.]*\s?[A-Za-z]*)$")
 
 
 @dataclass(frozen=True)
 class SimSpec:
-    """Simulated devices: ``unified`` (one pool shared with RAM) or discrete GPU sizes."""
+    """Simulated devices: ``unified`` (one pool shared with RAM) or discrete GPU sizes;
+    ``pids``: how the probe lists the processes that use them (:data:`SIM_PIDS`)."""
 
     unified: bool
     sizes: list[int]
+    pids: str = "own"
 
 
-def parse_sim_gpus(value: str) -> SimSpec:
-    """Parse ``24GiB``, ``2x80GiB``, ``24GiB,48GiB`` or ``unified:128GiB``.
+def parse_sim_gpus(value: str, pids: str = "own") -> SimSpec:
+    """Parse ``24GiB``, ``2x80GiB``, ``24GiB,48GiB`` or ``unified:128GiB``; ``pids`` is
+    one of :data:`SIM_PIDS`.
 
     Raises ``ValueError`` with a message that names the bad part.
     """
+    if pids not in SIM_PIDS:
+        raise ValueError(f"{pids!r} is not one of: {', '.join(SIM_PIDS)}")
     text = value.strip()
     if text.startswith("unified:"):
         try:
-            return SimSpec(unified=True, sizes=[parse_size(text.removeprefix("unified:"))])
+            size = parse_size(text.removeprefix("unified:"))
         except SizeError as exc:
             raise ValueError(str(exc)) from None
+        return SimSpec(unified=True, sizes=[size], pids=pids)
     sizes: list[int] = []
     for part in text.split(","):
         match = _PART_RE.match(part.strip())
@@ -58,7 +70,7 @@ def parse_sim_gpus(value: str) -> SimSpec:
         except SizeError as exc:
             raise ValueError(str(exc)) from None
         sizes.extend([size] * count)
-    return SimSpec(unified=False, sizes=sizes)
+    return SimSpec(unified=False, sizes=sizes, pids=pids)
 
 
 def default_state_dir() -> Path:

@@ -351,7 +351,7 @@ def test_custom_engines_with_env_and_hooks(cli):
     }
     result = cli(
         "engine", "add", "mine", "--kind", "custom",
-        "--command", "my-server --host {host} --port {port} --key {api_key}",
+        "--command", "my-server --host {host} --port {port} --key-file {api_key_file}",
         "--env", "OMP_NUM_THREADS=4", "--options", json.dumps(options),
     )  # fmt: skip
     assert result.code == 0, result.err

@@ -230,6 +230,7 @@ def test_staff_see_the_whole_picture_without_javascript(client, alice, two_model
     assert '<tr data-deployment="chat" data-state="ready">' in html
     assert '<td class="state state-ready">ready</td>' in html
     assert 'data-pool="gpu0"' in html
+    assert "this machine · probe simulated · measures per process" in html
     assert 'title="chat: 16.0 GiB held"' in html
     assert 'title="coder: 4.0 GiB promised"' in html
     assert 'id="dashboard-data"' in html

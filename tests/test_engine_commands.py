@@ -1,5 +1,8 @@
-"""Golden command lines: exactly what CapyCTL runs for each kind (DESIGN §7)."""
+"""Golden command lines: exactly what CapyCTL runs for each kind (DESIGN §7). The launch
+key is in none of them: it reaches each engine in its environment or a 0600 file."""
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ def spec(command, **extra):
         "api_key": "launch-key",
         "extra_args": ["--max-model-len", "8192"],
         "gpu_indices": [0, 1],
+        "run_dir": Path("/data/run/i1"),
     }
     values.update(extra)
     return LaunchSpec(**values)
@@ -25,10 +29,13 @@ def test_vllm():
     launch = get_kind("vllm").build_launch(spec("/opt/vllm/bin/vllm"))
     assert launch.argv == [
         "/opt/vllm/bin/vllm", "serve", "/models/qwen", "--served-model-name", "chat",
-        "--host", "127.0.0.1", "--port", "41000", "--api-key", "launch-key",
+        "--host", "127.0.0.1", "--port", "41000",
         "--enable-sleep-mode", "--max-model-len", "8192",
     ]  # fmt: skip
-    assert launch.env == {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_SERVER_DEV_MODE": "1"}
+    assert launch.env == {
+        "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "launch-key"
+    }  # fmt: skip
+    assert launch.files == {}
 
 
 def test_sglang_with_and_without_cpu_backup():
@@ -36,8 +43,12 @@ def test_sglang_with_and_without_cpu_backup():
     assert launch.argv == [
         "python", "-m", "sglang.launch_server", "--model-path", "/models/qwen",
         "--served-model-name", "chat", "--host", "127.0.0.1", "--port", "41000",
-        "--api-key", "launch-key", "--enable-memory-saver", "--enable-weights-cpu-backup",
+        "--config", "/data/run/i1/sglang-config.yaml",
+        "--enable-memory-saver", "--enable-weights-cpu-backup",
     ]  # fmt: skip
+    (text,) = launch.files.values()
+    assert launch.files.keys() == {Path("/data/run/i1/sglang-config.yaml")}
+    assert json.loads(text) == {"api-key": "launch-key"}  # JSON is YAML, which SGLang reads
     deep_only = get_kind("sglang").build_launch(spec("sglang", extra_args=[], ram_park=False))
     assert "--enable-weights-cpu-backup" not in deep_only.argv
     assert deep_only.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
@@ -54,9 +65,9 @@ def test_llamacpp():
     )
     assert launch.argv == [
         "/usr/bin/llama-server", "-m", "/m/tiny.gguf", "--alias", "chat",
-        "--host", "127.0.0.1", "--port", "41000", "--api-key", "launch-key", "-c", "2048",
+        "--host", "127.0.0.1", "--port", "41000", "-c", "2048",
     ]  # fmt: skip
-    assert launch.env == {"CUDA_VISIBLE_DEVICES": ""}
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "", "LLAMA_API_KEY": "launch-key"}
 
 
 def test_tensorfold():
@@ -65,21 +76,45 @@ def test_tensorfold():
     )
     assert launch.argv == [
         "tensorfold", "serve", "/models/qwen", "--name", "chat",
-        "--host", "127.0.0.1", "--port", "41000", "--api-key", "launch-key",
+        "--host", "127.0.0.1", "--port", "41000",
     ]  # fmt: skip
-    assert launch.env == {}
+    assert launch.env == {"TENSORFOLD_API_KEY": "launch-key"}
 
 
 def test_custom_template_fills_each_argument_alone():
-    template = "my-server --listen {host}:{port} --key {api_key} --model {source} --name {model}"
+    template = (
+        "my-server --listen {host}:{port} --key-file {api_key_file} --model {source} --name {model}"
+    )
     launch = get_kind("custom").build_launch(
         spec(template, source="/models/a b; rm -rf /", extra_args=["--fast"], gpu_indices=[3])
     )
     assert launch.argv == [
-        "my-server", "--listen", "127.0.0.1:41000", "--key", "launch-key",
+        "my-server", "--listen", "127.0.0.1:41000", "--key-file", "/data/run/i1/api-key",
         "--model", "/models/a b; rm -rf /", "--name", "chat", "--fast",
     ]  # fmt: skip
     assert launch.env == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert launch.files == {Path("/data/run/i1/api-key"): "launch-key\n"}
+
+
+def test_custom_key_in_the_variable_its_options_name():
+    launch = get_kind("custom").build_launch(
+        spec("my-server --listen {host}:{port}", options={"api_key_env": "MY_KEY"}, extra_args=[])
+    )
+    assert launch.argv == ["my-server", "--listen", "127.0.0.1:41000"]
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "0,1", "MY_KEY": "launch-key"}
+    assert launch.files == {}  # no {api_key_file}: no file
+
+
+def test_key_variables_in_an_engines_env_are_dropped_the_kinds_own_set():
+    env = {"VLLM_API_KEY": "other", "LLAMA_API_KEY": "other", "LLAMA_ARG_API_KEY_FILE": "/k",
+           "TENSORFOLD_API_KEY": "other", "OMP_NUM_THREADS": "2"}  # fmt: skip
+    for kind, own in (("vllm", "VLLM_API_KEY"), ("llamacpp", "LLAMA_API_KEY"),
+                      ("tensorfold", "TENSORFOLD_API_KEY"), ("sglang", None)):  # fmt: skip
+        launch = get_kind(kind).build_launch(spec(kind, env=env))
+        keys = {name: value for name, value in launch.env.items() if "KEY" in name}
+        assert keys == ({own: "launch-key"} if own else {}), kind
+        assert launch.env["OMP_NUM_THREADS"] == "2"
+        assert "launch-key" not in " ".join(launch.argv)
 
 
 def test_the_claim_becomes_the_engines_memory_fraction():

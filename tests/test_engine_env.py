@@ -77,10 +77,11 @@ def test_an_engine_sees_only_the_allowed_environment(program_env):
 @pytest.mark.django_db
 def test_a_custom_template_without_host_is_refused_by_the_cli_and_rest(cli, alice):
     refused = cli("engine", "add", "c1", "--kind", "custom", "--command",
-                  "my-server --port {port} --key {api_key}")  # fmt: skip
+                  "my-server --port {port} --key-file {api_key_file}")  # fmt: skip
     assert refused.code == 2
     assert refused.err.strip().splitlines()[-1] == (
-        "capyctl: error: invalid command template 'my-server --port {port} --key {api_key}': "
+        "capyctl: error: invalid command template "
+        "'my-server --port {port} --key-file {api_key_file}': "
         "it must contain {host} so the server listens on 127.0.0.1 only"
     )
     client = APIClient()
@@ -102,7 +103,7 @@ def test_a_custom_template_without_host_is_refused_by_the_cli_and_rest(cli, alic
 def test_an_engine_listening_on_every_interface_is_stopped_with_the_reason(gpu24):
     # {host} is in the template, but the server ignores it and binds 0.0.0.0.
     add_engine("open", kind="custom", env=SIM_ENV, command=(
-        f"{SIM} llamacpp -m {{source}} --port {{port}} --api-key {{api_key}} "
+        f"{SIM} llamacpp -m {{source}} --port {{port}} --api-key-file {{api_key_file}} "
         "--host 0.0.0.0 --note {host}"))  # fmt: skip
     model = deployment("exposed", engine="open")
     with pytest.raises(operations.EngineFailedError, match=re.escape(EVERY_INTERFACE)):
@@ -120,7 +121,10 @@ def test_an_engine_listening_on_every_interface_is_stopped_with_the_reason(gpu24
 
 @pytest.mark.django_db(transaction=True)
 def test_an_engine_on_loopback_passes_the_check(gpu24):
-    template = f"{SIM} llamacpp -m {{source}} --host {{host}} --port {{port}} --api-key {{api_key}}"
+    template = (
+        f"{SIM} llamacpp -m {{source}} --host {{host}} --port {{port}} "
+        "--api-key-file {api_key_file}"
+    )
     add_engine("closed", kind="custom", env=SIM_ENV, command=template)
     model = deployment("private", engine="closed")
     assert operations.ensure_ready(model.pk).observed_state == "ready"

@@ -49,12 +49,29 @@ def test_program_commands_are_split_without_a_shell():
 
 def test_custom_templates_need_a_port_and_known_placeholders():
     custom = get_kind("custom")
-    argv = custom.check_command("myserver --listen {host}:{port} --key {api_key} {source}")
-    assert argv == ["myserver", "--listen", "{host}:{port}", "--key", "{api_key}", "{source}"]
+    argv = custom.check_command("myserver --listen {host}:{port} --keys {api_key_file} {source}")
+    assert argv == ["myserver", "--listen", "{host}:{port}", "--keys", "{api_key_file}", "{source}"]
     with pytest.raises(KindError, match=r"must contain \{port\}"):
         custom.check_command("myserver --model {model}")
     with pytest.raises(KindError, match=r"unknown placeholder \{gpu\}"):
         custom.check_command("myserver --port {port} --gpu {gpu}")
+
+
+def test_a_custom_template_may_not_put_the_key_on_the_command_line():
+    with pytest.raises(KindError) as info:
+        get_kind("custom").check_command("myserver --listen {host}:{port} --key {api_key}")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "{api_key} would put the launch key on the command line" in message
+    assert "use {api_key_file}" in message
+    assert "api_key_env" in message
+
+
+def test_custom_api_key_env_must_name_a_variable():
+    get_kind("custom").check_options({"api_key_env": "MY_SERVER_KEY"})
+    for bad in ("", "MY-KEY", "1KEY", "A=B", 3):
+        with pytest.raises(KindError, match="api_key_env must be an environment variable name"):
+            get_kind("custom").check_options({"api_key_env": bad})
 
 
 @pytest.mark.parametrize("flag", ["--host", "--port=9000", "--api-key", "--served-model-name"])

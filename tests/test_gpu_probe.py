@@ -1,30 +1,61 @@
 """The NVML probe, driven through a fake pynvml (the boundary: no GPU on test machines)."""
 
 import os
+import sys
+import threading
+import time
 from types import SimpleNamespace
+from typing import Any
 
 import pynvml
+import pytest
 
 from hostagent import probe as probe_module
-from hostagent.agent import AgentFiles, probe_from_env
-from hostagent.probe import CpuOnlyProbe, NvmlProbe, make_probe, open_nvml_probe
-from hostagent.simgpu import write_allocation
+from hostagent.agent import AgentError, AgentFiles, probe_from_env
+from hostagent.errors import MemoryNotReleasedError
+from hostagent.host import HostRuntime
+from hostagent.measure import DeviceLeases, Lease, release_tolerance, released_on_device
+from hostagent.probe import CpuOnlyProbe, NvmlProbe, ProcessUsage, make_probe, open_nvml_probe
+from hostagent.runtime import InstanceRequest
+from hostagent.simgpu import read_allocations, write_allocation
 
 GIB = 1024**3
 MIB = 1024**2
 
 
 class FakeNvml:
-    """pynvml's functions over a list of fake devices, with its real error classes."""
+    """pynvml's functions over a list of fake devices, with its real error classes.
+
+    A device is a dict: ``name``, ``memory`` (total, used) or ``"unsupported"``, ``procs``
+    [(pid, usedGpuMemory)] (``None``: NVML_VALUE_NOT_AVAILABLE, as pynvml gives it), or
+    ``procs_error`` (an NVML error class the listing raises); ``addressing``; ``mig``: its
+    MIG instances, each a dict with ``memory`` and ``procs``."""
 
     NVMLError = pynvml.NVMLError
     NVMLError_NotSupported = pynvml.NVMLError_NotSupported
+    NVMLError_NotFound = pynvml.NVMLError_NotFound
     NVMLError_FunctionNotFound = pynvml.NVMLError_FunctionNotFound
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
     NVML_DEVICE_ADDRESSING_MODE_ATS = pynvml.NVML_DEVICE_ADDRESSING_MODE_ATS
+    NVML_DEVICE_MIG_ENABLE = pynvml.NVML_DEVICE_MIG_ENABLE
+    MIG_SLOTS = 7  # an A100's or H100's
 
     def __init__(self, devices):
         self.devices = devices
+
+    def nvmlDeviceGetMigMode(self, handle):
+        if "mig" not in handle:
+            raise pynvml.NVMLError_NotSupported()
+        return [pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_ENABLE]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle):
+        return self.MIG_SLOTS
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle, index):
+        instances = handle["mig"]
+        if index >= len(instances):
+            raise pynvml.NVMLError_NotFound()
+        return instances[index]
 
     def nvmlDeviceGetCount(self):
         return len(self.devices)
@@ -47,6 +78,8 @@ class FakeNvml:
         return handle["addressing"]
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        if "procs_error" in handle:
+            raise handle["procs_error"]()
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in handle["procs"]]
 
 
@@ -208,3 +241,288 @@ def test_a_simulated_weights_copy_is_host_ram_in_use(tmp_path):
     write_allocation(state_dir, os.getpid(), {0: 512 * 1024**2}, 8 * GIB)  # not its engine
     after = host.foreign(unified=False)["ram"]
     assert after - before > 7 * GIB, (before, after)
+
+
+# --- when NVML cannot tie memory to the engine's pids (containers, MIG) ------------------
+#
+# Five things NVML may list for an engine's GPU: its own pids (a bare host, or a container
+# with the host's pids); pids of another pid namespace (Docker without --pid=host,
+# Kubernetes, gVisor: the host's pids, none of them a process here); nothing at all; its
+# processes with no figure (usedGpuMemory NVML_VALUE_NOT_AVAILABLE, which pynvml gives as
+# None); and, on a GPU in MIG mode, an empty aggregate list with the processes and their
+# figures on each MIG instance. Foreign pids are drawn past the kernel's largest (2**22).
+
+HOST_PID = 1 << 22  # a pid no process here has
+SIM = f"{sys.executable} -m hostagent.sim"
+MEMORY = {  # a simulated vLLM's: its claim, its weights, what it keeps parked
+    "CAPYCTL_SIM_GPU_BYTES": "16GiB",
+    "CAPYCTL_SIM_WEIGHTS_BYTES": "8GiB",
+    "CAPYCTL_SIM_RESIDUAL_BYTES": "512MiB",
+}
+
+
+def test_the_probe_says_how_its_listing_lets_engines_be_measured():
+    own = os.getpid()
+    cases = {
+        "matching": h100(procs=[(own, 2 * GIB)], used=2 * GIB),
+        "foreign": h100(procs=[(HOST_PID + 7, 2 * GIB)], used=2 * GIB),
+        "empty": h100(procs=[], used=14 * GIB),
+        "unknown": h100(procs=[(own, None)], used=2 * GIB),
+        "mig": mig_h100([[(own, 2 * GIB)], []]),
+        "mig unknown": mig_h100([[(own, None)], []]),
+        "refused": h100(used=2 * GIB) | {"procs_error": pynvml.NVMLError_NoPermission},
+    }
+    seen = {case: NvmlProbe(FakeNvml([device])).inventory() for case, device in cases.items()}
+    assert {case: inventory.measures for case, inventory in seen.items()} == {
+        "matching": "per process",
+        "foreign": "device before/after",
+        "empty": "device before/after",
+        "unknown": "device before/after",
+        "mig": "per process",
+        "mig unknown": "device before/after",
+        "refused": "device before/after",
+    }
+    assert "another pid namespace's" in seen["foreign"].measures_reason
+    assert (
+        seen["empty"].measures_reason == "gpu0 has 14.0 GiB in use, and NVML lists no process on it"
+    )
+    assert seen["unknown"].measures_reason == f"NVML gives no memory figure for pid {own} on gpu0"
+    assert seen["refused"].measures_reason.startswith("NVML does not list gpu0's processes (")
+    # An idle GPU with nothing listed shows nothing either way: per process, until a start
+    # shows otherwise (the host runtime learns it).
+    assert NvmlProbe(FakeNvml([h100(used=5 * MIB)])).inventory().measures == "per process"
+
+
+def test_a_listing_nvml_refuses_is_no_process_rather_than_a_crash():
+    fake = FakeNvml([h100(used=2 * GIB) | {"procs_error": pynvml.NVMLError_NoPermission}])
+    assert NvmlProbe(fake).gpu_processes() == {}  # the old probe raised NVMLError here
+
+
+def mig_h100(instances, parent_procs=()):
+    """An H100 in MIG mode: NVML's memory info of the GPU is the whole GPU's, its own
+    process list is an aggregate only the privileged get (empty here); each MIG instance
+    lists its processes with their figures."""
+    used = sum(u or 0 for instance in instances for _, u in instance)
+    mig = [{"memory": (40 * GIB, sum(u or 0 for _, u in instance)), "procs": list(instance)}
+           for instance in instances]  # fmt: skip
+    return h100(procs=parent_procs, used=used) | {"mig": mig}
+
+
+def test_on_a_mig_gpu_processes_are_read_from_its_instances(monkeypatch):
+    # pid 100 (the engine) on the first instance; someone else's 200 on the second.
+    fake = FakeNvml([mig_h100([[(100, 12 * GIB)], [(200, 7 * GIB)]]), h100()])
+    monkeypatch.setattr(probe_module, "process_tree", lambda pid: [SimpleNamespace(pid=pid)])
+    monkeypatch.setattr(probe_module, "_tree_rss", lambda procs: 0)
+    nvml = NvmlProbe(fake)
+    assert nvml.process_usage(100).gpu == {0: 12 * GIB}  # the old probe: {}
+    assert nvml.gpu_processes() == {100: {0: 12 * GIB}, 200: {0: 7 * GIB}}
+    assert nvml.devices()[0].used_bytes == 19 * GIB  # the pool is the whole GPU
+    assert not nvml.inventory().unified
+
+
+class LiveDevice(dict[str, Any]):
+    """A fake device read afresh at each NVML call (``read`` builds its dict)."""
+
+    def __init__(self, read):
+        super().__init__()
+        self._read = read
+
+    def __getitem__(self, key):
+        return self._read()[key]
+
+    def __contains__(self, key):
+        return key in self._read()
+
+    def get(self, key, default=None):
+        return self._read().get(key, default)
+
+
+def sim_backed_h100(state_dir, case):
+    """An 80 GiB H100 whose use is what simulated engines record in ``state_dir``, its
+    processes listed as NVML lists them in ``case``."""
+
+    def read():
+        allocations = [a for a in read_allocations(state_dir) if a.gpu.get(0)]
+        used = sum(a.gpu[0] for a in allocations)
+        pid_offset = HOST_PID if case == "foreign" else 0
+        listed = [(a.pid + pid_offset, None if case == "unknown" else a.gpu[0])
+                  for a in allocations]  # fmt: skip
+        if case == "empty":
+            listed = []
+        if case != "mig":
+            return h100(procs=listed, used=used)
+        others = [(a.pid, a.gpu[0]) for a in allocations if a.pid == os.getpid()]
+        engines = [(a.pid, a.gpu[0]) for a in allocations if a.pid != os.getpid()]
+        return mig_h100([engines, others])
+
+    return LiveDevice(read)
+
+
+def nvml_host(tmp_path, case):
+    """A host runtime on an NVML probe over one simulated GPU, on which this test process
+    holds 2 GiB (someone else's process), and the launch of a simulated vLLM on it."""
+    state_dir = tmp_path / "sim"
+    write_allocation(state_dir, os.getpid(), {0: 2 * GIB}, 0)
+    probe = NvmlProbe(FakeNvml([sim_backed_h100(state_dir, case)]))
+    host = HostRuntime(probe, tmp_path / "logs", tmp_path / "instances.json", release_timeout=2.0)
+
+    def launch(name, **env):
+        memory = {**MEMORY, "CAPYCTL_SIM_GPUS": "80GiB", "CAPYCTL_SIM_STATE_DIR": str(state_dir)}
+        host.launch(InstanceRequest(
+            instance_id=name, kind="vllm", command=f"{SIM} vllm", source=f"/models/{name}",
+            served_name=name, gpu_indices=[0], env={**memory, **env},
+        ))  # fmt: skip
+
+    return host, launch
+
+
+@pytest.fixture
+def engines():
+    hosts: list[HostRuntime] = []
+    yield hosts
+    for host in hosts:
+        host.stop_all(grace_seconds=2)
+
+
+@pytest.mark.parametrize(
+    ("case", "measures"),
+    [
+        ("matching", "per process"),
+        ("foreign", "device before/after"),
+        ("empty", "device before/after"),
+        ("unknown", "device before/after"),
+        ("mig", "per process"),
+    ],
+)
+def test_a_start_records_the_engines_share_and_its_park_is_confirmed(
+    tmp_path, engines, case, measures
+):
+    """Whatever NVML shows of the engine's pids, a start measures the 16 GiB it holds
+    and a park is confirmed, leaving its 512 MiB residual. The old probe found none of it
+    outside the first case: the start kept its claim as a guess, and every park was "not
+    released", so its model was stopped and its engine marked as keeping its memory."""
+    host, launch = nvml_host(tmp_path, case)
+    engines.append(host)
+    launch("a")
+    host.wait_ready("a", 60)
+    assert host.usage("a").gpu == {0: 16 * GIB}
+    assert host.foreign(unified=False)["gpu0"] == 2 * GIB  # only the other process
+    assert host.park("a", "ram", 60).gpu == {0: 512 * MIB}
+    assert host.usage("a").gpu == {0: 512 * MIB}
+    host.wake("a", "ram", 60)
+    assert host.usage("a").gpu == {0: 16 * GIB}
+    assert host.foreign(unified=False)["gpu0"] == 2 * GIB
+    assert host.inventory().measures == measures  # what the host reports, and why
+    assert bool(host.inventory().measures_reason) == (measures == "device before/after")
+
+
+@pytest.mark.parametrize("case", ["foreign", "unknown"])
+def test_a_park_that_frees_nothing_is_not_confirmed_by_device(tmp_path, engines, case):
+    host, launch = nvml_host(tmp_path, case)
+    engines.append(host)
+    launch("a", CAPYCTL_SIM_KEEP_MEMORY="1")
+    host.wait_ready("a", 60)
+    with pytest.raises(MemoryNotReleasedError) as refused:
+        host.park("a", "ram", 60)
+    assert str(refused.value).endswith(
+        "answered the ram park, but its GPUs' used memory did not fall by its share "
+        "(gpu0 fell by 0 B, of its 16.0 GiB: at least 15.0 GiB needed)"
+    )
+    assert refused.value.still_held == {0: 16 * GIB}
+    assert host.usage("a").gpu == {0: 16 * GIB}  # still counted as held
+
+
+def test_on_the_device_path_one_step_at_a_time_changes_a_gpu(tmp_path, engines):
+    """A park of a waits while b's start is measured on the same GPU: else b's share would
+    be its 8 GiB less the 15.5 GiB a gave back meanwhile."""
+    host, launch = nvml_host(tmp_path, "foreign")
+    engines.append(host)
+    launch("a")
+    host.wait_ready("a", 60)
+    gate = tmp_path / "b-loads"
+    launch("b", CAPYCTL_SIM_GPU_BYTES="8GiB", CAPYCTL_SIM_LOAD_GATE=str(gate))
+    starting = threading.Thread(target=host.wait_ready, args=("b", 60))
+    starting.start()
+    parked: dict[str, ProcessUsage] = {}
+    parking = threading.Thread(target=lambda: parked.update(a=host.park("a", "ram", 60)))
+    deadline = time.monotonic() + 30
+    while not gate.with_name("b-loads.waiting").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    parking.start()
+    time.sleep(0.5)
+    assert parking.is_alive()  # waits for the GPU
+    assert host.usage("a").gpu == {0: 16 * GIB}
+    gate.touch()
+    starting.join(60)
+    parking.join(60)
+    assert host.usage("b").gpu == {0: 8 * GIB}
+    assert parked["a"].gpu == {0: 512 * MIB}
+    assert host.foreign(unified=False)["gpu0"] == 2 * GIB
+
+
+def test_the_tolerance_of_a_park_confirmed_by_device():
+    # 5% of the share, at least 1 GiB (a sleeping engine's context), at most half of it.
+    assert release_tolerance(80 * GIB) == 4 * GIB
+    assert release_tolerance(16 * GIB) == 1 * GIB
+    assert release_tolerance(1 * GIB) == 512 * MIB
+    assert released_on_device(16 * GIB, 15 * GIB)
+    assert not released_on_device(16 * GIB, 15 * GIB - 1)
+    assert not released_on_device(1 * GIB, 0)  # a park that frees nothing, however small
+
+
+def test_a_lease_past_its_bound_is_taken_over_and_said_lost():
+    leases = DeviceLeases()
+    start = leases.acquire("the start of a", [0], 0.3)
+    other_gpu = leases.acquire("the park of c", [1], 60)  # another GPU: no wait
+    got: dict[str, Lease] = {}
+    waiting = threading.Thread(target=lambda: got.update(b=leases.acquire("b", [0, 1], 60)))
+    waiting.start()
+    time.sleep(0.1)
+    leases.release(other_gpu)
+    assert waiting.is_alive()  # gpu0 is still held
+    waiting.join(5)
+    assert start.lost  # its caller never let go: taken over once past its 0.3 s
+    assert not got["b"].lost
+    leases.release(got["b"])
+    assert not leases.acquire("d", [0, 1], 1).lost
+
+
+def test_a_host_agent_lists_simulated_pids_as_told_and_refuses_a_bad_value(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAPYCTL_SIM_GPUS", "24GiB")
+    monkeypatch.setenv("CAPYCTL_SIM_PIDS", "foreign")
+    probe = probe_from_env(AgentFiles(tmp_path))
+    write_allocation(tmp_path / "sim-gpus", os.getpid(), {0: 4 * GIB}, 0)
+    assert probe.gpu_processes() == {os.getpid() + HOST_PID: {0: 4 * GIB}}
+    assert probe.process_usage(os.getpid()).gpu == {}
+    assert probe.inventory().measures == "device before/after"
+    monkeypatch.setenv("CAPYCTL_SIM_PIDS", "hidden")
+    with pytest.raises(AgentError, match="CAPYCTL_SIM_PIDS='hidden' must be one of: own,"):
+        probe_from_env(AgentFiles(tmp_path))
+
+
+def test_a_start_stopped_before_it_was_ready_lets_its_gpu_go(tmp_path, engines):
+    """A start holds its GPU from launch to ready; a stop in between (a model stopped while
+    it starts, or a launch whose caller failed) lets it go, so the next start is measured."""
+    host, launch = nvml_host(tmp_path, "foreign")
+    engines.append(host)
+    launch("a", CAPYCTL_SIM_LOAD_GATE=str(tmp_path / "never"))
+    host.stop("a", 2)
+    launch("b", CAPYCTL_SIM_GPU_BYTES="8GiB")  # would wait for a's lease until its bound
+    host.wait_ready("b", 60)
+    assert host.usage("b").gpu == {0: 8 * GIB}
+    assert host.inventory().measures == "device before/after"
+
+
+def test_an_agent_restarted_keeps_what_its_engines_were_measured_holding(tmp_path, engines):
+    host, launch = nvml_host(tmp_path, "foreign")
+    engines.append(host)
+    launch("a")
+    host.wait_ready("a", 60)
+    host.park("a", "ram", 60)
+    again = HostRuntime(host.probe, tmp_path / "logs", tmp_path / "instances.json")
+    assert again.restore() == ["a"]
+    assert again.usage("a").gpu == {0: 512 * MIB}  # its residual, as measured
+    assert again.inventory().measures == "device before/after"
+    again.wake("a", "ram", 60)
+    assert again.usage("a").gpu == {0: 16 * GIB}

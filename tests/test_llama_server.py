@@ -1,5 +1,6 @@
 """The real llama.cpp ``llama-server`` with a small GGUF model, driven through the
-``llamacpp`` kind: start, 503 while loading then 200, chat and streamed chat, stop, start."""
+``llamacpp`` kind: start, 503 while loading then 200, chat and streamed chat, stop, start;
+its launch key in ``LLAMA_API_KEY``, never on its command line."""
 
 import importlib.util
 import json
@@ -124,3 +125,37 @@ def test_llama_server_start_chat_stream_stop_and_start_again(runtime):
         assert ask(again).status_code == 200
     finally:
         runtime.stop(again)
+
+
+def test_llama_server_reads_its_key_from_its_environment_not_its_command_line(
+    runtime, tmp_path, monkeypatch
+):
+    # Keys the host's environment carries: llama-server would take both (LLAMA_ passes).
+    host_keys = tmp_path / "host-keys"
+    host_keys.write_text("host-file-key\n")
+    monkeypatch.setenv("LLAMA_API_KEY", "host-env-key")
+    monkeypatch.setenv("LLAMA_ARG_API_KEY_FILE", str(host_keys))
+    instance = runtime.launch(request_for_smollm())
+    try:
+        runtime.wait_ready(instance, timeout=60)
+        process = psutil.Process(instance.pid)
+        for proc in (process, *process.children(recursive=True)):
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+            assert instance.api_key.encode() not in cmdline
+        assert b"--api-key" not in Path(f"/proc/{instance.pid}/cmdline").read_bytes()
+
+        def status(key):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.post(
+                f"{instance.base_url}/v1/chat/completions",
+                headers=headers,
+                json={"model": "smollm", "messages": [{"role": "user", "content": "hi"}]},
+                timeout=60,
+            ).status_code
+
+        assert status(None) == 401
+        assert status("host-env-key") == 401
+        assert status("host-file-key") == 401
+        assert status(instance.api_key) == 200
+    finally:
+        runtime.stop(instance)

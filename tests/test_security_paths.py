@@ -33,8 +33,8 @@ SIM = f"{sys.executable} -m hostagent.sim"
 # Each kind, the simulated engine that plays it, and an admin route of that engine.
 CUSTOM = (
     f"{SIM} vllm serve {{source}} --served-model-name {{model}} --host {{host}} "
-    "--port {port} --api-key {api_key} --enable-sleep-mode"
-)
+    "--port {port} --enable-sleep-mode"
+)  # the launch key reaches it in VLLM_API_KEY: the option api_key_env below
 KINDS = {
     "vllm": (f"{SIM} vllm", "sleep?level=1"),
     "sglang": (f"{SIM} sglang", "release_memory_occupation"),
@@ -124,7 +124,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 records[name] = tmp / f"{name}.jsonl"
                 records[name].touch()
                 hooks = {"park": {"ram": {"path": "/sleep?level=1"}},
-                         "wake": {"ram": {"path": "/wake_up"}}}  # fmt: skip
+                         "wake": {"ram": {"path": "/wake_up"}},
+                         "api_key_env": "VLLM_API_KEY"}  # fmt: skip
                 extra = ["--options", json.dumps(hooks)]
                 done = run("engine", "add", name, "--kind", kind, "--command", command,
                            "--env", f"CAPYCTL_SIM_RECORD={records[name]}",

@@ -64,6 +64,7 @@ def test_simulated_gpus_are_parsed():
         ("CAPYCTL_REDIS_URL", "http://127.0.0.1:6379"),
         ("CAPYCTL_DEBUG", "perhaps"),
         ("CAPYCTL_PARK_CONFIRM_SECONDS", "0"),
+        ("CAPYCTL_SIM_PIDS", "hidden"),
     ],
 )
 def test_a_bad_variable_stops_the_program_with_one_line(program_env, variable, value):

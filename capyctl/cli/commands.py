@@ -199,7 +199,8 @@ def status(args: argparse.Namespace) -> int:
     for host in data["hosts"]:
         gpus = ", ".join(f"{g['name']} {format_size(g['total_bytes'])}" for g in host["gpus"])
         print(
-            f"\nhost {host['name']} ({host['state']}; probe {host['probe']}): {gpus or 'no GPUs'}"
+            f"\nhost {host['name']} ({host['state']}; probe {host['probe']}; measures "
+            f"{host['measures'] or '-'}): {gpus or 'no GPUs'}"
         )
         rows = [
             [
@@ -406,6 +407,7 @@ def host_list(args: argparse.Namespace) -> int:
             "address": h.address or "(in-process)",
             "state": h.state,
             "gpus": [g["name"] for g in (h.inventory or {}).get("gpus") or []],
+            "measures": h.measures,
             "joined": h.is_local or bool(h.cert_fingerprint),  # revoked: no longer
             "last_seen_at": h.last_seen_at.isoformat() if h.last_seen_at else None,
             "cert_expires_at": h.cert_expires_at.isoformat() if h.cert_expires_at else None,
@@ -417,10 +419,11 @@ def host_list(args: argparse.Namespace) -> int:
     else:
         rows = [
             [h["name"], h["address"], h["state"], "yes" if h["joined"] else "no",
-             ", ".join(cast("list[str]", h["gpus"])) or "-"]
+             h["measures"] or "-", ", ".join(cast("list[str]", h["gpus"])) or "-"]
             for h in hosts
         ]  # fmt: skip
-        print_table(["name", "address", "state", "joined", "gpus"], rows, empty="no hosts")
+        headers = ["name", "address", "state", "joined", "measures", "gpus"]
+        print_table(headers, rows, empty="no hosts")
     return 0
 
 

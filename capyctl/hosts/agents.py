@@ -22,6 +22,7 @@ from django.utils import timezone
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.hosts.pki import pki
+from capyctl.hosts.services import note_measures
 from capyctl.scheduler import transitions
 from hostagent import tls, wire
 from hostagent.errors import EngineCallError
@@ -113,6 +114,7 @@ def poll_hosts() -> None:
             state=Host.State.ONLINE, inventory=inventory, last_seen_at=timezone.now()
         ):
             continue
+        note_measures(host, inventory)
         if host.state == Host.State.UNREACHABLE:
             # It reports again: its entries count as held; reconcile then finds out which
             # engines are still there (and fails the ones that are gone).

@@ -15,8 +15,9 @@ class Host(models.Model):
     Standalone has one host, ``local``, driven in-process. Remote hosts run the host agent
     and are reached at ``address`` over mutual TLS. ``inventory`` is the latest report of
     the host's devices: ``{"unified": bool, "gpus": [{"index", "name", "total_bytes"}],
-    "ram_total_bytes": int, "probe": "nvml"|"simulated"|"none"}``. The ledger's pools and
-    their capacities come from it. The row is also the ledger's lock: admission runs inside
+    "ram_total_bytes": int, "probe": "nvml"|"simulated"|"none", "measures": "per process"|
+    "device before/after", "measures_reason": str}``. The ledger's pools and their
+    capacities come from it. The row is also the ledger's lock: admission runs inside
     a transaction holding ``SELECT … FOR UPDATE`` on it.
     """
 
@@ -59,6 +60,14 @@ class Host(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def measures(self) -> str | None:
+        """How the host measures its engines' GPU memory, ``per process`` or ``device
+        before/after`` (docs/engines.md), or ``None`` before it first reported."""
+        if not self.inventory:
+            return None
+        return str(self.inventory.get("measures") or "per process")  # older agents: per process
 
     def pools(self) -> list[dict[str, Any]]:
         """The ledger pools this host's inventory implies, with total bytes."""

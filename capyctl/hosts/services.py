@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import transaction
@@ -48,6 +48,30 @@ def ensure_local_host(inventory: Inventory) -> Host:
             actor="system",
         )
     return host
+
+
+def note_measures(host: Host, inventory: dict[str, Any], *, store: bool = False) -> None:
+    """Say, with an event, when ``inventory`` (the host's report now) measures engines' GPU
+    memory otherwise than the report stored for ``host``. ``store``: write the new way into
+    the stored report too (the local host's; a remote host's poll stores all of it)."""
+    stored = host.inventory or {}
+    way = str(inventory.get("measures") or "per process")
+    reason = str(inventory.get("measures_reason") or "")
+    if (stored.get("measures") or "per process") == way:
+        return
+    if store:
+        updated = {**stored, "measures": way, "measures_reason": reason}
+        Host.objects.filter(pk=host.pk).update(inventory=updated)
+        host.inventory = updated
+    if reason:  # the device path: per-process figures cannot be used here
+        message = (
+            f"host {host.name} measures GPU memory by {way} (each GPU's use before and "
+            f"after every start, park and wake, one step at a time per GPU): {reason}"
+        )
+    else:
+        message = f"host {host.name} measures GPU memory {way}"
+    record_event("host.measures", message, subject=host.name, host_id=host.pk,
+                 level="warning" if reason else "info")  # fmt: skip
 
 
 # --- remote hosts: registration, join tokens, enrolment ------------------------------------

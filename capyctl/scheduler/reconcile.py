@@ -24,10 +24,11 @@ from capyctl.engines.services import postpone_park_check
 from capyctl.events.models import Event
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
+from capyctl.hosts.services import note_measures
 from capyctl.ledger.models import LedgerEntry
 from capyctl.scheduler import flights, inflight, operations, transitions, turns
 from capyctl.scheduler.drivers import HostDriver, driver_for
-from hostagent.runtime import RELEASED_SHARE
+from hostagent.measure import RELEASED_SHARE
 
 logger = logging.getLogger("capyctl.scheduler")
 S = ObservedState
@@ -112,6 +113,8 @@ def reconcile(host_id: int) -> None:
     driver = driver_for(host)
     now = timezone.now()
     _update_foreign(host, driver)
+    if host.is_local:  # a remote host's way comes with its inventory, polled
+        note_measures(host, driver.inventory().as_dict(), store=True)
     _end_orphans(host, driver)
     _release_orphaned_downloads(host, now)
     deployments = Deployment.objects.filter(host=host, observed_state__in=LIVE).select_related(

@@ -137,6 +137,7 @@ def _hosts(ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "local": host.is_local,
                 "address": host.address,
                 "probe": inventory.get("probe") or "",
+                "measures": host.measures or "",
                 "unified": bool(inventory.get("unified")),
                 "last_seen_at": _time(host.last_seen_at),
                 "pools": [

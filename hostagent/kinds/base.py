@@ -8,6 +8,7 @@ import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hostagent.errors import CannotParkError, EngineCallError
@@ -16,6 +17,14 @@ if TYPE_CHECKING:
     import httpx
 
 LOOPBACK = "127.0.0.1"
+
+# Variables an engine takes API keys from: vLLM's VLLM_API_KEY, llama-server's LLAMA_API_KEY
+# and LLAMA_ARG_API_KEY_FILE, TensorFold's TENSORFOLD_API_KEY. Only a kind sets one, with the
+# launch key: from the host's environment or an engine's env they would open the engine to a
+# key CapyCTL never made.
+KEY_VARIABLES = frozenset(
+    {"VLLM_API_KEY", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "TENSORFOLD_API_KEY"}
+)
 
 
 class KindError(ValueError):
@@ -46,14 +55,18 @@ class LaunchSpec:
     options: dict[str, Any] = field(default_factory=dict)
     ram_park: bool = True  # ask for what a later `ram` park needs (SGLang's CPU backup)
     memory_fraction: float | None = None  # share of each GPU the engine may take
+    run_dir: Path | None = None  # the engine's own 0700 folder, for its key file
 
 
 @dataclass(frozen=True)
 class Launch:
-    """An argument list (never run through a shell) and the environment additions."""
+    """An argument list (never run through a shell), the environment additions, and the
+    files (path: text) to write 0600 in the run dir before the start. The launch key is
+    never in ``argv``: every local user can read a command line (``ps``)."""
 
     argv: list[str]
     env: dict[str, str]
+    files: dict[Path, str] = field(default_factory=dict)
 
 
 class EngineClient:
@@ -184,7 +197,8 @@ def split_command(command: str) -> list[str]:
     return argv
 
 
-# Flags CapyCTL sets on every launch: the loopback address, its port and the launch key.
+# Flags CapyCTL sets on every launch, or that would replace what it sets: the loopback
+# address, its port, and the key (which reaches each engine another way, never as a flag).
 RESERVED_FLAGS = ("--host", "--port", "--api-key")
 
 
@@ -217,8 +231,15 @@ def check_reserved_flags(kind: str, args: list[str], reserved: tuple[str, ...]) 
 
 
 def loopback_flags(spec: LaunchSpec) -> list[str]:
-    """``--host 127.0.0.1 --port P --api-key K``: where and how every engine listens."""
-    return ["--host", LOOPBACK, "--port", str(spec.port), "--api-key", spec.api_key]
+    """``--host 127.0.0.1 --port P``: where every engine listens."""
+    return ["--host", LOOPBACK, "--port", str(spec.port)]
+
+
+def key_file_path(spec: LaunchSpec, name: str) -> Path:
+    """Where the launch's key file ``name`` goes: in its run dir, which only its owner reads."""
+    if spec.run_dir is None:
+        raise KindError("this launch has no run directory for its key file")
+    return spec.run_dir / name
 
 
 def fraction_flag(spec: LaunchSpec, flag: str) -> list[str]:
@@ -232,8 +253,9 @@ def fraction_flag(spec: LaunchSpec, flag: str) -> list[str]:
 
 
 def gpu_env(spec: LaunchSpec) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` for the GPUs the launch was given, plus the engine's env."""
-    env = dict(spec.env)
+    """``CUDA_VISIBLE_DEVICES`` for the GPUs the launch was given, plus the engine's env
+    (less any :data:`KEY_VARIABLES`: the kind sets the one its engine reads)."""
+    env = {name: value for name, value in spec.env.items() if name not in KEY_VARIABLES}
     if spec.gpu_indices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_indices)
     return env
@@ -283,12 +305,21 @@ class ProgramKind:
 
     def build_launch(self, spec: LaunchSpec) -> Launch:
         argv = [*split_command(spec.command), *self.engine_flags(spec), *spec.extra_args]
-        return Launch(argv=argv, env={**gpu_env(spec), **self.extra_env(spec)})
+        env = {**gpu_env(spec), **self.extra_env(spec), **self.key_env(spec)}
+        return Launch(argv=argv, env=env, files=self.key_files(spec))
 
     def engine_flags(self, spec: LaunchSpec) -> list[str]:
         raise NotImplementedError
 
     def extra_env(self, spec: LaunchSpec) -> dict[str, str]:
+        return {}
+
+    def key_env(self, spec: LaunchSpec) -> dict[str, str]:
+        """The variable the engine reads the launch key from, if it reads one."""
+        return {}
+
+    def key_files(self, spec: LaunchSpec) -> dict[Path, str]:
+        """The file the engine reads the launch key from, if it reads one."""
         return {}
 
     def is_healthy(self, client: EngineClient, spec: LaunchSpec) -> bool:

@@ -1,13 +1,17 @@
 """A custom OpenAI-compatible server, described by a command template and options.
 
 The template says where CapyCTL's values go: ``{host}`` and ``{port}`` (both required:
-the server must listen on loopback, where CapyCTL expects it), ``{api_key}``, ``{model}``,
-``{source}``. It is split with shlex and each argument is filled
-in separately, so a value can never become a second argument or command.
+the server must listen on loopback, where CapyCTL expects it), ``{api_key_file}`` (the
+path of a 0600 file holding the launch key, one line), ``{model}``, ``{source}``. It is
+split with shlex and each argument is filled in separately, so a value can never become a
+second argument or command. ``{api_key}`` is refused: every local user can read a command
+line (``ps``); the key goes in the file, or in the variable the option ``api_key_env``
+names.
 
 Options (all optional)::
 
     {"health_path": "/health",
+     "api_key_env": "MY_SERVER_API_KEY",
      "warm_up": false,
      "park": {"ram": HOOK, "deep": HOOK},
      "wake": {"ram": HOOK, "deep": HOOK}}
@@ -18,7 +22,9 @@ offered only when both its park and wake hooks are given.
 
 from __future__ import annotations
 
+import re
 import string
+from pathlib import Path
 from typing import Any
 
 from hostagent.errors import CannotParkError
@@ -30,12 +36,15 @@ from hostagent.kinds.base import (
     Launch,
     LaunchSpec,
     gpu_env,
+    key_file_path,
     one_token_completion,
     split_command,
 )
 
-PLACEHOLDERS = frozenset({"port", "api_key", "model", "source", "host"})
-_OPTION_KEYS = frozenset({"health_path", "warm_up", "park", "wake"})
+PLACEHOLDERS = frozenset({"port", "api_key_file", "model", "source", "host"})
+KEY_FILE = "api-key"
+_OPTION_KEYS = frozenset({"health_path", "api_key_env", "warm_up", "park", "wake"})
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HOOK_KEYS = frozenset({"method", "path", "json"})
 _MODES = ("ram", "deep")
 
@@ -75,6 +84,13 @@ class CustomKind:
         used: set[str] = set()
         for arg in argv:
             for field in _fields(arg, command):
+                if field == "api_key":
+                    raise KindError(
+                        f"invalid command template {command!r}: {{api_key}} would put the "
+                        "launch key on the command line, which every local user can read; "
+                        "use {api_key_file} (a 0600 file holding the key) or the option "
+                        "api_key_env (a variable the server reads it from)"
+                    )
                 if field not in PLACEHOLDERS:
                     known = ", ".join("{" + p + "}" for p in sorted(PLACEHOLDERS))
                     raise KindError(
@@ -105,6 +121,11 @@ class CustomKind:
         health = options.get("health_path", "/health")
         if not isinstance(health, str) or not health.startswith("/"):
             raise KindError("option health_path must be a path starting with '/'")
+        variable = options.get("api_key_env")
+        if variable is not None and (
+            not isinstance(variable, str) or not _VARIABLE.fullmatch(variable)
+        ):
+            raise KindError("option api_key_env must be an environment variable name")
         for group in ("park", "wake"):
             hooks = options.get(group) or {}
             if not isinstance(hooks, dict) or set(hooks) - set(_MODES):
@@ -113,16 +134,23 @@ class CustomKind:
                 _check_hook(f"{group}.{mode}", hook)
 
     def build_launch(self, spec: LaunchSpec) -> Launch:
-        self.check_command(spec.command)
+        template = self.check_command(spec.command)
         values = {
             "port": str(spec.port),
-            "api_key": spec.api_key,
             "model": spec.served_name,
             "source": spec.source,
             "host": LOOPBACK,
         }
-        argv = [arg.format(**values) for arg in split_command(spec.command)]
-        return Launch(argv=[*argv, *spec.extra_args], env=gpu_env(spec))
+        files: dict[Path, str] = {}
+        if any("api_key_file" in _fields(arg, spec.command) for arg in template):
+            path = key_file_path(spec, KEY_FILE)
+            values["api_key_file"] = str(path)
+            files[path] = spec.api_key + "\n"
+        env = gpu_env(spec)
+        if spec.options.get("api_key_env"):
+            env[str(spec.options["api_key_env"])] = spec.api_key
+        argv = [arg.format(**values) for arg in template]
+        return Launch(argv=[*argv, *spec.extra_args], env=env, files=files)
 
     def is_healthy(self, client: EngineClient, spec: LaunchSpec) -> bool:
         return client.healthy(str(spec.options.get("health_path", "/health")))

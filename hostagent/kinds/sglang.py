@@ -2,10 +2,15 @@
 
 With ``--enable-weights-cpu-backup`` the weights are kept in host RAM while released (our
 ``ram`` park); without it they are dropped and reloaded from disk on wake (``deep``).
-SGLang's ``--api-key`` guards these routes, so calls carry the launch key.
+SGLang's API key guards these routes, so calls carry the launch key. SGLang reads its key
+from no variable, so it is in a 0600 ``--config`` file (YAML; SGLang merges its options
+inside the process), never on the command line.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from hostagent.errors import CannotParkError
 from hostagent.kinds.base import (
@@ -14,11 +19,13 @@ from hostagent.kinds.base import (
     LaunchSpec,
     ProgramKind,
     fraction_flag,
+    key_file_path,
     loopback_flags,
     one_token_completion,
 )
 
 CPU_BACKUP_FLAG = "--enable-weights-cpu-backup"
+CONFIG_FILE = "sglang-config.yaml"  # SGLang takes only .yaml or .yml
 
 
 class SGLangKind(ProgramKind):
@@ -26,6 +33,7 @@ class SGLangKind(ProgramKind):
     description = "SGLang server with the memory saver"
     reserved_flags = (
         *RESERVED_FLAGS,
+        "--config",  # one config file per launch: CapyCTL's, with the key
         "--served-model-name",
         "--model-path",
         "--enable-memory-saver",
@@ -40,12 +48,18 @@ class SGLangKind(ProgramKind):
             "--served-model-name",
             spec.served_name,
             *loopback_flags(spec),
+            "--config",
+            str(key_file_path(spec, CONFIG_FILE)),
             "--enable-memory-saver",
             *fraction_flag(spec, "--mem-fraction-static"),
         ]
         if spec.ram_park:
             flags.append(CPU_BACKUP_FLAG)
         return flags
+
+    def key_files(self, spec: LaunchSpec) -> dict[Path, str]:
+        # JSON is YAML too, and quotes the key whatever it looks like.
+        return {key_file_path(spec, CONFIG_FILE): json.dumps({"api-key": spec.api_key}) + "\n"}
 
     def warm_up(self, client: EngineClient, spec: LaunchSpec) -> None:
         one_token_completion(client, spec)

@@ -2,9 +2,12 @@
 
 Level 1 sleep offloads weights to host RAM and drops the KV cache (our ``ram`` park);
 level 2 drops both (``deep``). The sleep routes exist only with ``--enable-sleep-mode``
-and ``VLLM_SERVER_DEV_MODE=1``, and ``--api-key`` does not guard them: loopback binding is
+and ``VLLM_SERVER_DEV_MODE=1``, and the API key does not guard them: loopback binding is
 what keeps them private. A 200 from ``/sleep`` is not trusted alone: ``/is_sleeping`` must
 agree, and the runtime confirms the release with the GPU probe.
+
+The key is in ``VLLM_API_KEY``, which vLLM's server reads when no ``--api-key`` is given
+(``args.api_key or envs.VLLM_API_KEY``), never on the command line.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class VLLMKind(ProgramKind):
 
     def extra_env(self, spec: LaunchSpec) -> dict[str, str]:
         return {"VLLM_SERVER_DEV_MODE": "1"}
+
+    def key_env(self, spec: LaunchSpec) -> dict[str, str]:
+        return {"VLLM_API_KEY": spec.api_key}
 
     def warm_up(self, client: EngineClient, spec: LaunchSpec) -> None:
         one_token_completion(client, spec)

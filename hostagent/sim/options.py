@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ class SimOptions:
     served_name: str
     host: str
     port: int
-    api_key: str | None
+    api_keys: frozenset[str]  # empty: every request is let in
     sleep_mode: bool  # vLLM --enable-sleep-mode / SGLang --enable-memory-saver
     cpu_backup: bool  # SGLang --enable-weights-cpu-backup
     memory_fraction: float | None
@@ -61,7 +62,7 @@ def parse_options(argv: list[str]) -> SimOptions:
     parser = _Parser(prog=f"hostagent.sim {kind}")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--api-key")
+    parser.add_argument("--api-key", action="append", default=[])
     if kind == "vllm":
         parser.add_argument("serve", choices=["serve"])
         parser.add_argument("source")
@@ -74,13 +75,16 @@ def parse_options(argv: list[str]) -> SimOptions:
         parser.add_argument("--enable-memory-saver", action="store_true")
         parser.add_argument("--enable-weights-cpu-backup", action="store_true")
         parser.add_argument("--mem-fraction-static", type=float, default=0.88)
+        parser.add_argument("--config")
     elif kind == "llamacpp":
         parser.add_argument("-m", "--model", dest="source", required=True)
         parser.add_argument("-a", "--alias", dest="served_model_name")
+        parser.add_argument("--api-key-file")
     else:  # tensorfold
         parser.add_argument("serve", choices=["serve"])
         parser.add_argument("source")
         parser.add_argument("--name", dest="served_model_name")
+        parser.add_argument("--api-key-file")
     args, _unknown = parser.parse_known_args(rest)  # the real engines take many more flags
     fraction = getattr(args, "gpu_memory_utilization", None) or getattr(
         args, "mem_fraction_static", None
@@ -91,13 +95,51 @@ def parse_options(argv: list[str]) -> SimOptions:
         served_name=args.served_model_name or args.source,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_keys=frozenset(_api_keys(kind, args)),
         sleep_mode=bool(
             getattr(args, "enable_sleep_mode", False) or getattr(args, "enable_memory_saver", False)
         ),
         cpu_backup=bool(getattr(args, "enable_weights_cpu_backup", False)),
         memory_fraction=fraction,
     )
+
+
+def _key_lines(path: str) -> list[str]:
+    """The keys of a key file, one a line; blank lines and ``#`` comments skipped (a
+    TensorFold ``label: key`` line gives its key)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return [key.split(": ", 1)[-1] for key in keys]
+
+
+def _config_key(path: str) -> list[str]:
+    """SGLang's ``--config``: a .yaml file of options; CapyCTL writes it as JSON, which
+    YAML reads too."""
+    if Path(path).suffix.lower() not in (".yaml", ".yml"):
+        raise SystemExit(f"Config file must be YAML format, got: {Path(path).suffix}")
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    key = data.get("api-key", data.get("api_key"))
+    return [str(key)] if key else []
+
+
+def _api_keys(kind: str, args: argparse.Namespace) -> list[str]:
+    """The keys the real engine would take, from where it takes them: vLLM ``--api-key``
+    else ``VLLM_API_KEY``; SGLang ``--api-key`` else its ``--config`` file; llama-server
+    ``--api-key`` (else ``LLAMA_API_KEY``) and ``--api-key-file`` (else
+    ``LLAMA_ARG_API_KEY_FILE``); TensorFold all of ``--api-key``, ``--api-key-file`` and
+    ``TENSORFOLD_API_KEY``."""
+    given: list[str] = list(args.api_key)
+    env = os.environ
+    if kind == "vllm":
+        return given or [k for k in [env.get("VLLM_API_KEY", "")] if k]
+    if kind == "sglang":
+        return given or (_config_key(args.config) if args.config else [])
+    if kind == "llamacpp":
+        keys = given or [k for k in [env.get("LLAMA_API_KEY", "")] if k]
+        key_file = args.api_key_file or env.get("LLAMA_ARG_API_KEY_FILE", "")
+        return keys + (_key_lines(key_file) if key_file else [])
+    keys = given + (_key_lines(args.api_key_file) if args.api_key_file else [])
+    return keys + [k for k in [env.get("TENSORFOLD_API_KEY", "")] if k]
 
 
 def _float(name: str, default: float) -> float:

@@ -85,11 +85,11 @@ class SimEngine:
     # -- plumbing ---------------------------------------------------------------------------
 
     def authorized(self, request: web.Request) -> bool:
-        if not self.options.api_key:
+        if not self.options.api_keys:
             return True
         header = request.headers.get("Authorization", "")
         given = header.removeprefix("Bearer ").strip() or request.headers.get("X-Api-Key", "")
-        return given == self.options.api_key
+        return given in self.options.api_keys
 
     def count_request(self) -> None:
         self.requests += 1

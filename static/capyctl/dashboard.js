@@ -80,6 +80,7 @@
   function hostNode(host) {
     const meta = [host.local ? "this machine" : host.address];
     if (host.probe) meta.push("probe " + host.probe);
+    if (host.measures) meta.push("measures " + host.measures);
     const metaNode = el("span", { className: "muted host-meta", text: meta.join(" · ") });
     if (host.last_seen_at) metaNode.append(" · last seen ", timeNode(host.last_seen_at));
     const card = el(
