@@ -119,6 +119,9 @@ class EngineProcess:
     popen: subprocess.Popen[bytes] | None
     log_path: Path
     adopted: psutil.Process | None = None
+    # Secrets an engine may print (SGLang logs its arguments, the key from its config file
+    # among them): its log tail, which reaches events and errors, never shows them.
+    hidden: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.monotonic)
     _watch: threading.Thread | None = None
 
@@ -158,7 +161,11 @@ class EngineProcess:
             return
 
     def log_tail(self, lines: int = 20) -> str:
-        return tail(self.log_path, lines)
+        text = tail(self.log_path, lines)
+        for secret in self.hidden:
+            if secret:
+                text = text.replace(secret, "[launch key]")
+        return text
 
 
 def adopt_process(

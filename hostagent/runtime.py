@@ -188,6 +188,7 @@ class EngineRuntime:
         process = adopt_process(pid, create_time, log_path, self.log_max_bytes)
         if process is None:
             return None
+        process.hidden = (api_key,)
         spec = self._spec(request, port, api_key)
         return Instance(
             request=request,
@@ -217,6 +218,7 @@ class EngineRuntime:
             process = start_process(
                 launch.argv, env=launch.env, log_path=log_path, log_max_bytes=self.log_max_bytes
             )
+            process.hidden = (spec.api_key,)
         except BaseException:
             remove_run_dir(self.run_root / request.instance_id)
             if lease is not None:

@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from hostagent.errors import EngineExitedError
 from hostagent.kinds.base import KEY_VARIABLES
 from hostagent.probe import SimulatedProbe
 from hostagent.process import inherited_env
@@ -143,3 +144,23 @@ def test_no_key_variable_is_inherited_from_the_host(monkeypatch):
     assert {"VLLM_API_KEY", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "TENSORFOLD_API_KEY"} == (
         KEY_VARIABLES
     )
+
+
+def test_an_engine_that_logs_its_key_does_not_show_it_in_its_failure(runtime):
+    """Engines may log their own arguments (SGLang prints its server_args, the key from its
+    config file among them): the log tail that reaches events and errors never holds the
+    launch key."""
+    printer = "import sys; print('api_key=' + open(sys.argv[1]).read().strip()); sys.exit(3)"
+    request = InstanceRequest(
+        instance_id=f"leaky-{uuid.uuid4().hex[:6]}",
+        kind="custom",
+        command=f'{sys.executable} -c "{printer}" {{api_key_file}} {{host}} {{port}}',
+        source="/models/leaky",
+        served_name="leaky-model",
+    )
+    instance = runtime.launch(request)
+    with pytest.raises(EngineExitedError) as failure:
+        runtime.wait_ready(instance, timeout=20)
+    assert instance.api_key not in str(failure.value)
+    assert "api_key=[launch key]" in failure.value.log_tail
+    assert instance.api_key not in instance.process.log_tail()
