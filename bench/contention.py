@@ -99,7 +99,7 @@ def start_server(args: argparse.Namespace, models: list[str], turn: int) -> Live
         "CAPYCTL_SIM_TOKENS_PER_SECOND": "100",
         "CAPYCTL_SIM_COMPLETION_TOKENS": "16",
     }
-    deployments = (["deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
+    deployments = (["deployment", "add", name, "--engine", "sim", "--source", f"m-{name}",
                     "--gpu-memory", "16GiB"] for name in models)  # fmt: skip
     try:
         server.start(sim_engine("sim", sim_env), *deployments)

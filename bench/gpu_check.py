@@ -145,7 +145,7 @@ def main() -> int:  # noqa: PLR0915 - one check, read top to bottom
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     add_engine("gpu-sim", kind="vllm", command=f"{sys.executable} -m hostagent.sim vllm", env=env)
     models = [
-        add_deployment(DeploymentSpec(name=name, engine="gpu-sim", source=f"m/{name}",
+        add_deployment(DeploymentSpec(name=name, engine="gpu-sim", source=f"m-{name}",
                                       gpu_memory_fraction=share, weights_bytes=weights))
         for name, share in (("a", 0.4), ("b", 0.7))
     ]  # fmt: skip

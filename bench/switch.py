@@ -60,7 +60,7 @@ def main() -> None:
     )
     models = [
         add_deployment(
-            DeploymentSpec(name=n, engine="sim", source=f"m/{n}", gpu_memory_bytes=16 * 1024**3)
+            DeploymentSpec(name=n, engine="sim", source=f"m-{n}", gpu_memory_bytes=16 * 1024**3)
         )
         for n in ("a", "b")
     ]

@@ -41,6 +41,10 @@ def engine_data(engine: Engine) -> dict[str, Any]:
         "host": engine.host.name if engine.host else None,
         "parks": engine_parks(engine),
         "park_kept_memory": kept,
+        "version": engine.version or None,
+        "version_note": engine.version_note,
+        "flags": engine.flags,
+        "version_checked_at": _time(engine.version_checked_at),
         "created_at": _time(engine.created_at),
     }
 
@@ -49,7 +53,7 @@ def engine_parks(engine: Engine) -> str:
     """``yes``; ``no`` (its kind cannot park); ``kept memory`` (a park of it left its GPU
     memory held: its models are stopped instead until a park check frees memory)."""
     try:
-        capabilities = get_kind(engine.kind).capabilities(engine.options)
+        capabilities = get_kind(engine.kind).capabilities(engine.options, engine.features())
     except KindError:
         return "no"
     if not (capabilities.ram or capabilities.deep):
@@ -74,6 +78,7 @@ def deployment_data(deployment: Deployment) -> dict[str, Any]:
         "gpus": deployment.gpus,
         "park": deployment.park,
         "pinned": deployment.pinned,
+        "over_claim": deployment.over_claim,
         "priority": deployment.priority,
         "idle_park_seconds": deployment.setting("idle_park_seconds"),
         "min_ready_seconds": deployment.setting("min_ready_seconds"),

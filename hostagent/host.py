@@ -13,6 +13,7 @@ import os
 import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -32,6 +33,8 @@ class Launched:
     port: int
     api_key: str
     log_path: str
+    # What the engine program said of itself on this host (EngineFeatures.as_dict()).
+    features: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -151,8 +154,13 @@ class HostRuntime:
         with self._lock:
             self._instances[request.instance_id] = instance
         self._save()
+        features = instance.spec.features
         return Launched(
-            instance.pid, instance.port, instance.api_key, str(instance.process.log_path)
+            instance.pid,
+            instance.port,
+            instance.api_key,
+            str(instance.process.log_path),
+            features.as_dict() if features is not None else None,
         )
 
     def wait_ready(self, instance_id: str, timeout: float) -> float:

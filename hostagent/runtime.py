@@ -9,6 +9,7 @@ engine's processes, by its GPUs' used memory falling (:mod:`hostagent.measure`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import socket
@@ -48,6 +49,7 @@ from hostagent.process import (
 from hostagent.rundir import prepare_run_dir, remove_run_dir
 from hostagent.simgpu import SIM_GPUS_ENV, SIM_STATE_ENV
 from hostagent.units import format_size
+from hostagent.versions import EngineFeatures, EngineProbeError, check_flags, detect
 
 logger = logging.getLogger("hostagent.runtime")
 
@@ -92,6 +94,7 @@ class InstanceRequest:
     options: dict[str, Any] = field(default_factory=dict)
     ram_park: bool = True
     memory_fraction: float | None = None
+    claim_bytes: int | None = None  # the ledger's claim per GPU, for engines that take a size
 
 
 @dataclass
@@ -153,6 +156,35 @@ class EngineRuntime:
         self.run_root = log_dir.parent / "run"  # each instance's run dir: its key file
         self.log_max_bytes = log_max_bytes
         self.release_timeout = release_timeout
+        # What each engine program said of itself here, asked once before its first launch.
+        self._features: dict[tuple[str, str, tuple[tuple[str, str], ...]], EngineFeatures] = {}
+        self._features_lock = threading.Lock()
+
+    def features(self, request: InstanceRequest) -> EngineFeatures | None:
+        """The version and flags of the request's engine program on this host (run once per
+        kind, command and env); None where its kind does not ask."""
+        kind = get_kind(request.kind)
+        if kind.probes is None:
+            return None
+        key = (request.kind, request.command, tuple(sorted(request.env.items())))
+        with self._features_lock:
+            known = self._features.get(key)
+        if known is not None:
+            return known
+        # Asked outside the lock: one slow program never holds up another's launch (two
+        # first launches of the same one may both ask; they hear the same answer).
+        try:
+            argv = kind.check_command(request.command)
+            found = detect(argv, kind.probes, env=dict(request.env))
+        except (EngineProbeError, ValueError) as exc:
+            # The launch itself will say what is wrong; the flags go unchecked.
+            # Not kept: the program may be installed by the next launch.
+            logger.warning("could not read the %s engine's version: %s", kind.name, exc)
+            return EngineFeatures(version="", note=f"version unknown: {exc}")
+        else:
+            logger.info("%s engine %s: %s", kind.name, request.command, found.version)
+        with self._features_lock:
+            return self._features.setdefault(key, found)
 
     def _probe_env(self) -> dict[str, str]:
         if isinstance(self.probe, SimulatedProbe):
@@ -166,6 +198,7 @@ class EngineRuntime:
 
     def _spec(self, request: InstanceRequest, port: int, api_key: str) -> LaunchSpec:
         return LaunchSpec(
+            features=self.features(request),
             command=request.command,
             source=request.source,
             served_name=request.served_name,
@@ -177,6 +210,7 @@ class EngineRuntime:
             options=dict(request.options),
             ram_park=request.ram_park,
             memory_fraction=request.memory_fraction,
+            claim_bytes=request.claim_bytes,
             run_dir=self.run_root / request.instance_id,
         )
 
@@ -204,6 +238,10 @@ class EngineRuntime:
         kind = get_kind(request.kind)
         # A key that never starts with "-", which flag parsers would misread.
         spec = self._spec(request, free_port(), secrets.token_hex(24))
+        if getattr(kind, "sizes_by_free_memory", False):  # SGLang's and llama-server's
+            spec = dataclasses.replace(spec, gpu_memory=self._memory_at_launch(request))
+        if spec.features is not None:  # a flag this build lacks: one line, not an exit
+            check_flags(f"{kind.name} on this host", spec.features, request.extra_args)
         launch = kind.build_launch(spec)
         log_path = self.log_dir / f"{request.instance_id}.log"
         gpus = self.meter.gpus(request.gpu_indices)
@@ -240,6 +278,17 @@ class EngineRuntime:
             start_before=before,
             lease=lease,
         )
+
+    def _memory_at_launch(self, request: InstanceRequest) -> list[tuple[int, int]] | None:
+        """Each of the request's GPUs' (free, total) bytes now, in the engine's order
+        (None: it has no claim, or a GPU gave no reading)."""
+        if request.claim_bytes is None:
+            return None
+        found = {r.index: (r.free_bytes, r.total_bytes) for r in self.probe.devices()}
+        order = request.gpu_indices if request.gpu_indices is not None else sorted(found)
+        if not order or any(index not in found for index in order):
+            return None
+        return [found[index] for index in order]
 
     def wait_ready(self, instance: Instance, timeout: float) -> float:
         """Wait for health, then warm up; return the seconds it took. A start held on its

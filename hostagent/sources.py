@@ -4,7 +4,11 @@ A deployment names its weights with a *source*:
 
 - a local path (``/models/qwen``): used where it is, never copied, moved or deleted; it
   must exist on the host when the model starts;
-- a bare name (``Qwen/Qwen2.5-7B-Instruct``): passed to the engine as it is;
+- a bare Hugging Face id (``Qwen/Qwen2.5-7B-Instruct``): for the engines that would
+  download it themselves (vLLM, SGLang, TensorFold) it is fetched as
+  ``hf://Qwen/Qwen2.5-7B-Instruct`` (see :func:`engine_source`), unless the engine's
+  ``engine_downloads`` option leaves it to the engine; other bare names (one word, or for
+  llama.cpp and custom engines) are passed to the engine as they are;
 - ``hf://ORG/NAME[@REVISION]``: downloaded with ``huggingface_hub`` into this host's
   cache (``HF_ENDPOINT``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE`` are honoured);
 - ``http(s)://HOST/PATH/FILE[#sha256=HEX]``: streamed into the cache, resumed from a
@@ -27,7 +31,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -51,8 +55,15 @@ _OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth")
 # What a newcomer who copied a path from an example needs to read next.
 LOCAL_HINT = (
     ": a source that starts with /, ~ or . is a path on the host; hf://OWNER/NAME and"
-    " http(s):// URLs are downloaded, and a bare name is left to the engine"
+    " http(s):// URLs are downloaded, and so is a bare OWNER/NAME for vLLM, SGLang and"
+    " TensorFold"
 )
+
+# The kinds whose engines take a Hugging Face id and would download it on their own: for
+# them CapyCTL fetches a bare OWNER/NAME itself and runs the engine with HF_HUB_OFFLINE=1,
+# unless the engine's ``engine_downloads`` option is true.
+HUB_NAME_KINDS = frozenset({"vllm", "sglang", "tensorfold"})
+ENGINE_DOWNLOADS_OPTION = "engine_downloads"
 
 
 class SourceError(Exception):
@@ -61,8 +72,8 @@ class SourceError(Exception):
 
 def classify(source: str) -> str:
     """``local`` (an absolute or ``./`` path), ``hf``, ``http``, or ``engine``: a bare
-    name such as ``Qwen/Qwen2.5-7B-Instruct``, handed to the engine, which resolves it
-    itself (vLLM and SGLang download such names on their own)."""
+    name such as ``Qwen/Qwen2.5-7B-Instruct`` (which :func:`engine_source` turns into an
+    ``hf://`` source for the engines that would download it themselves)."""
     if source.startswith("hf://"):
         return "hf"
     if source.startswith(("http://", "https://")):
@@ -70,6 +81,34 @@ def classify(source: str) -> str:
     if source.startswith(("/", "~", "./", "../")):
         return "local"
     return "engine"
+
+
+def hub_id(source: str) -> str | None:
+    """``source`` if it is a bare Hugging Face repository id (``OWNER/NAME``, as the Hub
+    spells them), else None."""
+    if classify(source) != "engine":
+        return None
+    owner, slash, name = source.partition("/")
+    if not slash or not all(_HF_NAME_RE.fullmatch(part) for part in (owner, name)):
+        return None
+    if ".." in source or "--" in source:
+        return None
+    return source
+
+
+def engine_downloads(options: Mapping[str, object]) -> bool:
+    """Whether an engine's options leave bare Hugging Face ids to the engine itself."""
+    return options.get(ENGINE_DOWNLOADS_OPTION) is True
+
+
+def engine_source(source: str, kind: str, options: Mapping[str, object]) -> str:
+    """The source CapyCTL fetches for a deployment of an engine of ``kind``: a bare
+    ``OWNER/NAME`` becomes ``hf://OWNER/NAME`` for the :data:`HUB_NAME_KINDS` (the engine
+    is then given the local snapshot folder), unless the engine's options set
+    ``engine_downloads``; every other source is itself."""
+    if kind in HUB_NAME_KINDS and not engine_downloads(options) and hub_id(source):
+        return f"hf://{source}"
+    return source
 
 
 def parse_hf(source: str) -> tuple[str, str | None]:

@@ -141,3 +141,24 @@ class FakeHub(FileServer):
                 self._route()
 
         self.server.RequestHandlerClass = Hub
+
+
+def point_hub_at(monkeypatch: Any, server: FakeHub) -> None:
+    """Make ``huggingface_hub`` (and the engines CapyCTL starts) download from ``server``."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+        server.url + "/{repo_id}/resolve/{revision}/{filename}",
+    )  # fmt: skip
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment a running process was started with (``/proc/PID/environ``)."""
+    from pathlib import Path
+
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = [item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}

@@ -96,7 +96,7 @@ class LiveModel:
     def add_command(self) -> list[str]:
         command = [
             "deployment", "add", self.name, "--engine", f"sim-{self.name}",
-            "--source", f"m/{self.name}", "--gpu-memory", self.gpu_memory,
+            "--source", f"m-{self.name}", "--gpu-memory", self.gpu_memory,
             "--weights-size", self.weights, "--park", self.park,
             "--min-ready-seconds", str(self.min_ready_seconds),
             "--max-turn-seconds", str(self.max_turn_seconds),

@@ -9,7 +9,7 @@ user runs them, so a benchmark imports this module as it is.
     server = LiveServer(gpus="24GiB", settings={"CAPYCTL_MIN_READY_SECONDS": "0"})
     try:
         server.start(sim_engine("sim", {"CAPYCTL_SIM_WAKE_SECONDS": "0.5"}),
-                     ["deployment", "add", "a", "--engine", "sim", "--source", "m/a"])
+                     ["deployment", "add", "a", "--engine", "sim", "--source", "m-a"])
         server.commands(["deployment", "start", "a"])
         ...  # /v1 at server.url, with server.key
         server.snapshot().events

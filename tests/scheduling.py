@@ -29,13 +29,14 @@ def make_host(tmp_path, settings, spec):
 
 
 def deployment(name, engine="sim-vllm", gib=16, source=None, **extra):
-    """A deployment of a simulated engine; its default source is a name the engine
-    resolves itself (nothing to download or check)."""
+    """A deployment of a simulated engine; its default source is a one-word name the
+    engine resolves itself (nothing to download or check: an OWNER/NAME would be fetched
+    from the Hub)."""
     return add_deployment(
         DeploymentSpec(
             name=name,
             engine=engine,
-            source=source or f"models/{name}",
+            source=source or name,
             gpu_memory_bytes=gib * GIB,
             **extra,
         )

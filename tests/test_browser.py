@@ -76,7 +76,7 @@ def test_admin_keys_and_a_live_dashboard_in_a_browser(server_env, browser, tmp_p
         alice.fill("#id_name", "llama")
         alice.fill("#id_aliases_text", "chat")
         alice.select_option("#id_engine", label="sim")
-        alice.fill("#id_source", "models/llama")
+        alice.fill("#id_source", "llama")
         alice.fill("#id_gpu_memory", "8GiB")
         alice.click("input[name=_save]")
         expect(alice.locator(".messagelist")).to_contain_text("was added successfully")
@@ -168,7 +168,7 @@ def test_the_dashboard_timeline_shows_turns_and_switches(server_env, browser):
            "--env", "CAPYCTL_SIM_SLEEP_SECONDS=0.1"]  # fmt: skip
     setup = [
         ["engine", "add", "sim", "--kind", "vllm", "--command", SIM, *sim],
-        *(["deployment", "add", n, "--engine", "sim", "--source", f"m/{n}", "--gpu-memory",
+        *(["deployment", "add", n, "--engine", "sim", "--source", f"m-{n}", "--gpu-memory",
            "16GiB", "--max-turn-seconds", "0"] for n in ("chat", "code")),
         ["key", "create", "--user", "alice"],
     ]  # fmt: skip

@@ -237,6 +237,12 @@ def test_listings_print_tables_and_json(cli, chat):
             "host": None,
             "parks": "yes",
             "park_kept_memory": None,
+            "version": None,
+            "version_note": (
+                "version unknown until a host runs it (/opt/vllm/bin/vllm: no such program here)"
+            ),
+            "flags": None,
+            "version_checked_at": engines[0]["version_checked_at"],
             "created_at": engines[0]["created_at"],
         }
     ]

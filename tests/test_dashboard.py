@@ -52,10 +52,10 @@ def two_models(gpu_box):
     """``chat`` holds 16 GiB of gpu0 (and 1 GiB of RAM); ``coder`` was promised 4 GiB."""
     add_engine("sim-vllm", kind="vllm", command="vllm")
     chat = add_deployment(
-        DeploymentSpec(name="chat", engine="sim-vllm", source="models/chat", host="local")
+        DeploymentSpec(name="chat", engine="sim-vllm", source="chat", host="local")
     )
     coder = add_deployment(
-        DeploymentSpec(name="coder", engine="sim-vllm", source="models/coder", host="local")
+        DeploymentSpec(name="coder", engine="sim-vllm", source="coder", host="local")
     )
     with host_lock(gpu_box.pk) as host:
         admit(host, chat.pk, {"gpu0": 16 * GIB, "ram": GIB})

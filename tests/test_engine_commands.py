@@ -33,7 +33,8 @@ def test_vllm():
         "--enable-sleep-mode", "--max-model-len", "8192",
     ]  # fmt: skip
     assert launch.env == {
-        "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "launch-key"
+        "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "launch-key",
+        "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
     }  # fmt: skip
     assert launch.files == {}
 
@@ -51,7 +52,7 @@ def test_sglang_with_and_without_cpu_backup():
     assert json.loads(text) == {"api-key": "launch-key"}  # JSON is YAML, which SGLang reads
     deep_only = get_kind("sglang").build_launch(spec("sglang", extra_args=[], ram_park=False))
     assert "--enable-weights-cpu-backup" not in deep_only.argv
-    assert deep_only.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert deep_only.env == {"CUDA_VISIBLE_DEVICES": "0,1", "HF_HUB_OFFLINE": "1"}
 
 
 def test_llamacpp():
@@ -78,7 +79,9 @@ def test_tensorfold():
         "tensorfold", "serve", "/models/qwen", "--name", "chat",
         "--host", "127.0.0.1", "--port", "41000",
     ]  # fmt: skip
-    assert launch.env == {"TENSORFOLD_API_KEY": "launch-key"}
+    assert launch.env == {
+        "TENSORFOLD_API_KEY": "launch-key", "HF_HUB_OFFLINE": "1", "TENSORFOLD_NO_UPDATE_CHECK": "1"
+    }  # fmt: skip
 
 
 def test_custom_template_fills_each_argument_alone():

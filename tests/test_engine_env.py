@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import signal
-from pathlib import Path
 
 import psutil
 import pytest
@@ -17,15 +16,10 @@ from capyctl.engines.services import add_engine
 from capyctl.scheduler import operations
 from hostagent.kinds import KindError, get_kind
 from tests.conftest import run_program, start_server, stop_server
+from tests.fakes import process_environ
 from tests.scheduling import SIM, SIM_ENV, deployment
 
 EVERY_INTERFACE = "0.0.0.0"  # noqa: S104 - what the attacks ask for
-
-
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    pairs = [item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item]
-    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
 
 
 def _sim_engines(server_pid: int) -> list[psutil.Process]:
@@ -57,7 +51,7 @@ def test_an_engine_sees_only_the_allowed_environment(program_env):
         started = run("deployment", "start", "m")
         assert started.code == 0, started.err
         (engine,) = _sim_engines(server.process.pid)
-        seen = _environ(engine.pid)
+        seen = process_environ(engine.pid)
     finally:
         stop_server(server, signal.SIGTERM)
     for secret in ("CAPYCTL_TEST_SECRET", "PGPASSWORD", "AWS_SECRET_ACCESS_KEY"):
@@ -104,7 +98,7 @@ def test_an_engine_listening_on_every_interface_is_stopped_with_the_reason(gpu24
     # {host} is in the template, but the server ignores it and binds 0.0.0.0.
     add_engine("open", kind="custom", env=SIM_ENV, command=(
         f"{SIM} llamacpp -m {{source}} --port {{port}} --api-key-file {{api_key_file}} "
-        "--host 0.0.0.0 --note {host}"))  # fmt: skip
+        "--host 0.0.0.0 --slot-save-path {host}"))  # fmt: skip
     model = deployment("exposed", engine="open")
     with pytest.raises(operations.EngineFailedError, match=re.escape(EVERY_INTERFACE)):
         operations.ensure_ready(model.pk)
@@ -115,7 +109,8 @@ def test_an_engine_listening_on_every_interface_is_stopped_with_the_reason(gpu24
     assert gpu24.instances() == []  # stopped, not left serving the network
     assert not [
         proc for proc in psutil.process_iter(["cmdline"])
-        if "--note" in (proc.info["cmdline"] or []) and proc.status() != psutil.STATUS_ZOMBIE
+        if "--slot-save-path" in (proc.info["cmdline"] or [])
+        and proc.status() != psutil.STATUS_ZOMBIE
     ]  # fmt: skip
 
 

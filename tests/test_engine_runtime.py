@@ -161,7 +161,7 @@ def test_an_sglang_launch_without_cpu_backup_cannot_park_ram(runtime, launched):
 
 @pytest.mark.parametrize("kind", ["llamacpp", "tensorfold"])
 def test_kinds_that_cannot_park_say_so(runtime, launched, kind):
-    instance = launched(kind)
+    instance = launched(kind, env={"CAPYCTL_SIM_VERSION": "0.5.3"})  # a TensorFold without sleep
     runtime.wait_ready(instance, timeout=30)
     assert listening_addresses(instance.pid) == {"127.0.0.1"}
     streamed = chat(instance, stream=True)

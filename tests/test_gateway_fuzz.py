@@ -69,7 +69,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 "--engine",
                 "sim",
                 "--source",
-                "m/m",
+                "m-m",
                 "--gpu-memory",
                 "8GiB",
             ).code

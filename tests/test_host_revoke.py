@@ -34,7 +34,7 @@ def test_a_revoked_host_is_refused_at_once_and_joins_again_with_a_new_token(join
     assert run("engine", "add", "sim", "--kind", "vllm", "--command",
                f"{sys.executable} -m hostagent.sim vllm").code == 0  # fmt: skip
     assert run("deployment", "add", "r", "--engine", "sim", "--host", "gpu1", "--source",
-               "m/r", "--gpu-memory", "20GiB").code == 0  # fmt: skip
+               "m-r", "--gpu-memory", "20GiB").code == 0  # fmt: skip
     key = run("key", "create", "--user", "admin").out.strip()
     v1 = f"{base_url}/v1/chat/completions"
     ask = {"model": "r", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

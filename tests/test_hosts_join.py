@@ -125,7 +125,7 @@ def test_the_scheduler_drives_a_joined_host_over_mutual_tls(joined):
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
     for name in ("r1", "r2"):
         added = run("deployment", "add", name, "--engine", "sim", "--host", "gpu1",
-                    "--source", f"m/{name}", "--gpu-memory", "60GiB", "--gpus", "1",
+                    "--source", f"m-{name}", "--gpu-memory", "60GiB", "--gpus", "1",
                     "--weights-size", "2GiB")  # fmt: skip
         assert added.code == 0, added.err
 
@@ -203,7 +203,7 @@ def test_a_killed_agent_leaves_its_engines_running_and_takes_them_back(joined):
     ]
     assert run("engine", "add", "sim", "--kind", "vllm", "--command",
                f"{sys.executable} -m hostagent.sim vllm", *slow).code == 0  # fmt: skip
-    assert run("deployment", "add", "r", "--engine", "sim", "--host", "gpu1", "--source", "m/r",
+    assert run("deployment", "add", "r", "--engine", "sim", "--host", "gpu1", "--source", "m-r",
                "--gpu-memory", "20GiB").code == 0  # fmt: skip
     key = run("key", "create", "--user", "admin").out.strip()
     v1 = f"{base_url}/v1/chat/completions"
@@ -265,7 +265,7 @@ def test_an_engine_gone_with_its_host_is_failed_and_started_again(joined):
     run = lambda *argv: run_program(env, *argv)  # noqa: E731
     assert run("engine", "add", "sim", "--kind", "vllm", "--command",
                f"{sys.executable} -m hostagent.sim vllm").code == 0  # fmt: skip
-    assert run("deployment", "add", "r", "--engine", "sim", "--host", "gpu1", "--source", "m/r",
+    assert run("deployment", "add", "r", "--engine", "sim", "--host", "gpu1", "--source", "m-r",
                "--gpu-memory", "20GiB").code == 0  # fmt: skip
     assert run("deployment", "start", "r").code == 0
     (record,) = json.loads((agent_dir / "instances.json").read_text())

@@ -32,7 +32,7 @@ def test_intents_drive_the_running_server(program_env):
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm",
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=8GiB").code == 0  # fmt: skip
     for name in ("a", "b"):
-        added = run("deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
+        added = run("deployment", "add", name, "--engine", "sim", "--source", f"m-{name}",
                     "--gpu-memory", "16GiB")  # fmt: skip
         assert added.code == 0, added.err
 

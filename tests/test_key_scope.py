@@ -45,7 +45,7 @@ def shop(program_env) -> Iterator[tuple[Server, Any]]:
         return run_program(program_env, *argv, stdin=stdin)
 
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm").code == 0
-    added = run("deployment", "add", "chat", "--engine", "sim", "--source", "m/chat",
+    added = run("deployment", "add", "chat", "--engine", "sim", "--source", "m-chat",
                 "--gpu-memory", "4GiB")  # fmt: skip
     assert added.code == 0, added.err
     assert run("user", "add", "bob", "--password-stdin", stdin=BOB_PASSWORD).code == 0
@@ -71,7 +71,7 @@ def test_removing_a_keys_only_model_leaves_it_no_model(shop):
     assert v1_models(server, bobs_key) == ["chat"]
 
     assert run("deployment", "remove", "chat").code == 0
-    added = run("deployment", "add", "code", "--engine", "sim", "--source", "m/code",
+    added = run("deployment", "add", "code", "--engine", "sim", "--source", "m-code",
                 "--gpu-memory", "4GiB", "--alias", "chat")  # fmt: skip
     assert added.code == 0, added.err
 

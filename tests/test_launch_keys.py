@@ -20,6 +20,7 @@ from hostagent.probe import SimulatedProbe
 from hostagent.process import inherited_env
 from hostagent.runtime import EngineRuntime, Instance, InstanceRequest
 from hostagent.simgpu import SimSpec
+from tests.fakes import process_environ
 
 GIB = 1024**3
 SIM = f"{sys.executable} -m hostagent.sim"
@@ -67,12 +68,6 @@ def command_lines(pid: int) -> list[bytes]:
     return [Path(f"/proc/{proc.pid}/cmdline").read_bytes() for proc in tree]
 
 
-def environment(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    pairs = [item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item]
-    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
-
-
 def chat(instance: Instance, key: str | None) -> int:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     return httpx.post(
@@ -115,7 +110,7 @@ def test_the_key_is_in_no_command_line_and_still_guards_the_engine(runtime, tmp_
         assert chat(instance, ENGINE_ENV_KEY) == 401
         assert chat(instance, instance.api_key) == 200
 
-        env = environment(instance.pid)
+        env = process_environ(instance.pid)
         assert HOST_KEY not in " ".join(env.values())
         assert ENGINE_ENV_KEY not in " ".join(env.values())
         assert "LLAMA_ARG_API_KEY_FILE" not in env
@@ -141,9 +136,13 @@ def test_no_key_variable_is_inherited_from_the_host(monkeypatch):
     inherited = inherited_env()
     assert not KEY_VARIABLES & set(inherited)
     assert inherited["VLLM_LOGGING_LEVEL"] == "DEBUG"
-    assert {"VLLM_API_KEY", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "TENSORFOLD_API_KEY"} == (
-        KEY_VARIABLES
-    )
+    assert {
+        "VLLM_API_KEY",
+        "LLAMA_API_KEY",
+        "LLAMA_ARG_API_KEY_FILE",
+        "TENSORFOLD_API_KEY",
+        "TENSORFOLD_SLEEP_TOKEN",
+    } == KEY_VARIABLES
 
 
 def test_an_engine_that_logs_its_key_does_not_show_it_in_its_failure(runtime):

@@ -281,7 +281,7 @@ def test_an_api_process_killed_with_requests_in_flight(restart_env, tmp_path):
                "--env", "CAPYCTL_SIM_TOKENS_PER_SECOND=5").code == 0  # fmt: skip
     for name in ("a", "b"):  # 16 GiB each on a 24 GiB GPU: one at a time
         assert run("deployment", "add", name, "--engine", "sim", "--host", "box", "--source",
-                   f"m/{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB",
+                   f"m-{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB",
                    "--min-ready-seconds", "0").code == 0  # fmt: skip
     key = run("key", "create", "--user", "admin", "--admin").out.strip()
     server = start(env, tmp_path, port, enrol_port)

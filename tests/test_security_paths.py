@@ -33,8 +33,9 @@ SIM = f"{sys.executable} -m hostagent.sim"
 # Each kind, the simulated engine that plays it, and an admin route of that engine.
 CUSTOM = (
     f"{SIM} vllm serve {{source}} --served-model-name {{model}} --host {{host}} "
-    "--port {port} --enable-sleep-mode"
-)  # the launch key reaches it in VLLM_API_KEY: the option api_key_env below
+    "--port {port} --enable-sleep-mode --gpu-memory-utilization 0.07"
+)  # the launch key reaches it in VLLM_API_KEY: the option api_key_env below; 0.07 of the
+# 80 GiB device keeps it within its 6 GiB claim (a custom kind caps nothing itself)
 KINDS = {
     "vllm": (f"{SIM} vllm", "sleep?level=1"),
     "sglang": (f"{SIM} sglang", "release_memory_occupation"),
@@ -126,14 +127,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 hooks = {"park": {"ram": {"path": "/sleep?level=1"}},
                          "wake": {"ram": {"path": "/wake_up"}},
                          "api_key_env": "VLLM_API_KEY"}  # fmt: skip
-                extra = ["--options", json.dumps(hooks)]
+                # vLLM serves /sleep and /wake_up only in its development mode.
+                extra = ["--options", json.dumps(hooks), "--env", "VLLM_SERVER_DEV_MODE=1"]
                 done = run("engine", "add", name, "--kind", kind, "--command", command,
                            "--env", f"CAPYCTL_SIM_RECORD={records[name]}",
                            "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=1GiB",
                            *(extra if kind == "custom" else []))  # fmt: skip
                 assert done.code == 0, done.err
                 done = run("deployment", "add", name, "--engine", name, "--host", where,
-                           "--source", f"m/{name}", "--gpu-memory", "6GiB",
+                           "--source", f"m-{name}", "--gpu-memory", "6GiB",
                            "--weights-size", "1GiB")  # fmt: skip
                 assert done.code == 0, done.err
                 admin[name] = route

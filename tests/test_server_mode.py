@@ -147,7 +147,7 @@ def two_models(run):
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
     for name in ("a", "b"):
         added = run("deployment", "add", name, "--engine", "sim", "--host", "box", "--source",
-                    f"m/{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB")  # fmt: skip
+                    f"m-{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB")  # fmt: skip
         assert added.code == 0, added.err
     return run("key", "create", "--user", "admin", "--admin").out.strip()
 
@@ -158,7 +158,7 @@ def gated_model(run, gate, *, wake_timeout):
     assert run("engine", "add", "slow", "--kind", "vllm", "--command", SIM,
                "--env", f"CAPYCTL_SIM_WAKE_GATE={gate}",
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
-    assert run("deployment", "add", "a", "--engine", "slow", "--host", "box", "--source", "m/a",
+    assert run("deployment", "add", "a", "--engine", "slow", "--host", "box", "--source", "m-a",
                "--gpu-memory", "16GiB", "--weights-size", "2GiB",
                "--wake-timeout", str(wake_timeout)).code == 0  # fmt: skip
     return run("key", "create", "--user", "admin", "--admin").out.strip()
@@ -254,7 +254,7 @@ def test_two_hosts_with_different_gpus_switch_apart(server_env, tmp_path):
     placed = {"s1": ("small", "16GiB"), "s2": ("small", "16GiB"), "b1": ("big", "40GiB")}
     for name, (host, size) in placed.items():
         added = run("deployment", "add", name, "--engine", "sim", "--host", host, "--source",
-                    f"m/{name}", "--gpu-memory", size, "--weights-size", "2GiB")  # fmt: skip
+                    f"m-{name}", "--gpu-memory", size, "--weights-size", "2GiB")  # fmt: skip
         assert added.code == 0, added.err
     key = run("key", "create", "--user", "admin", "--admin").out.strip()
     server = start(env, tmp_path, port, enrol_port)

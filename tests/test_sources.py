@@ -18,7 +18,7 @@ from capyctl.deployments.services import remove_deployment
 from capyctl.events.models import Event
 from capyctl.scheduler import estimates, operations
 from hostagent.sources import LOCAL_HINT, SourceCache, SourceError, check_syntax, weights_size
-from tests.fakes import FakeHub, FileServer
+from tests.fakes import FakeHub, FileServer, point_hub_at
 from tests.scheduling import SIM, SIM_ENV, deployment
 
 WEIGHTS = bytes(range(256)) * 16_384  # 4 MiB
@@ -34,17 +34,10 @@ def files():
 
 @pytest.fixture
 def hub(monkeypatch):
-    import huggingface_hub.constants
-
     server = FakeHub(
         {"acme/tiny": {"config.json": b'{"model_type": "llama"}', "model.safetensors": WEIGHTS}}
     )
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
-    monkeypatch.setattr(
-        huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-        server.url + "/{repo_id}/resolve/{revision}/{filename}",
-    )  # fmt: skip
+    point_hub_at(monkeypatch, server)
     yield server
     server.close()
 

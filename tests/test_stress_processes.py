@@ -58,7 +58,7 @@ def _setup(env: dict[str, str]) -> None:
                          *env_args])  # fmt: skip
     for i, (engine, gib) in enumerate(MODELS):
         commands.append(["deployment", "add", f"m{i}", "--engine", engine, "--host", "box",
-                         "--source", f"m/{i}", "--gpu-memory", f"{gib}GiB",
+                         "--source", f"m-{i}", "--gpu-memory", f"{gib}GiB",
                          "--wake-timeout", "3", "--min-ready-seconds", "0"])  # fmt: skip
     for result in run_programs(env, *commands):
         assert result.code == 0, result.err

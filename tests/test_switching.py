@@ -101,6 +101,7 @@ def test_deep_when_host_ram_cannot_hold_the_copy(gpu24, settings):
 def test_a_kind_that_cannot_park_is_stopped_and_started_again(gpu24):
     vllm_engine()
     tf_env = {**SIM_ENV, "CAPYCTL_SIM_GPU_BYTES": "16GiB"}  # TensorFold takes no fraction flag
+    tf_env["CAPYCTL_SIM_VERSION"] = "0.5.3"  # a TensorFold without the sleep API
     add_engine("sim-tf", kind="tensorfold", command=f"{SIM} tensorfold", env=tf_env)
     tf = deployment("tf", engine="sim-tf")
     b = deployment("b")

@@ -52,7 +52,7 @@ def site(program_env) -> Iterator[tuple[Server, Run]]:
     assert run("engine", "add", "slow", "--kind", "vllm", "--command", f"{SIM} vllm",
                *slow).code == 0  # fmt: skip
     for name, engine in (("a", "sim"), ("b", "sim"), ("trickle", "slow")):
-        added = run("deployment", "add", name, "--engine", engine, "--source", f"m/{name}",
+        added = run("deployment", "add", name, "--engine", engine, "--source", f"m-{name}",
                     "--gpu-memory", "4GiB")  # fmt: skip
         assert added.code == 0, added.err
     staff = run("user", "add", "alice", "--staff", "--password-stdin", stdin=ALICE_PASSWORD)

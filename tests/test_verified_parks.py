@@ -65,7 +65,14 @@ def test_a_park_that_keeps_its_memory_is_escalated_and_the_switch_goes_on(sticky
 
     # Shown where people look: the engine list, REST and the dashboard.
     listed = cli("engine", "list")
-    assert listed.out.splitlines()[0].split() == ["NAME", "KIND", "HOST", "PARKS", "COMMAND"]
+    assert listed.out.splitlines()[0].split() == [
+        "NAME",
+        "KIND",
+        "HOST",
+        "PARKS",
+        "VERSION",
+        "COMMAND",
+    ]
     rows = {line.split()[0]: line for line in listed.out.splitlines()[1:]}
     assert "  kept memory  " in rows["sticky"]
     assert "  yes  " in rows["sim-vllm"]

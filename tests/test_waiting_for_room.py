@@ -39,7 +39,7 @@ def two_that_do_not_fit(program_env):
     program_env["CAPYCTL_SIM_GPUS"] = "24GiB"
     setup: list[list[str]] = [
         ["engine", "add", "sim", "--kind", "vllm", "--command", SIM],
-        *(["deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
+        *(["deployment", "add", name, "--engine", "sim", "--source", f"m-{name}",
            "--gpu-memory", "16GiB", "--min-ready-seconds", "3",
            *(["--wake-timeout", "1"] if name == "c" else [])] for name in ("a", "b", "c")),
         ["key", "create", "--user", "admin"],

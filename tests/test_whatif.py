@@ -288,7 +288,7 @@ def two_models(cli, gpu24, tmp_path):
     assert cli("engine", "add", "sim", "--kind", "vllm", "--command",
                "python -m hostagent.sim vllm").code == 0  # fmt: skip
     for name in ("chat", "code"):
-        assert cli("deployment", "add", name, "--engine", "sim", "--source", f"m/{name}",
+        assert cli("deployment", "add", name, "--engine", "sim", "--source", f"m-{name}",
                    "--gpu-memory", "16GiB", "--min-ready", "0").code == 0  # fmt: skip
     trace = tmp_path / "trace.jsonl"
     lines = [json.dumps({"at": r.at, "model": "chat" if r.model == "a" else "code",

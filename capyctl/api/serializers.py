@@ -9,7 +9,7 @@ from typing import Any
 from rest_framework import serializers
 
 from capyctl import reports
-from capyctl.deployments.models import ParkPolicy
+from capyctl.deployments.models import OverClaim, ParkPolicy
 from capyctl.deployments.services import MAX_COUNT, MAX_PRIORITY, MAX_SECONDS
 from capyctl.validation import MAX_SIZE_BYTES
 
@@ -42,6 +42,16 @@ class EngineOut(_Report):
     host = serializers.CharField(allow_null=True)
     parks = serializers.ChoiceField(choices=["yes", "no", "kept memory"])
     park_kept_memory = ParkKeptMemory(allow_null=True)
+    version = serializers.CharField(
+        allow_null=True, help_text="what the program's --version said (null: not known yet)"
+    )
+    version_note = serializers.CharField(help_text="why the version is not known, if it is not")
+    flags = serializers.ListField(
+        child=serializers.CharField(),
+        allow_null=True,
+        help_text="the flags its --help lists, where its kind reads one",
+    )
+    version_checked_at = serializers.DateTimeField(allow_null=True)
     created_at = serializers.DateTimeField()
 
 
@@ -62,6 +72,7 @@ class DeploymentOut(_Report):
     gpus = serializers.IntegerField()
     park = serializers.CharField()
     pinned = serializers.BooleanField()
+    over_claim = serializers.CharField()
     priority = serializers.IntegerField()
     idle_park_seconds = serializers.IntegerField()
     min_ready_seconds = serializers.IntegerField()
@@ -234,6 +245,7 @@ class DeploymentIn(serializers.Serializer):  # type: ignore[type-arg]
     gpus = serializers.IntegerField(required=False, min_value=0, max_value=64)
     park = serializers.ChoiceField(choices=ParkPolicy.choices, required=False)
     pinned = serializers.BooleanField(required=False)
+    over_claim = serializers.ChoiceField(choices=OverClaim.choices, required=False)
     priority = serializers.IntegerField(
         required=False, min_value=-MAX_PRIORITY, max_value=MAX_PRIORITY
     )

@@ -83,10 +83,18 @@ def engine_list(args: argparse.Namespace) -> int:
         print_json(engines)
     else:
         rows = [
-            [e["name"], e["kind"], e["host"] or "(any)", e["parks"], e["command"]] for e in engines
+            [e["name"], e["kind"], e["host"] or "(any)", e["parks"], _version(e), e["command"]]
+            for e in engines
         ]
-        print_table(["name", "kind", "host", "parks", "command"], rows, empty="no engines")
+        print_table(
+            ["name", "kind", "host", "parks", "version", "command"], rows, empty="no engines"
+        )
     return 0
+
+
+def _version(engine: dict[str, Any]) -> str:
+    """The engine's version, or "unknown" where no host has read it yet."""
+    return str(engine["version"] or "unknown")
 
 
 def engine_remove(args: argparse.Namespace) -> int:
@@ -128,6 +136,7 @@ def deployment_add(args: argparse.Namespace) -> int:
         engine_args=split_engine_args(args.args),
         priority=args.priority,
         pinned=args.pinned,
+        over_claim=args.over_claim,
     )
     prepare()
     deployment = add_deployment(spec, actor=_actor())
@@ -493,9 +502,14 @@ def cache_list(args: argparse.Namespace) -> int:
 def cache_prune(args: argparse.Namespace) -> int:
     """Remove downloads that no deployment names; a local path is never a download."""
     from capyctl.deployments.models import Deployment
+    from hostagent.sources import engine_source
 
     prepare()
-    keep = list(Deployment.objects.values_list("source", flat=True))
+    # What each deployment is fetched as: a bare Hugging Face id keeps its hf:// download.
+    keep = [
+        engine_source(d.source, d.engine.kind, d.engine.options or {})
+        for d in Deployment.objects.select_related("engine")
+    ]
     rows: list[dict[str, object]] = []
     for host in _cache_hosts(args.host):
         rows += [{"host": host.name, **d} for d in _cache_call(host, "prune", keep, args.dry_run)]

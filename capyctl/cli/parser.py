@@ -229,7 +229,9 @@ def _build_engine(commands: Any) -> None:
         metavar="NAME=VALUE",
         help="an environment variable for the engine (repeatable)",
     )
-    add.add_argument("--options", metavar="JSON", help="kind-specific settings (custom hooks)")
+    add.add_argument(
+        "--options", metavar="JSON", help="kind-specific settings (custom hooks, engine_downloads)"
+    )
     listing = _sub(sub, "list", "list engines", "engine_list")
     _add_json(listing)
     remove = _sub(sub, "remove", "remove an engine no deployment uses", "engine_remove")
@@ -277,6 +279,13 @@ def _build_deployment(commands: Any) -> None:
     add.add_argument("--priority", type=int, default=0)
     add.add_argument("--args", default="", metavar='"ENGINE ARGS"', help="extra engine args")
     add.add_argument("--pinned", action="store_true", help="never park or stop it to make room")
+    add.add_argument(
+        "--over-claim",
+        choices=("stop", "raise"),
+        default="stop",
+        help="an engine measured past its GPU memory claim at start: stop it (default), "
+        "or raise the claim to what it holds",
+    )
     listing = _sub(sub, "list", "list deployments", "deployment_list")
     _add_json(listing)
     remove = _sub(sub, "remove", "remove a stopped deployment", "deployment_remove")

@@ -11,7 +11,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from capyctl.admin_utils import ReadOnlyAdmin, attach_user_error
-from capyctl.deployments.models import Deployment, Instance
+from capyctl.deployments.models import Deployment, Instance, OverClaim
 from capyctl.deployments.services import (
     SETTING_FIELDS,
     DeploymentSpec,
@@ -46,6 +46,8 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if "over_claim" in self.fields:  # left out: the default, stop
+            self.fields["over_claim"].required = False
         obj = self.instance
         if obj.pk:
             self.initial["aliases_text"] = ", ".join(obj.alias_names)
@@ -74,6 +76,7 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
             gpu_bytes, fraction = parse_gpu_memory(data["gpu_memory"])
         weights = data.get("weights_size")
         plain: dict[str, Any] = {name: data.get(name) for name in _PLAIN_FIELDS}
+        plain["over_claim"] = plain.get("over_claim") or OverClaim.STOP
         return DeploymentSpec(
             name=data["name"],
             engine=data["engine"].name,
@@ -114,7 +117,7 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     )
     fieldsets = (
         (None, {"fields": ("name", "aliases_text", "engine", "host", "source", "args_text")}),
-        ("Memory", {"fields": ("gpu_memory", "weights_size", "gpus")}),
+        ("Memory", {"fields": ("gpu_memory", "weights_size", "gpus", "over_claim")}),
         (
             "Parking and waiting",
             {

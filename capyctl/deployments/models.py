@@ -18,6 +18,13 @@ class ParkPolicy(models.TextChoices):
     NEVER = "never"
 
 
+class OverClaim(models.TextChoices):
+    """What a start does when its engine is measured holding more than its claim."""
+
+    STOP = "stop"  # the engine is stopped and the deployment fails, saying by how much
+    RAISE = "raise"  # the claim is raised to what it was measured holding
+
+
 class DesiredState(models.TextChoices):
     RUNNING = "running"
     STOPPED = "stopped"
@@ -94,6 +101,12 @@ class Deployment(models.Model):
     drain_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
     priority = models.IntegerField(default=0, help_text="higher stays loaded longer")
     pinned = models.BooleanField(default=False, help_text="never parked or stopped to make room")
+    over_claim = models.CharField(
+        max_length=8,
+        choices=OverClaim.choices,
+        default=OverClaim.STOP,
+        help_text="an engine measured past its claim at start: stop it, or raise the claim",
+    )
 
     desired_state = models.CharField(
         max_length=8, choices=DesiredState.choices, default=DesiredState.RUNNING

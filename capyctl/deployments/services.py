@@ -16,10 +16,11 @@ from capyctl.deployments.models import (
     Deployment,
     DeploymentAlias,
     ObservedState,
+    OverClaim,
     ParkPolicy,
 )
 from capyctl.engines.models import Engine
-from capyctl.engines.services import get_engine
+from capyctl.engines.services import check_engine_args, get_engine
 from capyctl.errors import NotFoundError, UserError
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
@@ -60,6 +61,7 @@ class DeploymentSpec:
     engine_args: list[str] = field(default_factory=list)
     priority: int = 0
     pinned: bool = False
+    over_claim: str = OverClaim.STOP
 
 
 def get_deployment(name: str) -> Deployment:
@@ -133,6 +135,11 @@ def _check_figures(spec: DeploymentSpec) -> None:
             f"invalid park policy {spec.park!r} (use {', '.join(ParkPolicy.values)})",
             field="park",
         )
+    if spec.over_claim not in OverClaim.values:
+        raise UserError(
+            f"invalid over-claim {spec.over_claim!r} (use {', '.join(OverClaim.values)})",
+            field="over_claim",
+        )
     _check_settings(spec)
     if not spec.source.strip():
         raise UserError(
@@ -188,12 +195,14 @@ def check_deployment(
     _check_source(spec.source)
     engine = get_engine(spec.engine)
     kind = get_kind(engine.kind)
+    # A flag the installed program lacks says the most: before CapyCTL's own reservations.
+    check_engine_args(engine, spec.engine_args)
     try:
         kind.check_args(spec.engine_args)
     except KindError as exc:
         raise UserError(str(exc), field="engine_args") from None
     if spec.park in (ParkPolicy.RAM, ParkPolicy.DEEP):
-        capabilities = kind.capabilities(engine.options)
+        capabilities = kind.capabilities(engine.options, engine.features())
         able = capabilities.ram if spec.park == ParkPolicy.RAM else capabilities.deep
         if not able:
             raise UserError(
@@ -224,6 +233,7 @@ SETTING_FIELDS = (
     "drain_timeout_seconds",
     "priority",
     "pinned",
+    "over_claim",
 )
 # What an engine is launched with: a change reaches a running engine at its next start.
 _LAUNCH_FIELDS = frozenset(

@@ -30,9 +30,10 @@ class EngineForm(forms.ModelForm):  # type: ignore[type-arg]
 @admin.register(Engine)
 class EngineAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     form = EngineForm
-    list_display = ("name", "kind", "command", "host")
+    list_display = ("name", "kind", "version", "command", "host")
     list_filter = ("kind", "host")
     search_fields = ("name", "command")
+    readonly_fields = ("version", "version_note", "flags", "version_checked_at")
 
     def save_model(self, request: HttpRequest, obj: Engine, form: EngineForm, change: bool) -> None:
         """Saved by the same service as the CLI and REST (it records the event)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from django.db import models
 
-from hostagent.kinds import kind_names
+from hostagent.kinds import get_kind, kind_names
+from hostagent.versions import EngineFeatures
 
 
 class Engine(models.Model):
@@ -32,6 +33,13 @@ class Engine(models.Model):
     park_unverified_at = models.DateTimeField(null=True, blank=True, editable=False)
     park_unverified_reason = models.TextField(blank=True, editable=False)
     park_check_after = models.DateTimeField(null=True, blank=True, editable=False)
+    # What the program said of itself (its --version, and its --help's flags where its kind
+    # reads one), at `engine add` where the command runs there, then at each host's first
+    # launch of it. Empty ``version`` with ``version_note``: why it is not known yet.
+    version = models.CharField(max_length=100, blank=True, editable=False)
+    flags = models.JSONField(null=True, blank=True, editable=False)
+    version_note = models.CharField(max_length=300, blank=True, editable=False)
+    version_checked_at = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -40,3 +48,19 @@ class Engine(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def features(self) -> EngineFeatures | None:
+        """What the program last said of itself, or None if it was never read."""
+        if not self.version and self.flags is None:
+            return None
+        flags = frozenset(self.flags) if isinstance(self.flags, list) else None
+        probes = get_kind(self.kind).probes
+        shown = " ".join(probes.help) if probes is not None and probes.help else ""
+        return EngineFeatures(
+            version=self.version, flags=flags, help_command=shown, note=self.version_note
+        )
+
+    @property
+    def version_shown(self) -> str:
+        """The version, or why it is not known."""
+        return self.version or self.version_note or "unknown"

@@ -14,7 +14,9 @@ from capyctl.events.models import Event
 from capyctl.events.services import record_event
 from capyctl.hosts.services import get_host
 from capyctl.validation import validate_name
+from hostagent.errors import EngineError
 from hostagent.kinds import KindError, UnknownKindError, get_kind
+from hostagent.versions import EngineFeatures, EngineProbeError, check_flags, detect
 
 
 def get_engine(name: str) -> Engine:
@@ -41,7 +43,80 @@ def check_engine(name: str, kind: str, command: str, options: dict[str, Any] | N
         raise UserError(str(exc), field="options") from None
 
 
-@transaction.atomic
+UNKNOWN_UNTIL_HOST = "version unknown until a host runs it"
+
+
+def read_features(
+    kind: str, command: str, env: dict[str, str], *, runs_here: bool
+) -> EngineFeatures | None:
+    """Ask the program its version (and flags) where its command runs in this process;
+    else, or where it cannot run here, what says so. None: its kind is not asked."""
+    probes = get_kind(kind).probes
+    if probes is None:
+        return None
+    if not runs_here:
+        return EngineFeatures(version="", note=UNKNOWN_UNTIL_HOST)
+    try:
+        return detect(get_kind(kind).check_command(command), probes, env=env)
+    except EngineProbeError as exc:
+        return EngineFeatures(version="", note=f"{UNKNOWN_UNTIL_HOST} ({exc})")
+
+
+def check_engine_args(engine: Engine, args: list[str]) -> None:
+    """Refuse deployment args naming a flag the engine's program (as last read) lacks."""
+    features = engine.features()
+    if features is None:
+        return
+    try:
+        check_flags(f"engine {engine.name!r}", features, args)
+    except EngineError as exc:
+        raise UserError(str(exc), field="engine_args") from None
+
+
+def _store_features(engine: Engine, features: EngineFeatures | None) -> list[str]:
+    """Put ``features`` on the row (unsaved); the fields that changed."""
+    if features is None:
+        return []
+    flags = sorted(features.flags) if features.flags is not None else None
+    changed = []
+    for field, value in (
+        ("version", features.version[:100]),
+        ("flags", flags),
+        ("version_note", features.note[:300]),
+    ):
+        if getattr(engine, field) != value:
+            setattr(engine, field, value)
+            changed.append(field)
+    engine.version_checked_at = timezone.now()
+    return changed
+
+
+def record_features(
+    engine_id: int, features: dict[str, Any] | None, host_name: str, *, actor: str = "system"
+) -> bool:
+    """A host read the engine's program before its first launch there: remember what it
+    said. True when that changed what was known."""
+    if features is None:
+        return False
+    found = EngineFeatures.from_dict(features)
+    if not found.version:  # the host could not read it either: keep what is known
+        return False
+    with transaction.atomic():
+        engine = Engine.objects.select_for_update().filter(pk=engine_id).first()
+        if engine is None:
+            return False
+        changed = _store_features(engine, found)
+        engine.save(update_fields=["version", "flags", "version_note", "version_checked_at"])
+    if {"version", "flags"} & set(changed):
+        record_event(
+            "engine.version",
+            f"engine {engine.name}: host {host_name} runs {found.version}",
+            subject=engine.name,
+            actor=actor,
+        )
+    return bool(changed)
+
+
 def add_engine(
     name: str,
     *,
@@ -52,7 +127,37 @@ def add_engine(
     options: dict[str, Any] | None = None,
     actor: str = "",
 ) -> Engine:
-    """Register an installed engine program. CapyCTL never installs engines."""
+    """Register an installed engine program. CapyCTL never installs engines. Where its
+    command runs here (no host, or the local one) its version is read first, outside the
+    write transaction (it may take seconds)."""
+    check_engine(name, kind, command, options)
+    host_row = get_host(host) if host else None
+    runs_here = host_row is None or host_row.is_local
+    features = read_features(kind, command, dict(env or {}), runs_here=runs_here)
+    return _add_engine(
+        name,
+        kind=kind,
+        command=command,
+        host=host,
+        env=env,
+        options=options,
+        actor=actor,
+        features=features,
+    )
+
+
+@transaction.atomic
+def _add_engine(
+    name: str,
+    *,
+    kind: str,
+    command: str,
+    host: str | None = None,
+    env: dict[str, str] | None = None,
+    options: dict[str, Any] | None = None,
+    actor: str = "",
+    features: EngineFeatures | None = None,
+) -> Engine:
     check_engine(name, kind, command, options)
     if env is not None and not all(
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
@@ -61,12 +166,17 @@ def add_engine(
     host_row = get_host(host) if host else None
     if Engine.objects.filter(name=name).exists():
         raise UserError(f"an engine named {name!r} already exists", field="name")
-    engine = Engine.objects.create(
+    engine = Engine(
         name=name, kind=kind, command=command, host=host_row, env=env or {}, options=options or {}
     )
+    _store_features(engine, features)
+    engine.save()
+    shown = ""
+    if features is not None:
+        shown = f" (version {engine.version})" if engine.version else f" ({UNKNOWN_UNTIL_HOST})"
     record_event(
         "engine.added",
-        f"engine {name} ({kind}) registered: {command}",
+        f"engine {name} ({kind}) registered: {command}{shown}",
         subject=name,
         actor=actor,
         host_id=host_row.pk if host_row else None,
@@ -145,6 +255,9 @@ def update_engine(
         engine.park_unverified_at = engine.park_check_after = None
         engine.park_unverified_reason = ""
         trusted = " (its models park again: the park that kept memory was another setup's)"
+    if {"kind", "command", "env"} & set(changed) and engine.version_checked_at is not None:
+        # Another program or setup: its version is read again at its next launch.
+        _store_features(engine, EngineFeatures(version="", note=UNKNOWN_UNTIL_HOST))
     engine.save()
     record_event(
         "engine.changed",

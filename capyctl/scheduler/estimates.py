@@ -79,6 +79,24 @@ def memory_fraction(deployment: Deployment, device_total: int) -> float | None:
     return min(claim_per_gpu(deployment, device_total) / device_total, 1.0)
 
 
+# What an engine's start may be measured holding on a GPU beyond its claim: the larger of
+# a share of the claim and a fixed slack (allocator rounding, a CUDA context the engine's
+# own cap leaves out). Past it, the start is refused or the claim raised (``over_claim``).
+OVER_CLAIM_SHARE = 0.05
+OVER_CLAIM_SLACK_BYTES = 512 * 1024**2
+
+
+def over_claim_tolerance(claim: int) -> int:
+    return max(int(claim * OVER_CLAIM_SHARE), OVER_CLAIM_SLACK_BYTES)
+
+
+def over_claim(figures: dict[str, int], pools: list[str], claim: int) -> dict[str, int]:
+    """The GPU pools whose measured figure is past the claim and its tolerance (pool ->
+    bytes). A figure the probe could not give is the claim itself, so it is never over."""
+    bound = claim + over_claim_tolerance(claim)
+    return {pool: figures[pool] for pool in pools if figures.get(pool, 0) > bound}
+
+
 def weights_bytes(deployment: Deployment, gpu_held: int) -> int:
     """The weights copy a ``ram`` park keeps in host RAM (``gpu_held``: what the
     deployment holds on all its GPUs now, the bound when nothing better is known)."""

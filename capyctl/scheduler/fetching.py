@@ -1,7 +1,8 @@
 """Getting a deployment's weights onto its host before its engine starts.
 
-A local path is checked on the host; an ``hf://`` or ``http(s)://`` source is fetched into
-the host's cache while the deployment is ``downloading``. Progress (bytes, rate, ETA) is
+A local path is checked on the host; an ``hf://`` or ``http(s)://`` source (and a bare
+Hugging Face id for vLLM, SGLang and TensorFold, as ``hf://``) is fetched into the host's
+cache while the deployment is ``downloading``. Progress (bytes, rate, ETA) is
 kept on the deployment (``download``, and a line in ``state_reason``) and a few events
 mark the way. Every start of the same source on a host joins the one fetch under way.
 """
@@ -16,7 +17,7 @@ from capyctl.deployments.models import Deployment, ObservedState
 from capyctl.hosts.models import Host
 from capyctl.scheduler import transitions
 from capyctl.scheduler.drivers import driver_for
-from hostagent.sources import FetchStatus, classify
+from hostagent.sources import FetchStatus, classify, engine_source
 from hostagent.units import format_size
 
 S = ObservedState
@@ -54,11 +55,16 @@ def fetch_source(deployment: Deployment, host: Host, actor: str) -> str | None:
     person): the fetch itself goes on into the cache, where the next start finds it.
     Raises :class:`SourceFailedError` when the source is missing or the fetch failed.
     """
-    kind = classify(deployment.source)
+    # A bare Hugging Face id for an engine that would download it itself is fetched here,
+    # as hf://OWNER/NAME, unless the engine's options leave it to the engine.
+    source = engine_source(
+        deployment.source, deployment.engine.kind, deployment.engine.options or {}
+    )
+    kind = classify(source)
     if kind == "engine":
         return deployment.source  # a name the engine resolves: nothing to check or fetch
     driver = driver_for(host)
-    status = driver.fetch_start(deployment.source)  # a local path is settled at once
+    status = driver.fetch_start(source)  # a local path is settled at once
     remote = kind in ("hf", "http")
     started = time.monotonic()
     announced = False
@@ -89,9 +95,9 @@ def fetch_source(deployment: Deployment, host: Host, actor: str) -> str | None:
                         f"{deployment.name}: downloaded {describe(status)}", actor=actor,
                     )  # fmt: skip
         time.sleep(POLL_SECONDS)
-        found = driver.fetch_status(deployment.source)
+        found = driver.fetch_status(source)
         if found is None:  # the host forgot it (an agent restarted): ask again
-            found = driver.fetch_start(deployment.source)
+            found = driver.fetch_start(source)
         status = found
     if status.state == "failed":
         raise SourceFailedError(f"{status.error} (on host {host.name})")

@@ -58,6 +58,7 @@ from hostagent.errors import (
     MemoryNotReleasedError,
 )
 from hostagent.runtime import InstanceRequest
+from hostagent.units import format_size
 
 logger = logging.getLogger("capyctl.scheduler")
 S = ObservedState
@@ -342,9 +343,11 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         options=dict(deployment.engine.options),
         ram_park=snapshots.launch_keeps_ram_copy(deployment, host),
         memory_fraction=estimates.memory_fraction(deployment, snapshots.device_total(host)),
+        claim_bytes=claim if deployment.gpus else None,
     )
     try:
         launched = driver.launch(request)
+        engines.record_features(deployment.engine_id, launched.features, host.name, actor=actor)
         if not transitions.launched(
             instance,
             pid=launched.pid,
@@ -364,10 +367,46 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         raise
     pools = snapshots.gpu_pools(host, placement.gpu_indices)
     figures = snapshots.measured(host, pools, usage, claim)
-    if not transitions.ready(deployment, host, figures, pools, started=started, actor=actor):
+    raised = _check_claim(deployment, driver, instance, figures, pools, claim=claim, actor=actor)
+    if not transitions.ready(
+        deployment, host, figures, pools, started=started, actor=actor, raised_claim=raised
+    ):
         # stopped or failed meanwhile: its entries are gone, so is the engine
         driver.stop(instance_id, STOP_GRACE_SECONDS)
     return _load(deployment.pk)
+
+
+def _check_claim(
+    deployment: Deployment,
+    driver: HostDriver,
+    instance: Instance,
+    figures: dict[str, int],
+    pools: list[str],
+    *,
+    claim: int,
+    actor: str,
+) -> tuple[int, int] | None:
+    """The start's measurement against its claim: within it (and its tolerance), None;
+    past it, (claim, what to raise it to) where its ``over_claim`` is ``raise``, else its
+    engine is stopped and the deployment failed with the figures (EngineFailedError)."""
+    over = estimates.over_claim(figures, pools, claim)
+    if not over:
+        return None
+    if deployment.over_claim == "raise":
+        return claim, max(over.values())
+    reason = _over_claim_reason(over, claim)
+    fail(deployment, driver, instance, reason, actor)
+    raise EngineFailedError(f"{deployment.name}: {reason}")
+
+
+def _over_claim_reason(over: dict[str, int], claim: int) -> str:
+    """One line: where the engine holds more than its claim allows, and by how much."""
+    held = ", ".join(f"{format_size(num_bytes)} on {pool}" for pool, num_bytes in over.items())
+    return (
+        f"its engine holds {held}, more than its claim of {format_size(claim)} per GPU and "
+        f"the tolerance of {format_size(estimates.over_claim_tolerance(claim))}, so it was "
+        "stopped (cap the engine lower, raise --gpu-memory, or set over_claim to raise)"
+    )
 
 
 def fail(

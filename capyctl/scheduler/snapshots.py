@@ -51,6 +51,9 @@ _RESIDENT_FIELDS = (
     "engine__kind",
     "engine__options",
     "engine__park_unverified_at",
+    "engine__version",
+    "engine__flags",
+    "engine__version_note",
 )
 
 
@@ -109,7 +112,9 @@ def residents(host: Host, now: float) -> list[Resident]:
     residents = []
     wanted = Deployment.objects.filter(pk__in=entries).select_related("engine")
     for deployment in wanted.only(*_RESIDENT_FIELDS):
-        capabilities = get_kind(deployment.engine.kind).capabilities(deployment.engine.options)
+        capabilities = get_kind(deployment.engine.kind).capabilities(
+            deployment.engine.options, deployment.engine.features()
+        )
         held = entries[deployment.pk]
         changed = deployment.state_changed_at or deployment.created_at
         used = deployment.last_request_at or changed

@@ -219,13 +219,19 @@ def _to_ready(
     host: Host,
     expected: str,
     figures: Mapping[str, int],
+    claim_bytes: int | None = None,
     **fields: Any,
 ) -> bool:
     """``expected`` -> READY under the host lock, the measured figures held in place of
-    the promise, waiters told; whether this call won."""
+    the promise (with ``claim_bytes``, its live instance's claim changed too), waiters
+    told; whether this call won."""
     with host_lock(host.pk) as locked:
         won = _move(deployment.pk, [expected], S.READY, **fields)
         if won:
+            if claim_bytes is not None:
+                Instance.objects.filter(deployment_id=deployment.pk).exclude(
+                    state=Instance.State.EXITED
+                ).update(claim_bytes=claim_bytes)
             _held(locked, deployment, figures, "measured")
             _announce(deployment.pk, ok=True)
     return won
@@ -239,10 +245,28 @@ def ready(
     *,
     started: float,
     actor: str,
+    raised_claim: tuple[int, int] | None = None,
 ) -> bool:
-    """STARTING -> READY with the measured figures held."""
+    """STARTING -> READY with the measured figures held. ``raised_claim`` (was, now): its
+    engine was measured past its claim and its ``over_claim`` setting is ``raise``: the
+    claim per GPU becomes ``now``, for the running instance (its wakes) and the deployment
+    (its next starts), in the same update, and an event says so."""
     measured = max((figures[p] for p in pools), default=None)
-    won = _to_ready(deployment, host, S.STARTING, figures, measured_gpu_bytes=measured)
+    fields: dict[str, Any] = {"measured_gpu_bytes": measured}
+    new_claim = raised_claim[1] if raised_claim is not None else None
+    if new_claim is not None:
+        fields.update(gpu_memory_bytes=new_claim, gpu_memory_fraction=None)
+    won = _to_ready(deployment, host, S.STARTING, figures, new_claim, **fields)
+    if won and raised_claim is not None:
+        was, now = raised_claim
+        message = (
+            f"{deployment.name}'s engine holds {format_size(now)} per GPU, more than its "
+            f"claim of {format_size(was)}: its claim is raised to {format_size(now)} "
+            "(over_claim raise)"
+        )
+        logger.warning(message)
+        record(deployment, "deployment.claim_raised", message, level=Event.Level.WARNING,
+               actor=actor, data={"claim_bytes": now, "was_bytes": was})  # fmt: skip
     if won:
         record(
             deployment,

@@ -85,7 +85,7 @@ def current() -> dict[str, Any]:
         engine = engines.get(row["name"])
         if engine is not None:
             try:
-                can = get_kind(engine.kind).capabilities(engine.options)
+                can = get_kind(engine.kind).capabilities(engine.options, engine.features())
                 row["can_park_ram"], row["can_park_deep"] = can.ram, can.deep
             except KindError:
                 row["can_park_ram"] = row["can_park_deep"] = False

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hostagent.errors import CannotParkError, EngineCallError
+from hostagent.sources import ENGINE_DOWNLOADS_OPTION, HUB_NAME_KINDS, engine_downloads
+from hostagent.versions import EngineFeatures, ProbeCommands
 
 if TYPE_CHECKING:
     import httpx
@@ -22,8 +24,15 @@ LOOPBACK = "127.0.0.1"
 # and LLAMA_ARG_API_KEY_FILE, TensorFold's TENSORFOLD_API_KEY. Only a kind sets one, with the
 # launch key: from the host's environment or an engine's env they would open the engine to a
 # key CapyCTL never made.
+# TensorFold's TENSORFOLD_SLEEP_TOKEN opens its sleep routes the same way.
 KEY_VARIABLES = frozenset(
-    {"VLLM_API_KEY", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "TENSORFOLD_API_KEY"}
+    {
+        "VLLM_API_KEY",
+        "LLAMA_API_KEY",
+        "LLAMA_ARG_API_KEY_FILE",
+        "TENSORFOLD_API_KEY",
+        "TENSORFOLD_SLEEP_TOKEN",
+    }
 )
 
 
@@ -55,7 +64,14 @@ class LaunchSpec:
     options: dict[str, Any] = field(default_factory=dict)
     ram_park: bool = True  # ask for what a later `ram` park needs (SGLang's CPU backup)
     memory_fraction: float | None = None  # share of each GPU the engine may take
+    # The ledger's claim per GPU in bytes (None: none), for kinds whose engines take a size,
+    # and each of its GPUs' (free, total) bytes at launch, in the engine's order (None: not
+    # read), for kinds whose engines size themselves from the device's free memory.
+    claim_bytes: int | None = None
+    gpu_memory: list[tuple[int, int]] | None = None
     run_dir: Path | None = None  # the engine's own 0700 folder, for its key file
+    # What this host's copy of the program said of itself (None: not asked).
+    features: EngineFeatures | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,7 @@ class EngineClient:
         params: dict[str, Any] | None = None,
         timeout: float | None = None,
         expect: tuple[int, ...] = (200,),
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         import httpx  # noqa: PLC0415 - kinds are read by every command, calls are rare
 
@@ -124,6 +141,7 @@ class EngineClient:
                 path,
                 json=json,
                 params=params,
+                headers=headers,
                 timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
             )
         except httpx.HTTPError as exc:
@@ -155,7 +173,16 @@ class EngineKind(Protocol):
     name: str
     description: str
 
-    def capabilities(self, options: dict[str, Any]) -> Capabilities: ...
+    @property
+    def probes(self) -> ProbeCommands | None:
+        """How to ask the program its version and flags (None: it is not asked)."""
+        ...
+
+    def capabilities(
+        self, options: dict[str, Any], features: EngineFeatures | None = None
+    ) -> Capabilities:
+        """What it can do; ``features``: what the installed program said of itself."""
+        ...
 
     def check_command(self, command: str) -> list[str]:
         """Split ``command`` into an argument list, or raise :class:`KindError`."""
@@ -280,18 +307,33 @@ class ProgramKind:
     reserved_flags: tuple[str, ...] = RESERVED_FLAGS
     health_path = "/health"
     park_modes: tuple[str, ...] = ()
+    probes: ProbeCommands | None = ProbeCommands()
 
-    def capabilities(self, options: dict[str, Any]) -> Capabilities:
+    def capabilities(
+        self, options: dict[str, Any], features: EngineFeatures | None = None
+    ) -> Capabilities:
         return Capabilities(ram="ram" in self.park_modes, deep="deep" in self.park_modes)
 
     def check_args(self, args: list[str]) -> None:
         check_reserved_flags(self.name, args, self.reserved_flags)
 
     def check_options(self, options: dict[str, Any]) -> None:
+        if self.name in HUB_NAME_KINDS:
+            value = options.get(ENGINE_DOWNLOADS_OPTION, False)
+            if not isinstance(value, bool):
+                raise KindError(
+                    f"the engine option {ENGINE_DOWNLOADS_OPTION} is true or false (got {value!r})"
+                )
+            options = {k: v for k, v in options.items() if k != ENGINE_DOWNLOADS_OPTION}
         if options:
+            only = (
+                f"{self.name} takes only {ENGINE_DOWNLOADS_OPTION}"
+                if self.name in HUB_NAME_KINDS
+                else f"{self.name} takes no engine options"
+            )
             raise KindError(
-                f"{self.name} takes no engine options (got {', '.join(sorted(options))}); "
-                "options are for the 'custom' kind"
+                f"{only} (got {', '.join(sorted(options))}); other options are for the "
+                "'custom' kind"
             )
 
     def check_command(self, command: str) -> list[str]:
@@ -305,13 +347,36 @@ class ProgramKind:
 
     def build_launch(self, spec: LaunchSpec) -> Launch:
         argv = [*split_command(spec.command), *self.engine_flags(spec), *spec.extra_args]
-        env = {**gpu_env(spec), **self.extra_env(spec), **self.key_env(spec)}
+        env = {
+            **self.offline_env(spec),
+            **gpu_env(spec),
+            **self.extra_env(spec),
+            **self.cap_env(spec),
+            **self.key_env(spec),
+        }
         return Launch(argv=argv, env=env, files=self.key_files(spec))
 
     def engine_flags(self, spec: LaunchSpec) -> list[str]:
         raise NotImplementedError
 
     def extra_env(self, spec: LaunchSpec) -> dict[str, str]:
+        return {}
+
+    # Variables that keep the engine's start-up off the network (update checks, usage
+    # reports). The engine's own env may still set them otherwise.
+    quiet_env: tuple[tuple[str, str], ...] = ()
+
+    def offline_env(self, spec: LaunchSpec) -> dict[str, str]:
+        """:attr:`quiet_env`, and for engines that take Hugging Face ids ``HF_HUB_OFFLINE=1``:
+        CapyCTL fetched the weights (a bare ``OWNER/NAME`` too), so the engine never reaches
+        the Hub itself, unless the engine's ``engine_downloads`` option leaves that to it."""
+        env = dict(self.quiet_env)
+        if self.name in HUB_NAME_KINDS and not engine_downloads(spec.options):
+            env["HF_HUB_OFFLINE"] = "1"
+        return env
+
+    def cap_env(self, spec: LaunchSpec) -> dict[str, str]:
+        """The variables that hold the engine to its claim, where it reads its cap there."""
         return {}
 
     def key_env(self, spec: LaunchSpec) -> dict[str, str]:

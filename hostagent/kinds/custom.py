@@ -40,6 +40,7 @@ from hostagent.kinds.base import (
     one_token_completion,
     split_command,
 )
+from hostagent.versions import EngineFeatures, ProbeCommands
 
 PLACEHOLDERS = frozenset({"port", "api_key_file", "model", "source", "host"})
 KEY_FILE = "api-key"
@@ -71,8 +72,11 @@ def _check_hook(where: str, hook: Any) -> None:
 class CustomKind:
     name = "custom"
     description = "any OpenAI-compatible server, from a command template"
+    probes: ProbeCommands | None = None  # a template's program has no known way to say
 
-    def capabilities(self, options: dict[str, Any]) -> Capabilities:
+    def capabilities(
+        self, options: dict[str, Any], features: EngineFeatures | None = None
+    ) -> Capabilities:
         park = options.get("park") or {}
         wake = options.get("wake") or {}
         return Capabilities(

@@ -10,6 +10,7 @@ inside the process), never on the command line.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from hostagent.errors import CannotParkError
@@ -23,9 +24,32 @@ from hostagent.kinds.base import (
     loopback_flags,
     one_token_completion,
 )
+from hostagent.versions import ProbeCommands
 
 CPU_BACKUP_FLAG = "--enable-weights-cpu-backup"
+# What SGLang allocates outside its static part (activations, CUDA graph buffers), kept
+# inside the claim.
+OUTSIDE_STATIC_BYTES = 2 * 1024**3
 CONFIG_FILE = "sglang-config.yaml"  # SGLang takes only .yaml or .yml
+
+
+def static_fraction(spec: LaunchSpec) -> LaunchSpec:
+    """The launch with the share ``--mem-fraction-static`` is given. SGLang's static part
+    (weights and the KV pool) is the device's total times the fraction less what is in use
+    on it when it sizes its pool (``rest = free after loading - total x (1 - fraction)``):
+    other engines' memory counts against it. So the fraction is what the GPU holds at launch
+    plus the claim, less :data:`OUTSIDE_STATIC_BYTES`, over its total (the smallest of its
+    GPUs'); without those figures, the claim's share of the device."""
+    if spec.memory_fraction is None or spec.claim_bytes is None or not spec.gpu_memory:
+        return spec
+    shares = [
+        (total - free + spec.claim_bytes - OUTSIDE_STATIC_BYTES) / total
+        for free, total in spec.gpu_memory
+        if total > 0
+    ]
+    if not shares:
+        return spec
+    return replace(spec, memory_fraction=min(max(min(shares), 0.01), 1.0))
 
 
 class SGLangKind(ProgramKind):
@@ -40,6 +64,9 @@ class SGLangKind(ProgramKind):
         CPU_BACKUP_FLAG,
     )
     park_modes = ("ram", "deep")
+    sizes_by_free_memory = True  # its static fraction counts what else the GPU holds
+    # launch_server has no --version; its --help lists the flags.
+    probes = ProbeCommands(version=None, help=["--help"])
 
     def engine_flags(self, spec: LaunchSpec) -> list[str]:
         flags = [
@@ -51,7 +78,7 @@ class SGLangKind(ProgramKind):
             "--config",
             str(key_file_path(spec, CONFIG_FILE)),
             "--enable-memory-saver",
-            *fraction_flag(spec, "--mem-fraction-static"),
+            *fraction_flag(static_fraction(spec), "--mem-fraction-static"),
         ]
         if spec.ram_park:
             flags.append(CPU_BACKUP_FLAG)

@@ -30,6 +30,8 @@ class VLLMKind(ProgramKind):
     name = "vllm"
     description = "vLLM OpenAI server with sleep mode"
     reserved_flags = (*RESERVED_FLAGS, "--served-model-name", "--enable-sleep-mode")
+    # vLLM reports usage to stats.vllm.ai unless one of these is 1 (``usage/usage_lib.py``).
+    quiet_env = (("VLLM_NO_USAGE_STATS", "1"), ("VLLM_DO_NOT_TRACK", "1"))
     park_modes = ("ram", "deep")
 
     def engine_flags(self, spec: LaunchSpec) -> list[str]:

@@ -1,7 +1,8 @@
 """Simulated engines: ``python -m hostagent.sim vllm|sglang|llamacpp|tensorfold ARGS``.
 
-Each accepts the command line CapyCTL builds for the real program and serves the same
-HTTP surface (OpenAI routes with streaming, health, sleep/wake or release/resume), with
+Each parses its command line as the real program does (its real flags, ``flags.py``; any
+other is refused as the real one refuses it) and serves the real engine's routes (OpenAI
+routes with streaming, health, sleep/wake or release/resume; docs/engines.md), with
 knobs for timing and switches for faults, read from the environment:
 
 ==============================  ===================================================

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -11,11 +12,63 @@ from hostagent.simgpu import (
     SIM_GPUS_ENV,
     clear_allocation,
     parse_sim_gpus,
+    read_allocations,
     state_dir_from_env,
     write_allocation,
 )
 
-DEFAULT_CLAIM_BYTES = 1024**3  # llama.cpp and TensorFold have no memory fraction flag
+DEFAULT_CLAIM_BYTES = 1024**3  # llama.cpp has no memory fraction flag
+GIB = 1024**3
+TF_LIMIT_VARIABLE = "TENSORFOLD_CUDA_MEMORY_LIMIT_GB"
+TF_RESERVE_VARIABLE = "TENSORFOLD_MEMORY_RESERVE_GIB"
+
+
+def tensorfold_reserve(total: int, value: str | None) -> int:
+    """What TensorFold keeps free on a card (``cuda/capacity.py`` ``reserve_bytes``):
+    max(4 GiB, a tenth of it), or TENSORFOLD_MEMORY_RESERVE_GIB from 2 to its size."""
+    if value is None:
+        return max(4 * GIB, total // 10)
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = math.nan
+    if not 2 <= gib <= total / GIB:
+        raise SystemExit(
+            f"{TF_RESERVE_VARIABLE}={value}: a number of GiB from 2 to the memory's size"
+        )
+    return int(gib * GIB)
+
+
+def tensorfold_limit(value: str | None) -> int | None:
+    """TENSORFOLD_CUDA_MEMORY_LIMIT_GB in bytes (``cuda_limit_bytes``), refused as
+    TensorFold refuses it."""
+    if value is None:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = math.nan
+    if not math.isfinite(gib) or gib <= 0:
+        raise SystemExit(f"{TF_LIMIT_VARIABLE} must be a positive number in GiB")
+    return int(gib * GIB)
+
+
+def tensorfold_budget(free: int, total: int, knobs: Knobs) -> int:
+    """TensorFold's budget for weights and caches (``available_bytes``): the card's free
+    memory less its reserve, under the cap where one is set."""
+    granted = free - tensorfold_reserve(total, knobs.memory_reserve_gib)
+    limit = tensorfold_limit(knobs.memory_limit_gb)
+    return max(0, min(granted, limit)) if limit is not None else max(0, granted)
+
+
+def _others(state_dir: Path, pid: int) -> dict[int, int]:
+    """What the other live processes hold on each simulated GPU."""
+    held: dict[int, int] = {}
+    for allocation in read_allocations(state_dir):
+        if allocation.pid != pid:
+            for index, num_bytes in allocation.gpu.items():
+                held[index] = held.get(index, 0) + num_bytes
+    return held
 
 
 class SimMemory:
@@ -48,14 +101,26 @@ class SimMemory:
                 self.devices = [int(i) for i in visible.split(",") if i.strip()]
             totals = {i: spec.sizes[i] for i in self.devices} if spec else {}
             self.unified = bool(spec and spec.unified)
+        # SGLang and TensorFold size themselves from what the card has free.
+        free = self._free(totals) if options.kind in ("sglang", "tensorfold") else {}
         claims = {}
         for index, total in totals.items():
             if knobs.gpu_bytes is not None:
                 claims[index] = knobs.gpu_bytes
+            elif options.kind == "sglang" and options.memory_fraction is not None:
+                # Its static part: the fraction of the card less what others hold on it.
+                used = total - free[index]
+                claims[index] = max(int(total * options.memory_fraction) - used, 0)
             elif options.memory_fraction is not None:
                 claims[index] = int(total * options.memory_fraction)
+            elif options.kind == "tensorfold":
+                claims[index] = knobs.residual_bytes + tensorfold_budget(free[index], total, knobs)
             else:
                 claims[index] = min(DEFAULT_CLAIM_BYTES, total)
+            if options.kind == "tensorfold" and knobs.gpu_bytes is not None:
+                # What it would take, held to its budget (its CUDA context on top).
+                budget = tensorfold_budget(free[index], total, knobs)
+                claims[index] = min(claims[index], knobs.residual_bytes + budget)
         self.claims = claims
         self.residual = {i: min(knobs.residual_bytes, c) for i, c in claims.items()}
         self.weights = {
@@ -70,6 +135,15 @@ class SimMemory:
         self.kv_on_gpu = False
         self.weights_in_ram = False
         self.weights_valid = False
+
+    def _free(self, totals: dict[int, int]) -> dict[int, int]:
+        """Each device's free bytes before this engine takes any: on real devices what
+        CUDA says, on simulated ones its size less what the other processes hold."""
+        if self.cuda is not None:
+            info = self.cuda.torch.cuda.mem_get_info
+            return {i: int(info(i)[0]) for i in totals}
+        others = _others(self.state_dir, self.pid)
+        return {i: max(total - others.get(i, 0), 0) for i, total in totals.items()}
 
     # -- figures ---------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hostagent.sim import flags
 from hostagent.sim.cuda import check_device
+from hostagent.sim.identity import answer_identity
 from hostagent.units import parse_size
 
 KINDS = ("vllm", "sglang", "llamacpp", "tensorfold")
@@ -48,6 +50,10 @@ class Knobs:
     # call takes wake_seconds, as for a ram one).
     deep_sleep_seconds: float | None = None
     deep_wake_seconds: float | None = None
+    # TensorFold's own memory settings as its environment gives them (hostagent.sim.memory
+    # reads them as TensorFold does): the cap on its budget, and its reserve's GiB.
+    memory_limit_gb: str | None = None  # TENSORFOLD_CUDA_MEMORY_LIMIT_GB
+    memory_reserve_gib: str | None = None  # TENSORFOLD_MEMORY_RESERVE_GIB
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,37 +61,48 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+# What each real program calls itself in its usage errors.
+_PROGS = {"vllm": "vllm serve", "sglang": "sglang serve", "tensorfold": "tensorfold serve"}
+# The flags the simulators read, each as the real parser defines it; every other flag of
+# the real engine (hostagent.sim.flags) is taken and ignored.
+_READ: dict[str, list[tuple[tuple[str, ...], dict[str, object]]]] = {
+    "vllm": [  # vllm/entrypoints/common/cli_args.py, vllm/engine/arg_utils.py
+        (("--host",), {"default": "127.0.0.1"}),
+        (("--port",), {"type": int, "default": 8000}),
+        (("--api-key",), {"nargs": "+", "default": []}),
+        (("--served-model-name",), {"nargs": "+"}),
+        (("--model",), {"dest": "model"}),
+        (("--enable-sleep-mode", "--no-enable-sleep-mode", "--disable-sleep-mode"), {}),
+        (("--gpu-memory-utilization",), {"type": float, "default": 0.9}),  # 0.92 from 0.12
+    ],
+    "sglang": [  # python/sglang/srt/server_args.py and its arg_groups/fields
+        (("--model-path", "--model"), {"dest": "source", "required": True}),
+        (("--host",), {"default": "127.0.0.1"}),
+        (("--port",), {"type": int, "default": 30000}),
+        (("--api-key",), {"action": "append", "default": []}),
+        (("--served-model-name",), {}),
+        (("--enable-memory-saver",), {"action": "store_true"}),
+        (("--enable-weights-cpu-backup",), {"action": "store_true"}),
+        (("--mem-fraction-static",), {"type": float, "default": 0.88}),
+        (("--config",), {}),
+    ],
+    "tensorfold": [  # src/tensorfold/cli_args.py
+        (("--host",), {"default": "127.0.0.1"}),
+        (("--port",), {"type": int, "default": 8080}),
+        (("--name",), {"dest": "served_model_name"}),
+        (("--api-key",), {"action": "append", "default": []}),
+        (("--api-key-file",), {}),
+        (("--enable-sleep-mode",), {"action": "store_true"}),
+    ],
+}
+
+
 def parse_options(argv: list[str]) -> SimOptions:
     if not argv or argv[0] not in KINDS:
         raise SystemExit(f"usage: python -m hostagent.sim {{{','.join(KINDS)}}} ARGS")
     kind, rest = argv[0], argv[1:]
-    parser = _Parser(prog=f"hostagent.sim {kind}")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--api-key", action="append", default=[])
-    if kind == "vllm":
-        parser.add_argument("serve", choices=["serve"])
-        parser.add_argument("source")
-        parser.add_argument("--served-model-name")
-        parser.add_argument("--enable-sleep-mode", action="store_true")
-        parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    elif kind == "sglang":
-        parser.add_argument("--model-path", dest="source", required=True)
-        parser.add_argument("--served-model-name")
-        parser.add_argument("--enable-memory-saver", action="store_true")
-        parser.add_argument("--enable-weights-cpu-backup", action="store_true")
-        parser.add_argument("--mem-fraction-static", type=float, default=0.88)
-        parser.add_argument("--config")
-    elif kind == "llamacpp":
-        parser.add_argument("-m", "--model", dest="source", required=True)
-        parser.add_argument("-a", "--alias", dest="served_model_name")
-        parser.add_argument("--api-key-file")
-    else:  # tensorfold
-        parser.add_argument("serve", choices=["serve"])
-        parser.add_argument("source")
-        parser.add_argument("--name", dest="served_model_name")
-        parser.add_argument("--api-key-file")
-    args, _unknown = parser.parse_known_args(rest)  # the real engines take many more flags
+    answer_identity(kind, rest)  # --version, --help, flags this version lacks (identity.py)
+    args = _parse_llamacpp(rest) if kind == "llamacpp" else _parse_argparse(kind, rest)
     fraction = getattr(args, "gpu_memory_utilization", None) or getattr(
         args, "mem_fraction_static", None
     )
@@ -101,6 +118,135 @@ def parse_options(argv: list[str]) -> SimOptions:
         ),
         cpu_backup=bool(getattr(args, "enable_weights_cpu_backup", False)),
         memory_fraction=fraction,
+    )
+
+
+class _EnableDisable(argparse.Action):
+    """vLLM's EnableDisableAction: ``--x`` sets, ``--no-x`` (and ``--disable-`` for
+    ``--enable-``) clears (vllm/utils/argparse_utils.py)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=False)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:  # fmt: skip
+        cleared = option_string is not None and option_string.startswith(("--no-", "--disable-"))
+        setattr(namespace, self.dest, not cleared)
+
+
+_NARGS = {"=": None, "?": "?", "+": "+", "*": "*"}
+
+
+def _engine_parser(kind: str) -> argparse.ArgumentParser:
+    """The real engine's parser: the flags read here, then every other flag of its table
+    with its arity (argparse's prefix matching, allow_abbrev, as in the real ones)."""
+    parser = _Parser(prog=_PROGS[kind], add_help=False)
+    if kind in ("vllm", "tensorfold"):
+        parser.add_argument("source", nargs="?" if kind == "vllm" else None)
+    for names, options in _READ[kind]:
+        if kind == "vllm" and names[0] == "--enable-sleep-mode":
+            parser.add_argument(*names, dest="enable_sleep_mode", action=_EnableDisable)
+        else:
+            parser.add_argument(*names, **options)  # type: ignore[arg-type]
+    taken = set(parser._option_string_actions)
+    for name, arity in flags.table(kind).items():
+        if name in taken:
+            continue
+        dest = f"other_{len(taken)}"  # never read: only the command line's shape matters
+        if arity == "!":
+            spelled = [name, f"--no-{name[2:]}"]
+            for prefix, inverse in (("--enable-", "--disable-"), ("--disable-", "--enable-")):
+                if kind == "vllm" and name.startswith(prefix):
+                    spelled.append(inverse + name.removeprefix(prefix))
+            spelled = [n for n in spelled if n not in taken]
+            parser.add_argument(*spelled, dest=dest, action=_EnableDisable)
+        elif arity == "":
+            parser.add_argument(name, dest=dest, action="store_true")
+        else:
+            nargs = 2 if arity == "=2" else _NARGS[arity]
+            parser.add_argument(name, dest=dest, nargs=nargs)
+        taken.update(parser._option_string_actions)
+    return parser
+
+
+def _vllm_args(rest: list[str]) -> list[str]:
+    """vLLM's FlexibleArgumentParser rewriting (vllm/utils/argparse_utils.py): ``serve``
+    first, ``_`` for ``-`` in a ``--`` name, ``-O3`` as ``--optimization-level 3``, and a
+    JSON flag's ``--name.key value`` parts (taken, not read); ``--model X`` as the model."""
+    if not rest or rest[0] != "serve":
+        raise SystemExit("usage: vllm serve [model_tag] [options]")
+    out: list[str] = []
+    items = iter(rest[1:])
+    for given in items:
+        arg = given
+        if arg.startswith("--"):
+            key, eq, value = arg.partition("=")
+            head, dot, tail = key.partition(".")
+            arg = head.replace("_", "-") + dot + tail + eq + value
+            if dot:
+                if not eq:
+                    next(items, None)
+                arg = head.replace("_", "-") + "={}"
+        elif arg.startswith("-O") and arg != "-O":
+            out += ["--optimization-level", arg[3:] if arg[2:3] == "=" else arg[2:]]
+            continue
+        elif arg == "-O":
+            arg = "--optimization-level"
+        out.append(arg)
+    return out
+
+
+def _parse_argparse(kind: str, rest: list[str]) -> argparse.Namespace:
+    parser = _engine_parser(kind)
+    if kind == "vllm":
+        rest = _vllm_args(rest)
+    elif kind == "tensorfold":
+        if not rest or rest[0] != "serve":
+            raise SystemExit(
+                "usage: tensorfold [-h] [--version] {serve,pull,models,update,info} ..."
+            )
+        rest = rest[1:]
+    args = parser.parse_args(rest)
+    if kind == "vllm":
+        args.source = args.source or args.model
+        if not args.source:
+            parser.error("the following arguments are required: model_tag")
+        names = args.served_model_name or []
+        args.served_model_name = names[0] if names else None
+    return args
+
+
+def _parse_llamacpp(rest: list[str]) -> argparse.Namespace:
+    """llama-server's own parser (common/arg.cpp, common_params_parse_ex): each argument
+    matched whole (``_`` read as ``-`` in a ``--`` one), values in the next arguments; an
+    unknown one is ``error: invalid argument: X`` on stderr and exit 1."""
+    known = flags.table("llamacpp")
+    read = {"-m": "source", "--model": "source", "-a": "served_model_name",
+            "--alias": "served_model_name", "--host": "host", "--port": "port",
+            "--api-key": "api_key", "--api-key-file": "api_key_file"}  # fmt: skip
+    values: dict[str, str] = {}
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg.startswith("--"):
+            arg = arg.replace("_", "-")
+        if arg not in known:
+            raise SystemExit(f"error: invalid argument: {arg}")
+        count = {"": 0, "=": 1, "=2": 2}[known[arg]]
+        if i + count >= len(rest):
+            raise SystemExit(f'error while handling argument "{arg}": expected value for argument')
+        if arg in read:
+            values[read[arg]] = rest[i + 1]
+        i += count + 1
+    if "port" in values and not values["port"].lstrip("-").isdigit():
+        raise SystemExit('error while handling argument "--port": stoi')
+    return argparse.Namespace(
+        source=values.get("source", "models/7B/ggml-model-f16.gguf"),
+        served_model_name=values.get("served_model_name"),
+        host=values.get("host", "127.0.0.1"),
+        port=int(values.get("port", "8080")),
+        api_key=values["api_key"].split(",") if "api_key" in values else [],
+        api_key_file=values.get("api_key_file"),
     )
 
 
@@ -182,4 +328,6 @@ def read_knobs() -> Knobs:
         device=check_device(os.environ.get("CAPYCTL_SIM_DEVICE", "")),
         deep_sleep_seconds=_optional_float("CAPYCTL_SIM_DEEP_SLEEP_SECONDS"),
         deep_wake_seconds=_optional_float("CAPYCTL_SIM_DEEP_WAKE_SECONDS"),
+        memory_limit_gb=os.environ.get("TENSORFOLD_CUDA_MEMORY_LIMIT_GB"),
+        memory_reserve_gib=os.environ.get("TENSORFOLD_MEMORY_RESERVE_GIB", "").strip() or None,
     )

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from hostagent.sim.memory import SimMemory
 from hostagent.sim.options import Knobs, SimOptions, parse_options, read_knobs
+from hostagent.sim.tfsleep import TensorFoldSleep, sleep_token
 
 JSON = "application/json"
 _HEALTH_OK = {
@@ -50,6 +51,79 @@ def _form_value(value: str | bytes | bytearray | web.FileField) -> str | bytes:
     if isinstance(value, web.FileField):
         return value.file.read()
     return value if isinstance(value, str) else bytes(value)
+
+
+# Each engine's routes as its source registers them (with the default flags; the sleep
+# routes follow below): vLLM vllm/entrypoints/ (openai/, anthropic/, serve/, generate/),
+# SGLang python/sglang/srt/entrypoints/http_server.py, llama-server tools/server/server.cpp,
+# TensorFold src/tensorfold/cuda/http.py. docs/engines.md has the table, and
+# tests/test_sim_fidelity.py holds it to these.
+_OPENAI = [
+    ("GET", "/v1/models", "models"),
+    ("POST", "/v1/chat/completions", "chat"),
+    ("POST", "/v1/completions", "completions"),
+    ("POST", "/v1/responses", "create_response"),
+    ("POST", "/v1/messages", "messages"),
+]
+ROUTES: dict[str, list[tuple[str, str, str]]] = {
+    "vllm": [
+        *_OPENAI,
+        ("GET", "/health", "health"),
+        ("GET", "/ping", "ping"),
+        ("GET", "/version", "version"),
+        ("GET", "/metrics", "metrics"),
+        ("POST", "/v1/embeddings", "embeddings"),
+        ("GET", "/v1/responses/{ident}", "get_response"),
+        ("POST", "/v1/responses/{ident}/cancel", "cancel_response"),
+        ("POST", "/v1/audio/transcriptions", "transcription"),
+        # Served by no real kind: kept so the gateway's binary pass-through is tested.
+        ("POST", "/v1/audio/speech", "speech"),
+        ("POST", "/tokenize", "tokenize"),
+        ("POST", "/detokenize", "detokenize"),
+    ],
+    "sglang": [
+        *_OPENAI,
+        ("GET", "/health", "health"),
+        ("GET", "/health_generate", "health"),
+        ("GET", "/get_model_info", "model_info"),
+        ("POST", "/v1/embeddings", "embeddings"),
+        ("GET", "/v1/responses/{ident}", "get_response"),
+        ("POST", "/v1/responses/{ident}/cancel", "cancel_response"),
+        ("POST", "/v1/audio/transcriptions", "transcription"),
+        ("POST", "/tokenize", "tokenize"),
+        ("POST", "/v1/tokenize", "tokenize"),
+    ],
+    "llamacpp": [
+        *_OPENAI,
+        ("GET", "/health", "health"),
+        ("GET", "/v1/health", "health"),
+        ("GET", "/models", "models"),
+        ("POST", "/v1/embeddings", "embeddings"),
+        ("POST", "/v1/audio/transcriptions", "transcription"),
+        ("POST", "/tokenize", "tokenize"),
+        ("POST", "/detokenize", "detokenize"),
+    ],
+    "tensorfold": [
+        *_OPENAI,
+        ("GET", "/health", "health"),
+        ("GET", "/v1/health", "health"),
+        ("GET", "/models", "models"),
+        ("GET", "/metrics", "metrics"),
+        ("GET", "/v1/metrics", "metrics"),
+        ("GET", "/v1/responses/{ident}", "get_response"),
+        ("DELETE", "/v1/responses/{ident}", "delete_response"),
+        ("POST", "/tokenize", "tokenize"),
+        ("POST", "/v1/tokenize", "tokenize"),
+    ],
+}
+# vLLM's development routes (VLLM_SERVER_DEV_MODE=1: vllm/entrypoints/serve/dev/).
+VLLM_DEV_ROUTES = [
+    ("POST", "/sleep", "sleep"),
+    ("POST", "/wake_up", "wake_up"),
+    ("GET", "/is_sleeping", "is_sleeping"),
+    ("POST", "/collective_rpc", "collective_rpc"),
+    ("POST", "/reset_prefix_cache", "reset_prefix_cache"),
+]
 
 
 class SimEngine:
@@ -115,7 +189,9 @@ class SimEngine:
             return _error("request body is not valid JSON", 400)
         if not isinstance(body, dict):
             return _error("request body must be a JSON object", 400)
-        if body.get("model") not in (self.options.served_name, None):
+        # TensorFold serves any `model` under its --name (src/tensorfold/cuda/http.py).
+        known = body.get("model") in (self.options.served_name, None)
+        if not known and self.options.kind != "tensorfold":
             return _error(f"The model `{body.get('model')}` does not exist.", 404, "NotFoundError")
         if not self.memory.serving and self.memory.devices:
             return _error("the engine is sleeping or its weights are not loaded", 503)
@@ -187,9 +263,17 @@ class SimEngine:
                 }
             )
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = include_usage or self.usage_on_last_chunk
         return await self._stream(
             request, ident, words, finish, usage if include_usage else None, chat=chat
         )
+
+    @property
+    def usage_on_last_chunk(self) -> bool:
+        """TensorFold puts usage on every stream's last chunk, the one with its finish
+        reason (src/tensorfold/cuda/http.py); the others send it only with include_usage,
+        in a chunk of its own."""
+        return self.options.kind == "tensorfold"
 
     async def _stream(
         self,
@@ -256,9 +340,12 @@ class SimEngine:
             last["delta"] = {}
         else:
             last["text"] = ""
-        await send([last])
-        if usage is not None:
-            await send([], {"usage": usage})
+        if usage is not None and self.usage_on_last_chunk:
+            await send([last], {"usage": usage})
+        else:
+            await send([last])
+            if usage is not None:
+                await send([], {"usage": usage})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
 
@@ -415,8 +502,10 @@ class SimEngine:
 
     async def sleep(self, request: web.Request) -> web.Response:
         level = int(request.query.get("level", "1"))
+        if not self.options.sleep_mode:  # the engine's sleep raises without sleep mode
+            return _error("Sleep mode is not enabled", 500, "InternalServerError")
         await self._release(keep_weights_in_ram=level == 1)
-        return web.Response(status=200)
+        return _json({"status": "sleeping", "level": level})  # serve/dev/sleep/api_router.py
 
     async def _release(self, *, keep_weights_in_ram: bool) -> None:
         """A park's time (a deep one's, when it has its own), then the memory given back."""
@@ -448,7 +537,9 @@ class SimEngine:
         await self._take_wake_time()
         self.memory.wake(tags)
         self._woken()
-        return web.Response(status=200)
+        return _json(
+            {"status": "sleeping" if self.memory.sleeping else "awake", "tags": sorted(tags)}
+        )
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
         return _json({"is_sleeping": self.memory.sleeping})
@@ -491,31 +582,106 @@ class SimEngine:
         self._woken()
         return _json({"success": True, "message": "Succeeded to update model weights."})
 
+    # -- routes some engines add: Anthropic messages, tokens, metrics, deleting a response --
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/messages``, Anthropic-shaped (non-streamed and streamed)."""
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        prompt = " ".join(
+            str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict)
+        )
+        count = self._tokens(body)
+        text = " ".join(f"tok{i}" for i in range(count))
+        usage = {"input_tokens": max(1, len(prompt.split())), "output_tokens": count}
+        done = {
+            "id": f"msg_{uuid.uuid4().hex[:24]}",
+            "type": "message",
+            "role": "assistant",
+            "model": self.options.served_name,
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "max_tokens" if count < self.knobs.completion_tokens else "end_turn",
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        if not body.get("stream"):
+            return _json(done)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        events: list[tuple[str, dict[str, Any]]] = [
+            ("message_start", {"message": {**done, "content": [], "stop_reason": None}}),
+            ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}),
+            ("content_block_stop", {"index": 0}),
+            ("message_delta", {"delta": {"stop_reason": done["stop_reason"]}, "usage": usage}),
+            ("message_stop", {}),
+        ]
+        for kind, data in events:
+            await response.write(
+                f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+            )
+        await response.write_eof()
+        return response
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        given = body.get("prompt", body.get("content", body.get("messages", "")))
+        tokens = [len(word) for word in str(given).split()]
+        return _json({"count": len(tokens), "tokens": tokens, "max_model_len": 4096})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        tokens = body.get("tokens") or []
+        return _json({"prompt": " ".join(f"tok{t}" for t in tokens)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text, open like /health (as each engine serves it)."""
+        name = f"{self.options.kind}_requests_total"
+        text = f"# TYPE {name} counter\n{name} {self.requests}\n"
+        return web.Response(text=text, content_type="text/plain")
+
+    async def ping(self, request: web.Request) -> web.Response:
+        return await self.health(request)
+
+    async def version(self, request: web.Request) -> web.Response:
+        from hostagent.sim.identity import sim_version  # noqa: PLC0415
+
+        return _json({"version": sim_version(self.options.kind)})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return _json({"model_path": self.options.source, "is_generation": True})
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        found = self._stored(request)
+        if isinstance(found, web.Response):
+            return found
+        del self.responses[found["id"]]
+        return _json({"id": found["id"], "object": "response", "deleted": True})
+
     # -- the app ---------------------------------------------------------------------------
 
     def app(self) -> web.Application:
         middlewares = [self._recorder] if self._record is not None else []
         app = web.Application(client_max_size=64 * 1024**2, middlewares=middlewares)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/embeddings", self.embeddings)
-        app.router.add_post("/v1/responses", self.create_response)
-        app.router.add_get("/v1/responses/{ident}", self.get_response)
-        app.router.add_post("/v1/responses/{ident}/cancel", self.cancel_response)
-        app.router.add_post("/v1/audio/transcriptions", self.transcription)
-        app.router.add_post("/v1/audio/speech", self.speech)
-        if self.options.kind == "vllm" and self.options.sleep_mode:
-            app.router.add_post("/sleep", self.sleep)
-            app.router.add_post("/wake_up", self.wake_up)
-            app.router.add_get("/is_sleeping", self.is_sleeping)
-            app.router.add_post("/collective_rpc", self.collective_rpc)
-            app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        for method, path, name in ROUTES[self.options.kind]:
+            app.router.add_route(method, path, getattr(self, name))
+        dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+        if self.options.kind == "vllm" and dev_mode:
+            # vllm/entrypoints/serve/dev/: these exist only in dev mode, sleep mode or not.
+            for method, path, name in VLLM_DEV_ROUTES:
+                app.router.add_route(method, path, getattr(self, name))
         if self.options.kind == "sglang" and self.options.sleep_mode:
             app.router.add_post("/release_memory_occupation", self.release)
             app.router.add_post("/resume_memory_occupation", self.resume)
             app.router.add_post("/update_weights_from_disk", self.update_weights)
+        # -- TensorFold's prototype sleep API (hostagent/sim/tfsleep.py) --
+        if self.options.kind == "tensorfold" and self.options.sleep_mode:
+            TensorFoldSleep(self, sleep_token()).add_routes(app)
         app.on_cleanup.append(self._cleanup)
         return app
 

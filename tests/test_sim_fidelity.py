@@ -1,0 +1,216 @@
+"""The simulated engines hold to the real ones: their command lines (a flag the real
+engine lacks is refused, its real flags are taken), their routes (the table in
+docs/engines.md, held here to the simulators' routers) and TensorFold's own behaviours."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from hostagent.sim.options import parse_options, read_knobs
+from hostagent.sim.server import SimEngine
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "engines.md"
+KINDS = ("vllm", "sglang", "llamacpp", "tensorfold")
+# Each simulator with the flags and environment every conditional route needs, and bare.
+FULL = {
+    "vllm": ["serve", "m", "--port", "1", "--enable-sleep-mode"],
+    "sglang": ["--model-path", "m", "--port", "1", "--enable-memory-saver"],
+    "llamacpp": ["-m", "m.gguf", "--port", "1"],
+    "tensorfold": ["serve", "m", "--port", "1", "--enable-sleep-mode"],
+}
+BARE = {
+    "vllm": ["serve", "m"],
+    "sglang": ["--model-path", "m"],
+    "llamacpp": ["-m", "m.gguf"],
+    "tensorfold": ["serve", "m"],
+}
+
+
+def route_table() -> dict[str, dict[str, tuple[str, str]]]:
+    """docs/engines.md's table: route -> kind -> (real, simulated)."""
+    text = DOCS.read_text(encoding="utf-8").split("<!-- route-table -->", 1)[1]
+    rows = text.strip().split("\n\n", 1)[0].splitlines()
+    header = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    assert header == ["route", "vLLM", "SGLang", "llama.cpp", "TensorFold"]
+    table: dict[str, dict[str, tuple[str, str]]] = {}
+    for row in rows[2:]:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        pairs = {}
+        for kind, cell in zip(KINDS, cells[1:], strict=True):
+            real, simulated = (part.strip() for part in cell.split(" / "))
+            pairs[kind] = (real, simulated)
+        for route in re.findall(r"`([A-Z]+ [^`]+)`", cells[0]):
+            table[route] = pairs
+    return table
+
+
+def served(kind: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    monkeypatch.setenv("TENSORFOLD_SLEEP_TOKEN", "t")
+    engine = SimEngine(parse_options([kind, *argv]), read_knobs())
+    routes = set()
+    for route in engine.app().router.routes():
+        resource = route.resource
+        assert resource is not None
+        if route.method != "HEAD":
+            routes.add(f"{route.method} {resource.canonical}")
+    return routes
+
+
+def test_the_route_table_is_the_simulators_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = route_table()
+    for kind in KINDS:
+        monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+        full = served(kind, FULL[kind], monkeypatch)
+        monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
+        bare = served(kind, BARE[kind], monkeypatch)
+        assert full - set(table) == set(), f"{kind} serves routes the table lacks"
+        for route, cells in table.items():
+            real, simulated = cells[kind]
+            where = f"{kind} {route}"
+            if simulated == "no":
+                assert route not in full, f"{where}: the table says the simulator lacks it"
+            elif simulated == "yes":
+                assert route in bare, f"{where}: the table says the simulator serves it"
+            else:  # a condition: served with it, not without
+                assert route in full, f"{where}: served with {simulated}"
+                assert route not in bare, f"{where}: only with {simulated}"
+            if simulated != "no":
+                assert real != "no", f"{where}: the simulator serves what the engine lacks"
+
+
+@pytest.mark.parametrize(
+    ("kind", "argv", "refused"),
+    [
+        ("vllm", ["serve", "m", "--context", "4096"], "--context"),
+        ("sglang", ["--model-path", "m", "--max-model-len", "8"], "--max-model-len"),
+        ("tensorfold", ["serve", "m", "--max-model-len", "8"], "--max-model-len"),
+        ("tensorfold", ["serve", "m", "--ctx-size", "8"], "--ctx-size"),
+    ],
+)
+def test_an_argparse_engine_refuses_a_flag_it_lacks(
+    kind: str, argv: list[str], refused: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_options([kind, *argv])
+    assert exit_.value.code == 2
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1
+    assert f"unrecognized arguments: {refused}" in line
+
+
+def test_llama_server_refuses_a_flag_it_lacks_in_its_own_words() -> None:
+    answer = subprocess.run(
+        [sys.executable, "-m", "hostagent.sim", "llamacpp", "-m", "m.gguf", "--max-model-len", "8"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert (answer.returncode, answer.stderr) == (1, "error: invalid argument: --max-model-len\n")
+    with pytest.raises(SystemExit, match='"-c": expected value'):
+        parse_options(["llamacpp", "-m", "m.gguf", "-c"])
+    with pytest.raises(SystemExit, match="invalid argument: --ctx"):  # no prefixes
+        parse_options(["llamacpp", "-m", "m.gguf", "--ctx", "8"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "argv"),
+    [
+        ("vllm", ["serve", "m", "--max-model-len", "4096", "-tp", "2", "--enforce-eager",
+                  "--max_num_seqs", "8", "-O3", "--compilation-config.mode", "3",
+                  "--no-enable-prefix-caching", "--trust-remote-code", "--dtype=half",
+                  "--served-model-name", "a", "b", "--max-model", "8"]),
+        ("sglang", ["--model-path", "m", "--tp-size", "2", "--context-length", "8",
+                    "--trust-remote-code", "--mem-frac", "0.5", "--disable-radix-cache"]),
+        ("llamacpp", ["-m", "m.gguf", "-c", "2048", "-t", "1", "-ngl", "99", "--jinja",
+                      "--n_gpu_layers", "9", "-fa", "on", "--fit-target", "2048"]),
+        ("tensorfold", ["serve", "m", "--context", "4096", "--no-update-check", "--tp", "1",
+                        "--no-thinking", "--kv-dtype", "int8", "--alias", "x", "--cont", "8"]),
+    ],
+)  # fmt: skip
+def test_each_engine_takes_its_real_flags(kind: str, argv: list[str]) -> None:
+    options = parse_options([kind, *argv])
+    assert options.source in ("m", "m.gguf")
+
+
+def test_vllm_reads_the_flags_it_models_in_any_spelling() -> None:
+    options = parse_options(
+        ["vllm", "serve", "m", "--served_model_name", "a", "b", "--gpu-memory-util", "0.5",
+         "--enable_sleep_mode", "--api-key", "k1"]
+    )  # fmt: skip
+    assert (options.served_name, options.memory_fraction) == ("a", 0.5)
+    assert options.sleep_mode
+    assert options.api_keys == {"k1"}
+    assert parse_options(["vllm", "serve", "--model", "m2"]).source == "m2"
+    assert not parse_options(["vllm", "serve", "m", "--disable-sleep-mode"]).sleep_mode
+
+
+# -- TensorFold's behaviours ----------------------------------------------------------------
+
+
+@pytest.fixture
+async def tensorfold() -> Any:
+    engine = SimEngine(parse_options(["tensorfold", "serve", "m", "--name", "tf"]), read_knobs())
+    engine.ready.set()
+    client = TestClient(TestServer(engine.app()))
+    await client.start_server()
+    yield client
+    await client.close()
+
+
+async def test_tensorfold_serves_an_unknown_model_under_its_name(
+    tensorfold: TestClient[Any, Any],
+) -> None:
+    answer = await tensorfold.post(
+        "/v1/chat/completions", json={"model": "other", "messages": [{"content": "hi"}]}
+    )
+    assert answer.status == 200
+    assert (await answer.json())["model"] == "tf"
+
+
+async def test_tensorfold_sends_usage_on_every_streams_last_chunk(
+    tensorfold: TestClient[Any, Any],
+) -> None:
+    answer = await tensorfold.post(
+        "/v1/chat/completions", json={"messages": [{"content": "hi"}], "stream": True}
+    )
+    text = await answer.text()
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert all("usage" not in chunk for chunk in chunks[:-1])
+
+
+async def test_tensorfold_routes_it_has_and_has_not(tensorfold: TestClient[Any, Any]) -> None:
+    for path in ("/v1/embeddings", "/v1/audio/transcriptions", "/v1/audio/speech"):
+        assert (await tensorfold.post(path, json={"input": "x"})).status == 404
+    made = await (await tensorfold.post("/v1/responses", json={"input": "hi"})).json()
+    assert (await tensorfold.post(f"/v1/responses/{made['id']}/cancel")).status in (404, 405)
+    deleted = await tensorfold.delete(f"/v1/responses/{made['id']}")
+    assert (await deleted.json())["deleted"] is True
+    assert (await tensorfold.get(f"/v1/responses/{made['id']}")).status == 404
+    message = await (
+        await tensorfold.post("/v1/messages", json={"max_tokens": 3, "messages": []})
+    ).json()
+    assert (message["type"], message["content"][0]["text"]) == ("message", "tok0 tok1 tok2")
+    tokens = await (await tensorfold.post("/tokenize", json={"prompt": "a bb"})).json()
+    assert tokens["count"] == 2
+    assert "tensorfold_requests_total" in await (await tensorfold.get("/metrics")).text()
+
+
+def test_the_others_refuse_an_unknown_model() -> None:
+    async def ask() -> int:
+        engine = SimEngine(parse_options(["vllm", "serve", "m"]), read_knobs())
+        engine.ready.set()
+        async with TestClient(TestServer(engine.app())) as client:
+            answer = await client.post("/v1/completions", json={"model": "other"})
+            return answer.status
+
+    import asyncio
+
+    assert asyncio.run(ask()) == 404
