@@ -241,7 +241,8 @@ class EngineRuntime:
         if getattr(kind, "sizes_by_free_memory", False):  # SGLang's and llama-server's
             spec = dataclasses.replace(spec, gpu_memory=self._memory_at_launch(request))
         if spec.features is not None:  # a flag this build lacks: one line, not an exit
-            check_flags(f"{kind.name} on this host", spec.features, request.extra_args)
+            spelling = kind.probes.spelling if kind.probes is not None else None
+            check_flags(f"{kind.name} on this host", spec.features, request.extra_args, spelling)
         launch = kind.build_launch(spec)
         log_path = self.log_dir / f"{request.instance_id}.log"
         gpus = self.meter.gpus(request.gpu_indices)

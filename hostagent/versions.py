@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -70,6 +71,12 @@ class ProbeCommands:
 
     version: list[str] | None = field(default_factory=lambda: ["--version"])
     help: list[str] | None = None
+    # How long the help may take, where longer than the version (vLLM's imports all of
+    # vLLM and PyTorch: many seconds); None: as long as the version.
+    help_timeout: float | None = None
+    # The name the help lists for a flag as given (vLLM reads ``--max_model_len`` as
+    # ``--max-model-len``); None: as given.
+    spelling: Callable[[str], str] | None = None
 
 
 def minimal_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -147,7 +154,13 @@ def detect(
         version = parse_version(_run([*argv, *probes.version], run_env, timeout))
     if probes.help is None:
         return EngineFeatures(version=version)
-    help_output = _run([*argv, *probes.help], run_env, timeout)
+    try:
+        help_output = _run([*argv, *probes.help], run_env, probes.help_timeout or timeout)
+    except EngineProbeError as exc:
+        if not version:
+            raise
+        # The version stands; with no flags known, none is refused.
+        return EngineFeatures(version=version, note=f"its flags are unknown: {exc}")
     if not version:  # SGLang's launch_server has no --version: its help is what it says
         version = "version not shown"
     return EngineFeatures(
@@ -155,20 +168,24 @@ def detect(
     )
 
 
-def missing_flag(features: EngineFeatures, args: list[str]) -> str | None:
+def missing_flag(
+    features: EngineFeatures, args: list[str], spelling: Callable[[str], str] | None = None
+) -> str | None:
     """The first flag in ``args`` the program's help does not list, or None. A unique
-    prefix of a listed long flag passes (argparse takes those)."""
+    prefix of a listed long flag passes (argparse takes those); ``spelling`` gives the name
+    the help lists for a flag as given."""
     if features.flags is None:
         return None
     for arg in args:
         if not arg.startswith("-") or arg == "-" or _is_number(arg):
             continue
-        name = arg.split("=", 1)[0]
+        given = arg.split("=", 1)[0]
+        name = spelling(given) if spelling is not None else given
         if name in features.flags:
             continue
         if name.startswith("--") and any(f.startswith(name) for f in features.flags):
             continue
-        return name
+        return given
     return None
 
 
@@ -180,9 +197,14 @@ def _is_number(arg: str) -> bool:
     return True
 
 
-def check_flags(what: str, features: EngineFeatures, args: list[str]) -> None:
+def check_flags(
+    what: str,
+    features: EngineFeatures,
+    args: list[str],
+    spelling: Callable[[str], str] | None = None,
+) -> None:
     """Refuse ``args`` naming a flag the program lacks, with one line naming it."""
-    flag = missing_flag(features, args)
+    flag = missing_flag(features, args, spelling)
     if flag is not None:
         raise EngineFlagError(
             f"{what} ({features.version or 'version unknown'}) has no {flag} flag: its "

@@ -26,7 +26,13 @@ from capyctl.scheduler import operations
 from capyctl.scheduler.errors import EngineFailedError
 from hostagent.kinds import get_kind
 from hostagent.runtime import free_port
-from hostagent.versions import EngineProbeError, ProbeCommands, detect, parse_version
+from hostagent.versions import (
+    EngineProbeError,
+    ProbeCommands,
+    detect,
+    missing_flag,
+    parse_version,
+)
 from tests.scheduling import SIM, SIM_ENV, deployment, state
 from tests.test_llama_server import llama_server_binary
 
@@ -85,6 +91,36 @@ def test_the_questions_run_without_the_hosts_secrets_and_with_a_timeout(monkeypa
         detect(["/nonexistent/tensorfold"], ProbeCommands())
     with pytest.raises(EngineProbeError, match="exited 1: broken"):
         detect([sys.executable, "-c", "import sys; sys.exit('broken')"], ProbeCommands())
+
+
+def test_vllm_is_asked_for_every_flag_and_read_with_its_own_spelling():
+    vllm = get_kind("vllm")
+    probes = vllm.probes or ProbeCommands()
+    found = detect([sys.executable, "-m", "hostagent.sim", "vllm"], probes, env=SIM_ENV)
+    assert found.version == "0.33.0"
+    assert found.help_command == "serve --help=all"  # plain --help lists its groups only
+    assert found.flags is not None
+    assert {"--max-model-len", "--optimization-level", "--compilation-config"} <= found.flags
+    # vLLM reads _ for -, --x.y as a key of the JSON flag --x, -O3 as --optimization-level.
+    given = ["--max_model_len", "4096", "-O3", "--compilation-config.mode=3", "--no-enforce-eager"]
+    assert missing_flag(found, given, probes.spelling) is None
+    assert missing_flag(found, ["--max-model-length-x", "1"], probes.spelling) == (
+        "--max-model-length-x"
+    )
+    assert missing_flag(found, ["--max_model_len", "1"]) == "--max_model_len"  # exact
+
+
+def test_a_help_that_does_not_answer_keeps_the_version_and_refuses_nothing():
+    slow_help = (
+        "import sys, time\nif '--version' in sys.argv: print('1.2.3'); sys.exit()\ntime.sleep(30)"
+    )
+    found = detect(
+        [sys.executable, "-c", slow_help], ProbeCommands(help=["--help"], help_timeout=1)
+    )
+    assert found.version == "1.2.3"
+    assert found.flags is None
+    assert "did not answer within 1s" in found.note
+    assert missing_flag(found, ["--anything"]) is None
 
 
 # -- at engine add and deployment add -------------------------------------------------------

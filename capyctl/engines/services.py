@@ -68,7 +68,9 @@ def check_engine_args(engine: Engine, args: list[str]) -> None:
     if features is None:
         return
     try:
-        check_flags(f"engine {engine.name!r}", features, args)
+        probes = get_kind(engine.kind).probes
+        spelling = probes.spelling if probes is not None else None
+        check_flags(f"engine {engine.name!r}", features, args, spelling)
     except EngineError as exc:
         raise UserError(str(exc), field="engine_args") from None
 

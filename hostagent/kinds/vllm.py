@@ -22,8 +22,19 @@ from hostagent.kinds.base import (
     one_token_completion,
     wait_until,
 )
+from hostagent.versions import ProbeCommands
 
 SLEEP_LEVELS = {"ram": 1, "deep": 2}
+
+
+def flag_spelling(given: str) -> str:
+    """The flag vLLM reads ``given`` as (``utils/argparse_utils.py``): ``_`` for ``-`` up to
+    the first ``.``, ``--x.y`` a key of the JSON flag ``--x``, ``-O3`` ``--optimization-level``."""
+    if given.startswith("--"):
+        return "--" + given[2:].split(".", 1)[0].replace("_", "-")
+    if given.startswith("-O"):
+        return "--optimization-level"
+    return given
 
 
 class VLLMKind(ProgramKind):
@@ -33,6 +44,8 @@ class VLLMKind(ProgramKind):
     # vLLM reports usage to stats.vllm.ai unless one of these is 1 (``usage/usage_lib.py``).
     quiet_env = (("VLLM_NO_USAGE_STATS", "1"), ("VLLM_DO_NOT_TRACK", "1"))
     park_modes = ("ram", "deep")
+    # ``serve --help`` lists vLLM's config groups only; ``--help=all`` every flag.
+    probes = ProbeCommands(help=["serve", "--help=all"], help_timeout=90.0, spelling=flag_spelling)
 
     def engine_flags(self, spec: LaunchSpec) -> list[str]:
         return [

@@ -73,10 +73,14 @@ def _help_text(kind: str) -> str:
     """A help listing the real program's flags (:mod:`hostagent.sim.flags`), less those the
     simulated version lacks."""
     lacking = lacking_flags(kind)
-    flags = sorted(flag for flag in table(kind) if flag not in lacking)
+    flags = sorted(flag for flag in table(kind).items() if flag[0] not in lacking)
     prog = {"tensorfold": "tensorfold serve", "llamacpp": "llama-server"}.get(kind, kind)
     lines = [f"usage: {prog} [-h] [options]", "", "options:", "  -h, --help  show this help"]
-    lines += [f"  {flag}" for flag in flags if flag not in ("-h", "--help")]
+    for flag, arity in flags:
+        if flag in ("-h", "--help"):
+            continue
+        # argparse's BooleanOptionalAction lists both forms: ``--x, --no-x``.
+        lines.append(f"  {flag}, --no-{flag[2:]}" if arity == "!" else f"  {flag}")
     return "\n".join(lines) + "\n"
 
 
@@ -95,7 +99,9 @@ def answer_identity(kind: str, rest: list[str]) -> None:
         else:
             sys.stdout.write(f"{version}\n")
         raise SystemExit(0)
-    if "--help" in rest or "-h" in rest:
+    # vLLM's ``serve --help`` lists its config groups only; ``--help=all`` every flag.
+    searched = kind == "vllm" and any(arg.startswith("--help=") for arg in rest)
+    if "--help" in rest or "-h" in rest or searched:
         sys.stdout.write(_help_text(kind))
         raise SystemExit(0)
     lacking = [arg for arg in rest if arg.split("=", 1)[0] in lacking_flags(kind)]
