@@ -214,3 +214,32 @@ def test_the_others_refuse_an_unknown_model() -> None:
     import asyncio
 
     assert asyncio.run(ask()) == 404
+
+
+def test_sglang_without_the_memory_saver_answers_a_release_and_frees_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As SGLang: the release routes are always there, and without --enable-memory-saver
+    its memory saver is a no-op (a 200 that gives nothing back, which only the GPU probe
+    finds out); with it, the release gives the KV cache and weights back."""
+    monkeypatch.setenv("CAPYCTL_SIM_GPUS", "24GiB")
+    monkeypatch.setenv("CAPYCTL_SIM_GPU_BYTES", "8GiB")
+    monkeypatch.setenv("CAPYCTL_SIM_STATE_DIR", str(tmp_path))
+
+    async def release(flags: list[str]) -> tuple[int, int, int]:
+        engine = SimEngine(parse_options(["sglang", "--model-path", "m", *flags]), read_knobs())
+        engine.memory.load()
+        engine.ready.set()
+        before = sum(engine.memory.gpu_bytes().values())
+        async with TestClient(TestServer(engine.app())) as client:
+            answer = await client.post("/release_memory_occupation", json={})
+            status = answer.status
+        return status, before, sum(engine.memory.gpu_bytes().values())
+
+    import asyncio
+
+    status, before, after = asyncio.run(release([]))
+    assert (status, after) == (200, before)
+    status, before, after = asyncio.run(release(["--enable-memory-saver"]))
+    assert status == 200
+    assert after < before / 2

@@ -562,6 +562,9 @@ class SimEngine:
     async def release(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
             return _error("Invalid API key", 401, "authentication_error")
+        if not self.options.sleep_mode:
+            await asyncio.sleep(self.knobs.sleep_seconds)
+            return _json(None)  # the no-op memory saver: nothing is given back
         await self._release(keep_weights_in_ram=self.options.cpu_backup)
         return _json(None)
 
@@ -569,8 +572,9 @@ class SimEngine:
         if not self.authorized(request):
             return _error("Invalid API key", 401, "authentication_error")
         await self._take_wake_time()
-        self.memory.wake({"weights", "kv_cache"})
-        self._woken()
+        if self.options.sleep_mode:
+            self.memory.wake({"weights", "kv_cache"})
+            self._woken()
         return _json(None)
 
     async def update_weights(self, request: web.Request) -> web.Response:
@@ -675,7 +679,9 @@ class SimEngine:
             # vllm/entrypoints/serve/dev/: these exist only in dev mode, sleep mode or not.
             for method, path, name in VLLM_DEV_ROUTES:
                 app.router.add_route(method, path, getattr(self, name))
-        if self.options.kind == "sglang" and self.options.sleep_mode:
+        if self.options.kind == "sglang":
+            # Always there (entrypoints/http_server.py); without --enable-memory-saver its
+            # memory saver is a no-op: a release answers 200 and frees nothing.
             app.router.add_post("/release_memory_occupation", self.release)
             app.router.add_post("/resume_memory_occupation", self.resume)
             app.router.add_post("/update_weights_from_disk", self.update_weights)
