@@ -57,31 +57,36 @@ class HostRuntime:
         self.state_file = state_file
         self._instances: dict[str, Instance] = {}
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()
 
     # -- the state file: what survives a restart of this process ---------------------------
 
     def _save(self) -> None:
         if self.state_file is None:
             return
-        with self._lock:
-            records = [
-                {
-                    "request": asdict(i.request),
-                    "port": i.port,
-                    "api_key": i.api_key,
-                    "pid": i.pid,
-                    "create_time": _create_time(i.pid),
-                    "parked_mode": i.parked_mode,
-                    "measured_by": i.measured_by,
-                    "device_held": {str(k): v for k, v in i.device_held.items()},
-                }
-                for i in self._instances.values()
-            ]
-        temporary = self.state_file.with_suffix(".tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # launch keys
-        with os.fdopen(fd, "w") as handle:
-            json.dump(records, handle)
-        temporary.replace(self.state_file)
+        # One save at a time (each writes the same temporary file, then renames it), its
+        # snapshot taken inside it, so the file left is the newest; the engines' own lock
+        # is held only for the snapshot.
+        with self._save_lock:
+            with self._lock:
+                records = [
+                    {
+                        "request": asdict(i.request),
+                        "port": i.port,
+                        "api_key": i.api_key,
+                        "pid": i.pid,
+                        "create_time": _create_time(i.pid),
+                        "parked_mode": i.parked_mode,
+                        "measured_by": i.measured_by,
+                        "device_held": {str(k): v for k, v in i.device_held.items()},
+                    }
+                    for i in self._instances.values()
+                ]
+            temporary = self.state_file.with_suffix(".tmp")
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # keys
+            with os.fdopen(fd, "w") as handle:
+                json.dump(records, handle)
+            temporary.replace(self.state_file)
 
     def restore(self) -> list[str]:
         """Re-adopt the engines an earlier run left running; returns their ids. Records of

@@ -325,3 +325,34 @@ def test_engines_launched_together_are_never_given_the_same_port():
 
     ports = [free_port() for _ in range(2000)]
     assert len(set(ports)) == len(ports)
+
+
+def test_the_state_file_survives_saves_from_many_threads_at_once(tmp_path):
+    """A host saves its state file after each launch, park, wake and stop, from whichever
+    thread ran it: saves at the same moment must not trip over each other's temporary
+    file (a stop answered 500 when its save found the other's already renamed)."""
+    import json
+    import threading
+
+    from hostagent.host import HostRuntime
+
+    probe = SimulatedProbe(SimSpec(unified=False, sizes=[24 * GIB]), tmp_path / "sim")
+    host = HostRuntime(probe, tmp_path / "logs", tmp_path / "instances.json")
+    failures: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def save_often() -> None:
+        start.wait()
+        for _ in range(200):
+            try:
+                host._save()
+            except Exception as exc:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=save_often) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert json.loads((tmp_path / "instances.json").read_text()) == []
