@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from django.db import connection
 
-from capyctl.deployments.models import Deployment
+from capyctl.deployments.models import Deployment, Instance
 from capyctl.deployments.services import get_deployment, spec_of, update_deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
@@ -202,3 +202,136 @@ async def test_a_wake_whose_failure_notice_is_lost_ends_at_the_next_database_rea
         assert time.monotonic() - started < 60, "it waited for the wake timeout"
     finally:
         await sync_to_async(_close_connection)()
+
+
+# --- a losing transition changes nothing ------------------------------------------------
+
+
+def _promised_start(a: Deployment, key: str):
+    """A start of ``a`` admitted as the scheduler admits one: its claim promised under the
+    host lock and its instance row made."""
+    from capyctl.ledger.services import host_lock
+    from capyctl.scheduler import transitions
+
+    with host_lock(Host.objects.get().pk) as locked:
+        instance = transitions.starting(
+            locked,
+            Deployment.objects.get(pk=a.pk),
+            {"gpu0": 16 * GIB, "ram": GIB},
+            [0],
+            key=key,
+            claim_bytes=16 * GIB,
+        )
+    assert instance is not None
+    return instance
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_late_failure_of_an_old_worker_leaves_a_newer_start_alone(gpu24):
+    """A worker's start was repaired as stuck (its lease lost in a Redis restart) and
+    failed; a newer start then promised the claim. The old worker's engine call fails at
+    last and it calls ``fail()``: it released the newer start's promise and marked it
+    failed (any state but failed, stopped or stopping was its to fail)."""
+    from capyctl.events.models import Event
+    from capyctl.scheduler import transitions
+
+    vllm_engine()
+    a = deployment("a")
+    old = _promised_start(a, "old")
+    transitions.instance_exited(old.pk)  # reconcile ended its engine
+    assert transitions.failed(Deployment.objects.get(pk=a.pk), "it stayed starting too long")
+    assert entries("a") == {}
+    newer = _promised_start(a, "newer")
+    promised = entries("a")
+    assert promised == {"gpu0": ("promised", 16 * GIB), "ram": ("promised", GIB)}
+
+    stale = Deployment.objects.get(pk=a.pk)
+    operations.fail(stale, gpu24, old, "the engine failed to start: it exited", "system")
+
+    assert state("a") == ("starting", "")
+    assert entries("a") == promised
+    assert Deployment.objects.get(pk=a.pk).state_reason == ""
+    assert not Event.objects.filter(kind="deployment.failed", message__contains="it exited")
+    assert Instance.objects.get(pk=newer.pk).state == "launching"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_that_lost_releases_nothing_and_says_nothing(gpu24):
+    """``stopped()`` released the ledger before its stopping -> stopped update, and
+    recorded ``deployment.stopped`` whether or not that update won: a stop whose state was
+    repaired meanwhile (failed, then started again) took the new start's promise with it."""
+    from capyctl.events.models import Event
+    from capyctl.scheduler import transitions
+
+    vllm_engine()
+    a = deployment("a")
+    old = _promised_start(a, "old")
+    assert transitions.stopping(a.pk, "starting")
+    stopper = Deployment.objects.get(pk=a.pk)
+    transitions.instance_exited(old.pk)
+    assert transitions.failed(stopper, "it stayed stopping too long", expected=["stopping"])
+    _promised_start(a, "newer")
+    promised = entries("a")
+
+    assert transitions.stopped(stopper, reason="stopped on request") is False
+    assert state("a") == ("starting", "")
+    assert entries("a") == promised
+    assert not Event.objects.filter(kind="deployment.stopped").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_recovery_that_lost_releases_nothing(gpu24):
+    """``recovered()`` released what the deployment held before its move from the state
+    it had read: a start admitted meanwhile lost its promise though the state stayed."""
+    from capyctl.scheduler import transitions
+
+    vllm_engine()
+    a = deployment("a")
+    Deployment.objects.filter(pk=a.pk).update(observed_state="parked")
+    read = Deployment.objects.get(pk=a.pk)  # what the start-up's pass read
+    Deployment.objects.filter(pk=a.pk).update(observed_state="failed")
+    _promised_start(a, "newer")
+    promised = entries("a")
+
+    assert transitions.recovered(read, Host.objects.get(), shutting_down=False) is False
+    assert state("a") == ("starting", "")
+    assert entries("a") == promised
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_park_that_lost_records_no_parked_event(gpu24):
+    """``parked()`` recorded ``deployment.parked`` even when its parking -> parked update
+    matched nothing (a stop took the model meanwhile): the events said it was parked."""
+    from capyctl.events.models import Event
+    from capyctl.scheduler import transitions
+
+    vllm_engine()
+    a = deployment("a")
+    _promised_start(a, "one")
+    Deployment.objects.filter(pk=a.pk).update(observed_state="stopping")
+    promised = entries("a")
+    for figures in ({"gpu0": GIB, "ram": GIB}, None):
+        won = transitions.parked(
+            Deployment.objects.get(pk=a.pk), Host.objects.get(), "ram", figures,
+            reason="", started=0.0, actor="system",
+        )  # fmt: skip
+        assert won is False
+    assert state("a") == ("stopping", "")
+    assert entries("a") == promised
+    assert not Event.objects.filter(kind="deployment.parked").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_release_confirmed_for_a_model_with_nothing_unconfirmed_changes_nothing(gpu24):
+    """``release_confirmed()`` cleared the parked model's reason before it found nothing
+    unconfirmed to confirm, and said it lost."""
+    from capyctl.scheduler import transitions
+
+    vllm_engine()
+    a = deployment("a")
+    Deployment.objects.filter(pk=a.pk).update(
+        observed_state="parked", parked_mode="ram", state_reason="to make room for b"
+    )
+    assert transitions.release_confirmed(a, Host.objects.get(), {"gpu0": GIB}) is False
+    assert Deployment.objects.get(pk=a.pk).state_reason == "to make room for b"
+    assert entries("a") == {}

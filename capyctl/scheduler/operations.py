@@ -417,15 +417,18 @@ def fail(
     actor: str,
 ) -> None:
     """End the engine, then mark it failed: its memory is released with the process gone
-    (or, if the process outlived SIGKILL, kept counted)."""
+    (or, if the process outlived SIGKILL, kept counted). A newer start or wake of it (an
+    engine process other than ``instance``) is left alone."""
+    mine = instance.pk if instance is not None else None
     if instance is not None:
         try:
             driver.stop(instance_key(instance), 2.0)
         except EngineStuckError as exc:
-            transitions.failed(deployment, f"{reason}; {exc}", actor=actor, engine_gone=False)
+            transitions.failed(deployment, f"{reason}; {exc}", actor=actor, engine_gone=False,
+                               instance_id=mine)  # fmt: skip
             return
         transitions.instance_exited(instance.pk)
-    transitions.failed(deployment, reason, actor=actor)
+    transitions.failed(deployment, reason, actor=actor, instance_id=mine)
 
 
 def instance_key(instance: Instance) -> str:

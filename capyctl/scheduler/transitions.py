@@ -26,7 +26,8 @@ waking             parked                                      promise (under th
 woke               waking → ready                              measured figures, held
 stopping           any but stopped                             —
 stopped            stopping                                    released
-failed             the given states                            released
+failed             the given states (none other of its         released
+                   engines alive)
 stuck              (state, since) as read → stopping           —
 download_abandoned downloading → failed                        —
 recovered          any live state → stopped                    released
@@ -44,6 +45,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, Instance, ObservedState
@@ -80,15 +82,21 @@ def _move(
     *,
     wanted: bool = False,
     since: datetime | None = None,
+    instance_id: int | None = None,
     **fields: object,
 ) -> bool:
     """The conditional update: ``new`` only from one of ``expected`` (with ``wanted``, only
-    while its desired state is running; with ``since``, only if it has not changed since)."""
+    while its desired state is running; with ``since``, only if it has not changed since;
+    with ``instance_id``, only while no other engine process of it lives: a newer start's
+    or wake's is not the caller's to change)."""
     rows = Deployment.objects.filter(pk=deployment_id, observed_state__in=list(expected))
     if wanted:
         rows = rows.filter(desired_state="running")
     if since is not None:
         rows = rows.filter(state_changed_at=since)
+    if instance_id is not None:
+        others = Instance.objects.filter(deployment_id=OuterRef("pk")).exclude(pk=instance_id)
+        rows = rows.exclude(Exists(others.exclude(state=Instance.State.EXITED)))
     updated = rows.update(observed_state=new, state_changed_at=timezone.now(), **fields)
     if updated == 1 and new == S.READY:
         inflight.reopen(deployment_id)  # the drain gate, closed while it drained
@@ -370,6 +378,8 @@ def parked(
             mark_unconfirmed(locked, deployment.pk, "park answered, memory not seen free")
         elif won and figures is not None:
             _held(locked, deployment, figures, f"parked {mode}")
+    if not won:
+        return False
     if figures is None:
         record(
             deployment,
@@ -389,21 +399,21 @@ def parked(
             actor=actor,
             data={"mode": mode},
         )
-    return won
+    return True
 
 
 def release_confirmed(deployment: Deployment, host: Host, figures: Mapping[str, int]) -> bool:
     """A parked deployment's unconfirmed memory, now seen free: its measured figures are
     held again. False: it is no longer parked (a wake's promise is not touched)."""
     with host_lock(host.pk) as locked:
-        if not Deployment.objects.filter(pk=deployment.pk, observed_state=S.PARKED).update(
-            state_reason=""
-        ):
-            return False
         unconfirmed = LedgerEntry.objects.filter(
             host=locked, deployment=deployment, status=Status.UNCONFIRMED
         )
         if not unconfirmed.exists():
+            return False
+        if not Deployment.objects.filter(pk=deployment.pk, observed_state=S.PARKED).update(
+            state_reason=""
+        ):
             return False
         set_measured(locked, deployment.pk, figures)
         unconfirmed.update(status=Status.HELD)
@@ -486,20 +496,24 @@ def stopped(
     started: float | None = None,
     actor: str = "system",
 ) -> bool:
-    """STOPPING -> STOPPED, its engine ended: its memory released."""
+    """STOPPING -> STOPPED, its engine ended: its memory released. False: it was no longer
+    stopping (repaired meanwhile, or failed), and nothing changed."""
     if deployment.host_id is not None:
         with host_lock(deployment.host_id) as locked:
-            release(locked, deployment.pk)
             won = _move(deployment.pk, [S.STOPPING], S.STOPPED, parked_mode="", state_reason=reason)
+            if won:
+                release(locked, deployment.pk)
     else:
         won = _move(deployment.pk, [S.STOPPING], S.STOPPED, parked_mode="", state_reason=reason)
+    if not won:
+        return False
     message = (
         reason
         if reason.startswith(f"stopped {deployment.name}")
         else f"stopped {deployment.name}: {reason}"
     )
     record(deployment, "deployment.stopped", message, level=level, started=started, actor=actor)
-    return won
+    return True
 
 
 def failed(
@@ -511,28 +525,33 @@ def failed(
     level: str = Event.Level.ERROR,
     code: str = "engine_failed",
     engine_gone: bool = True,
+    instance_id: int | None = None,
 ) -> bool:
     """-> FAILED with the reason, from ``expected`` (default: any state but failed, stopped
-    or stopping). Its engine is gone (the caller ended it, or none ran), so whatever it held
-    is released, whether or not this call won the state. ``engine_gone=False``: its process
-    could not be ended, so what it held stays counted, as unconfirmed."""
+    or stopping); ``instance_id``: the engine process the caller drove, so it wins only
+    while no other process of the deployment lives (a late failure of an old worker leaves
+    a newer start or wake alone). Its engine is gone (the caller ended it, or none ran), so
+    whatever it held is released, if this call won. ``engine_gone=False``: its process
+    could not be ended, so what it held stays counted, as unconfirmed. A call that lost
+    changes nothing."""
     states = (
         list(expected)
         if expected is not None
         else [s for s in S.values if s not in (S.FAILED, S.STOPPED, S.STOPPING)]
     )
+    fields: dict[str, Any] = {"state_reason": reason[:2000], "parked_mode": ""}
     if deployment.host_id is not None:
         with host_lock(deployment.host_id) as locked:
-            if engine_gone:
+            won = _move(deployment.pk, states, S.FAILED, instance_id=instance_id, **fields)
+            if won and engine_gone:
                 release(locked, deployment.pk)
-            else:
+            elif won:
                 mark_unconfirmed(locked, deployment.pk, "its engine could not be ended")
-            won = _move(deployment.pk, states, S.FAILED, state_reason=reason[:2000], parked_mode="")
             if won:
                 message = f"{deployment.name}: {reason}"
                 _announce(deployment.pk, ok=False, code=code, message=message)
     else:
-        won = _move(deployment.pk, states, S.FAILED, state_reason=reason[:2000], parked_mode="")
+        won = _move(deployment.pk, states, S.FAILED, instance_id=instance_id, **fields)
     if won:
         record(deployment, "deployment.failed", f"{deployment.name} failed: {reason}",
                level=level, actor=actor)  # fmt: skip
@@ -570,7 +589,6 @@ def recovered(deployment: Deployment, host: Host, *, shutting_down: bool) -> boo
     one, at shutdown), was ended; its memory is released."""
     previous = deployment.observed_state
     with host_lock(host.pk) as locked:
-        release(locked, deployment.pk)
         won = _move(
             deployment.pk,
             [previous],
@@ -578,6 +596,8 @@ def recovered(deployment: Deployment, host: Host, *, shutting_down: bool) -> boo
             parked_mode="",
             state_reason=f"was {previous} when CapyCTL stopped; it starts again on demand",
         )
+        if won:
+            release(locked, deployment.pk)
     if not won:
         return False
     if shutting_down:
