@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,8 @@ import redis
 class OwnRedis:
     """A redis-server of a test's own, on a free port, that the test may stop and start
     again (as an outage does: it comes back empty, like the machine's, which keeps no
-    data on disk)."""
+    data on disk), stop after saving its data (it comes back with it: :meth:`shutdown_save`)
+    or hang (:meth:`hang`: it answers nothing for a while, as a paused server does)."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -33,6 +35,7 @@ class OwnRedis:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         options = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
         options += ["--appendonly", "no", "--dir", str(self.workdir)]
+        options += ["--enable-debug-command", "local"]  # DEBUG SLEEP: a hung server
         self.process = subprocess.Popen(
             [binary, *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
@@ -53,6 +56,82 @@ class OwnRedis:
             self.process.kill()
             self.process.wait(timeout=30)
             self.process = None
+
+    def shutdown_save(self) -> None:
+        """``SHUTDOWN SAVE``: its data written to its RDB file, which the next
+        :meth:`start` loads (keys whose time ran out meanwhile are gone, as in Redis)."""
+        assert self.process is not None
+        client = redis.Redis.from_url(self.url)
+        with contextlib.suppress(redis.ConnectionError):
+            client.shutdown(save=True)
+        self.process.wait(timeout=30)
+        self.process = None
+
+    def hang(self, seconds: float) -> threading.Thread:
+        """``DEBUG SLEEP``: the server answers nothing for ``seconds`` (connections are
+        accepted, calls time out, as with a paused or overloaded server); the thread that
+        sent it ends when it is over."""
+        client = redis.Redis.from_url(self.url)
+        thread = threading.Thread(target=client.execute_command, args=("DEBUG", "SLEEP", seconds))
+        thread.start()
+        time.sleep(0.05)  # it is asleep
+        return thread
+
+
+class PausableProxy:
+    """A TCP proxy to ``port`` on a free port of its own. :meth:`pause` stops forwarding
+    in both directions without closing anything (a partition: calls time out), and
+    :meth:`resume` forwards again what was held."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._running = threading.Event()
+        self._running.set()
+        self._closed = False
+        threading.Thread(target=self._accepting, daemon=True).start()
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._running.set()
+        self._listener.close()
+
+    def _accepting(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while not self._closed:
+                self._running.wait()
+                data = source.recv(65536)
+                if not data:
+                    break
+                self._running.wait()  # what was read while it paused is held
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.close()
 
 
 def _free_port() -> int:
