@@ -27,6 +27,7 @@ DATABASE_MODULES = frozenset(
     {
         "test_api.py",
         "test_api_keys.py",
+        "test_batched_writes.py",
         "test_cli_resources.py",
         "test_dashboard.py",
         "test_data_model.py",
@@ -40,6 +41,7 @@ DATABASE_MODULES = frozenset(
         "test_ledger.py",
         "test_measured_by_device.py",
         "test_offline_starts.py",
+        "test_request_guards.py",
         "test_scheduler_faults.py",
         "test_scheduler_stress.py",
         "test_switching.py",

@@ -11,7 +11,7 @@ import uuid
 from collections import deque
 from datetime import timedelta
 
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -98,18 +98,22 @@ class UsageBook:
 
 
 def write_usage(pending: dict[int, list[int]]) -> None:
-    """Add the counted requests and tokens to their keys (runs on a worker thread)."""
+    """Add the counted requests and tokens to their keys (runs on a worker thread), in one
+    transaction: a batch that fails is written not at all, so it can be tried again whole
+    without counting any of it twice. Keys are updated in order, so two processes writing
+    the same keys at once wait for each other rather than deadlock."""
     try:
         now = timezone.now()
-        for key_pk, (requests, prompt, completion) in pending.items():
-            ApiKey.objects.filter(pk=key_pk).update(
-                request_count=F("request_count") + requests,
-                prompt_tokens=F("prompt_tokens") + prompt,
-                completion_tokens=F("completion_tokens") + completion,
-            )
-        ApiKey.objects.filter(pk__in=list(pending)).filter(
-            Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - LAST_USED_EVERY)
-        ).update(last_used_at=now)
+        with transaction.atomic():
+            for key_pk, (requests, prompt, completion) in sorted(pending.items()):
+                ApiKey.objects.filter(pk=key_pk).update(
+                    request_count=F("request_count") + requests,
+                    prompt_tokens=F("prompt_tokens") + prompt,
+                    completion_tokens=F("completion_tokens") + completion,
+                )
+            ApiKey.objects.filter(pk__in=list(pending)).filter(
+                Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - LAST_USED_EVERY)
+            ).update(last_used_at=now)
     finally:
         connection.close()
 

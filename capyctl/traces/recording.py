@@ -10,9 +10,10 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Max, Min
 
+from capyctl.gateway.batches import one_line
 from capyctl.traces.models import RequestTrace
 
 logger = logging.getLogger("capyctl.gateway")
@@ -89,6 +90,10 @@ class TraceWriter:
     """Writes a batch of traces in one INSERT, then deletes the oldest rows past
     ``TRACE_MAX_ROWS`` (runs on a worker thread, one batch at a time).
 
+    The INSERT is all or nothing: a batch that fails is written not at all, and is tried
+    again whole. A prune that fails after it (the rows are written) is logged once and
+    done after the next write: the batch is not written twice for it.
+
     Ids only grow, so the rows to go are those more than the bound below the newest id:
     no COUNT(*), and, while the table is within its bound, no query at all beyond the
     INSERT. The oldest id left is remembered (read once); a row deleted by another
@@ -97,14 +102,27 @@ class TraceWriter:
 
     def __init__(self) -> None:
         self._oldest: int | None = None
+        self._prune_failing = False
 
     def __call__(self, pending: Iterable[Trace]) -> None:
         try:
-            made = RequestTrace.objects.bulk_create([_row(trace) for trace in pending])
-            ids = [row.pk for row in made]
-            newest = max(ids) if ids and None not in ids else _newest_id()
-            if newest is not None:
-                self._prune(newest, int(settings.CAPYCTL["TRACE_MAX_ROWS"]))
+            with transaction.atomic():
+                made = RequestTrace.objects.bulk_create([_row(trace) for trace in pending])
+            # Written: from here on nothing may fail the batch (it would be written again).
+            try:
+                ids = [row.pk for row in made]
+                newest = max(ids) if ids and None not in ids else _newest_id()
+                if newest is not None:
+                    self._prune(newest, int(settings.CAPYCTL["TRACE_MAX_ROWS"]))
+            except Exception as exc:
+                self._oldest = None  # read again next time
+                if not self._prune_failing:
+                    self._prune_failing = True
+                    logger.warning("traces written, but the oldest past the bound were not "
+                                   "deleted (%s); tried again after the next write",
+                                   one_line(exc))  # fmt: skip
+            else:
+                self._prune_failing = False
         finally:
             connection.close()
 
