@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
+from capyctl.scheduler import redislink
 from capyctl.scheduler.policy import Contender
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -33,7 +34,6 @@ logger = logging.getLogger("capyctl.scheduler")
 # was left by a process that is gone.
 SEEN_SECONDS = 3.0
 _KEY = "capyctl:turns:{}"  # a hash per host: deployment id -> {"since", "seen", ...}
-_QUIET_SECONDS = 5.0  # after Redis did not answer, how long this process asks it nothing
 
 
 @dataclass
@@ -109,20 +109,17 @@ class RedisRegistry:
     a Redis that does not answer costs only what other processes' waits would have said."""
 
     def __init__(self, url: str) -> None:
-        import redis  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
-
         # Its calls run under the host lock: short timeouts, and none for a while once
         # Redis did not answer (this process's own waits meanwhile).
-        self._redis = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        self._redis = redislink.client(url)
         self._own = LocalRegistry()
         self._hosts: dict[int, int] = {}  # deployment -> host, for done()
-        self._quiet_until = 0.0
 
     def _answers(self) -> bool:
-        return time.monotonic() >= self._quiet_until
+        return redislink.answers()
 
     def _down(self, exc: BaseException) -> None:
-        self._quiet_until = time.monotonic() + _QUIET_SECONDS
+        redislink.failed(exc)
         logger.debug("turns: Redis did not answer (%s); this process's waits only", exc)
 
     def note(self, wait: Wait) -> float:
