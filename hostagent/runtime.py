@@ -12,7 +12,9 @@ import contextlib
 import dataclasses
 import logging
 import secrets
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +29,7 @@ from hostagent.errors import (
     MemoryNotReleasedError,
 )
 from hostagent.kinds import EngineClient, EngineKind, LaunchSpec, get_kind
+from hostagent.kinds.base import SOCKET_PATH_MAX
 from hostagent.measure import (
     LAUNCH_LEASE_SECONDS,
     LEASE_MARGIN_SECONDS,
@@ -42,6 +45,7 @@ from hostagent.process import (
     EngineProcess,
     adopt_process,
     exposed_listeners,
+    socket_held,
     start_process,
     stop_process,
     wait_ready,
@@ -95,11 +99,41 @@ class InstanceRequest:
     ram_park: bool = True
     memory_fraction: float | None = None
     claim_bytes: int | None = None  # the ledger's claim per GPU, for engines that take a size
+    # Hosts whose media URLs the engine may fetch (empty: none); None: no policy, no flag.
+    media_domains: list[str] | None = None
+
+
+SOCKET_NAME = "engine.sock"  # llama-server takes a path ending in .sock as a socket
+SHORT_DIR_PREFIX = "capyctl-"
+
+
+def socket_path_for(run_dir: Path) -> Path | None:
+    """Where an engine whose run dir is ``run_dir`` listens: ``engine.sock`` in that 0700
+    dir; where that path is too long for a socket (``SOCKET_PATH_MAX``), in a 0700 dir of
+    its own made in the system's temporary dir (``mkdtemp``: a new name, made by this
+    user, never one that was there); None where even that is too long."""
+    path = run_dir / SOCKET_NAME
+    if len(bytes(path)) <= SOCKET_PATH_MAX:
+        return path
+    short = Path(tempfile.mkdtemp(prefix=SHORT_DIR_PREFIX)) / SOCKET_NAME
+    if len(bytes(short)) <= SOCKET_PATH_MAX:
+        return short
+    short.parent.rmdir()
+    return None
+
+
+def remove_socket_dir(socket_path: Path | None, run_dir: Path) -> None:
+    """The short dir :func:`socket_path_for` made for a socket outside its run dir."""
+    if socket_path is None or socket_path.parent == run_dir:
+        return
+    if socket_path.parent.name.startswith(SHORT_DIR_PREFIX):
+        shutil.rmtree(socket_path.parent, ignore_errors=True)
 
 
 @dataclass
 class Instance:
-    """A launched engine: its process, its loopback port and launch key, its state.
+    """A launched engine: its process, its Unix socket or loopback port, its launch key,
+    its state.
 
     ``measured_by``: how its GPU memory is read (``None`` until its start showed it). On
     the device path ``device_held`` is what it holds per GPU, as its steps measured it (its
@@ -123,7 +157,12 @@ class Instance:
 
     @property
     def port(self) -> int:
+        """Its loopback port; 0 where it listens on a Unix socket."""
         return self.spec.port
+
+    @property
+    def socket_path(self) -> Path | None:
+        return self.spec.socket_path
 
     @property
     def api_key(self) -> str:
@@ -133,6 +172,8 @@ class Instance:
     def base_url(self) -> str:
         return self.client.base_url
 
+
+ASK_SECONDS = 5.0  # how long a question to an engine about its state may take
 
 # How long after a park the probe may take to show the memory freed (a vLLM sleep frees
 # it before answering; NVML sees it at once): ``CAPYCTL_PARK_CONFIRM_SECONDS``.
@@ -196,8 +237,15 @@ class EngineRuntime:
             }
         return {}
 
-    def _spec(self, request: InstanceRequest, port: int, api_key: str) -> LaunchSpec:
+    def _spec(
+        self,
+        request: InstanceRequest,
+        port: int,
+        api_key: str,
+        socket_path: Path | None = None,
+    ) -> LaunchSpec:
         return LaunchSpec(
+            socket_path=socket_path,
             features=self.features(request),
             command=request.command,
             source=request.source,
@@ -211,11 +259,19 @@ class EngineRuntime:
             ram_park=request.ram_park,
             memory_fraction=request.memory_fraction,
             claim_bytes=request.claim_bytes,
+            media_domains=request.media_domains,
             run_dir=self.run_root / request.instance_id,
         )
 
     def adopt(
-        self, request: InstanceRequest, *, port: int, api_key: str, pid: int, create_time: float
+        self,
+        request: InstanceRequest,
+        *,
+        port: int,
+        api_key: str,
+        pid: int,
+        create_time: float,
+        socket_path: Path | None = None,
     ) -> Instance | None:
         """Take back an engine an earlier run of this process started, if it still runs."""
         log_path = self.log_dir / f"{request.instance_id}.log"
@@ -223,21 +279,36 @@ class EngineRuntime:
         if process is None:
             return None
         process.hidden = (api_key,)
-        spec = self._spec(request, port, api_key)
+        spec = self._spec(request, port, api_key, socket_path)
         return Instance(
             request=request,
             kind=get_kind(request.kind),
             spec=spec,
             process=process,
-            client=EngineClient(spec.port, spec.api_key),
+            client=_client(spec),
         )
+
+    def _listen_at(self, kind: EngineKind, spec: LaunchSpec) -> LaunchSpec:
+        """The spec with where the engine listens: a Unix socket in its run dir where its
+        program can, else a loopback port."""
+        if spec.run_dir is not None and kind.socket_listening(spec.features):
+            path = socket_path_for(spec.run_dir)
+            if path is not None:
+                return dataclasses.replace(spec, socket_path=path)
+            logger.warning(
+                "%s: no socket path short enough under %s or the temporary dir; it listens "
+                "on loopback TCP",
+                spec.served_name,
+                spec.run_dir,
+            )
+        return dataclasses.replace(spec, port=free_port())
 
     def launch(self, request: InstanceRequest) -> Instance:
         """Start the engine process; it is not ready yet (see :meth:`wait_ready`). Where its
         start may be measured by device, its GPUs are held from here until it is ready."""
         kind = get_kind(request.kind)
         # A key that never starts with "-", which flag parsers would misread.
-        spec = self._spec(request, free_port(), secrets.token_hex(24))
+        spec = self._listen_at(kind, self._spec(request, 0, secrets.token_hex(24)))
         if getattr(kind, "sizes_by_free_memory", False):  # SGLang's and llama-server's
             spec = dataclasses.replace(spec, gpu_memory=self._memory_at_launch(request))
         if spec.features is not None:  # a flag this build lacks: one line, not an exit
@@ -251,31 +322,33 @@ class EngineRuntime:
             lease = self.meter.leases.acquire(
                 f"the start of {request.served_name}", gpus, LAUNCH_LEASE_SECONDS
             )
+        run_dir = self.run_root / request.instance_id
         try:
-            prepare_run_dir(self.run_root / request.instance_id, launch.files)
+            prepare_run_dir(run_dir, launch.files)
             before = self.meter.used(gpus) if lease is not None else None
             process = start_process(
                 launch.argv, env=launch.env, log_path=log_path, log_max_bytes=self.log_max_bytes
             )
             process.hidden = (spec.api_key,)
         except BaseException:
-            remove_run_dir(self.run_root / request.instance_id)
+            remove_run_dir(run_dir)
+            remove_socket_dir(spec.socket_path, run_dir)
             if lease is not None:
                 self.meter.leases.release(lease)
             raise
         logger.info(
-            "started %s engine for %s: pid %s on 127.0.0.1:%s",
+            "started %s engine for %s: pid %s on %s",
             kind.name,
             request.served_name,
             process.pid,
-            spec.port,
+            spec.socket_path or f"127.0.0.1:{spec.port}",
         )
         return Instance(
             request=request,
             kind=kind,
             spec=spec,
             process=process,
-            client=EngineClient(spec.port, spec.api_key),
+            client=_client(spec),
             start_before=before,
             lease=lease,
         )
@@ -352,16 +425,46 @@ class EngineRuntime:
 
     def _check_loopback(self, instance: Instance, what: str) -> None:
         """An engine that listens beyond loopback exposes routes no key guards (vLLM's
-        ``/sleep``): it is stopped at once, and the start fails saying where it listened."""
+        ``/sleep``): it is stopped at once, and the start fails saying where it listened.
+        One launched on a socket must hold that socket itself: an answer there from any
+        other process is not its own."""
         exposed = exposed_listeners(instance.pid, instance.port)
-        if not exposed:
-            return
+        if exposed:
+            self._refuse_start(
+                instance,
+                f"{what} listens on {', '.join(exposed)}, not on 127.0.0.1 and ::1 only, so "
+                "it was stopped (does its command or args set another address?)",
+            )
+        path = instance.socket_path
+        if path is not None and not socket_held(instance.pid, path):
+            self._refuse_start(
+                instance,
+                f"{what} answered on {path}, but no process of its own listens there, so "
+                "it was stopped",
+            )
+
+    def _refuse_start(self, instance: Instance, message: str) -> None:
         stop_process(instance.process, grace_seconds=2.0)
-        remove_run_dir(self.run_root / instance.request.instance_id)
-        raise EngineExposedError(
-            f"{what} listens on {', '.join(exposed)}, not on 127.0.0.1 and ::1 only, so "
-            "it was stopped (does its command or args set another address?)"
+        run_dir = self.run_root / instance.request.instance_id
+        remove_run_dir(run_dir)
+        remove_socket_dir(instance.socket_path, run_dir)
+        raise EngineExposedError(message)
+
+    def asleep(self, instance: Instance) -> bool | None:
+        """Whether the engine says it is parked now, asked on a client of its own with a
+        short timeout (never the one a park or wake is using); None where its kind cannot
+        tell, it has ended, or it does not answer."""
+        if not instance.process.alive():
+            return None
+        client = EngineClient(
+            instance.port, instance.api_key, timeout=ASK_SECONDS, socket_path=instance.socket_path
         )
+        try:
+            return instance.kind.asleep(client, instance.spec)
+        except EngineCallError:
+            return None
+        finally:
+            client.close()
 
     def usage(self, instance: Instance) -> ProcessUsage:
         """What the instance's process tree holds now: the probe's figures, or on the device
@@ -508,7 +611,9 @@ class EngineRuntime:
             code = stop_process(instance.process, grace_seconds=grace_seconds)
         finally:
             self._unlease(instance, lease)
-            remove_run_dir(self.run_root / instance.request.instance_id)
+            run_dir = self.run_root / instance.request.instance_id
+            remove_run_dir(run_dir)
+            remove_socket_dir(instance.socket_path, run_dir)
         logger.info(
             "stopped %s engine for %s (pid %s, status %s)",
             instance.kind.name,
@@ -517,6 +622,11 @@ class EngineRuntime:
             code,
         )
         return code
+
+
+def _client(spec: LaunchSpec) -> EngineClient:
+    """The control client of a launch: over its socket, or to its loopback port."""
+    return EngineClient(spec.port, spec.api_key, socket_path=spec.socket_path)
 
 
 @contextlib.contextmanager

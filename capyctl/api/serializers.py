@@ -9,6 +9,7 @@ from typing import Any
 from rest_framework import serializers
 
 from capyctl import reports
+from capyctl.deployments import guards
 from capyctl.deployments.models import OverClaim, ParkPolicy
 from capyctl.deployments.services import MAX_COUNT, MAX_PRIORITY, MAX_SECONDS
 from capyctl.validation import MAX_SIZE_BYTES
@@ -69,6 +70,11 @@ class DeploymentOut(_Report):
     weights_bytes = serializers.IntegerField(allow_null=True)
     measured_gpu_bytes = serializers.IntegerField(allow_null=True)
     measured_weights_bytes = serializers.IntegerField(allow_null=True)
+    weights_copy_bytes = serializers.IntegerField(
+        allow_null=True,
+        help_text="host RAM a ram park promises for its copy: the larger of weights_bytes "
+        "(declared) and measured_weights_bytes (its last ram park's copy)",
+    )
     gpus = serializers.IntegerField()
     park = serializers.CharField()
     pinned = serializers.BooleanField()
@@ -82,6 +88,13 @@ class DeploymentOut(_Report):
     wake_timeout_seconds = serializers.IntegerField()
     start_timeout_seconds = serializers.IntegerField()
     drain_timeout_seconds = serializers.IntegerField()
+    max_tokens_ceiling = serializers.IntegerField(help_text=guards.MAX_TOKENS.help)
+    n_ceiling = serializers.IntegerField(help_text=guards.N.help)
+    best_of_ceiling = serializers.IntegerField(help_text=guards.BEST_OF.help)
+    media_domains = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="hosts whose http(s) media URLs requests may name (empty: data: URLs only)",
+    )
     desired_state = serializers.CharField()
     observed_state = serializers.CharField()
     parked_mode = serializers.CharField(allow_null=True)
@@ -275,6 +288,21 @@ class DeploymentIn(serializers.Serializer):  # type: ignore[type-arg]
     )
     engine_args = serializers.ListField(
         child=serializers.CharField(max_length=4000), required=False
+    )
+    max_tokens_ceiling = serializers.IntegerField(
+        required=False, min_value=1, max_value=guards.MAX_CEILING, help_text=guards.MAX_TOKENS.help
+    )
+    n_ceiling = serializers.IntegerField(
+        required=False, min_value=1, max_value=guards.MAX_CEILING, help_text=guards.N.help
+    )
+    best_of_ceiling = serializers.IntegerField(
+        required=False, min_value=1, max_value=guards.MAX_CEILING, help_text=guards.BEST_OF.help
+    )
+    media_domains = serializers.ListField(
+        child=serializers.CharField(max_length=253),
+        required=False,
+        max_length=guards.MAX_MEDIA_DOMAINS,
+        help_text="hosts whose http(s) media URLs requests may name (empty: data: URLs only)",
     )
 
 

@@ -109,38 +109,79 @@ def engine_remove(args: argparse.Namespace) -> int:
 # --- deployments -------------------------------------------------------------------------
 
 
-def deployment_add(args: argparse.Namespace) -> int:
-    from capyctl.deployments.services import DeploymentSpec, add_deployment
+# The settings flags whose value is a spec field as it is, by namespace name.
+_PLAIN_SETTINGS = {
+    "gpus": "gpus",
+    "park": "park",
+    "idle_park_seconds": "idle_park_seconds",
+    "min_ready_seconds": "min_ready_seconds",
+    "max_waiting": "max_waiting",
+    "max_queue_seconds": "max_queue_seconds",
+    "max_turn_seconds": "max_turn_seconds",
+    "wake_timeout": "wake_timeout_seconds",
+    "start_timeout": "start_timeout_seconds",
+    "drain_timeout": "drain_timeout_seconds",
+    "priority": "priority",
+    "pinned": "pinned",
+    "over_claim": "over_claim",
+    "weights_size": "weights_bytes",
+    "max_tokens_ceiling": "max_tokens_ceiling",
+    "n_ceiling": "n_ceiling",
+    "best_of_ceiling": "best_of_ceiling",
+}
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The spec fields the settings flags give (with ``update``: only those given)."""
     from capyctl.validation import parse_gpu_memory, split_engine_args
 
-    gpu_bytes, fraction = parse_gpu_memory(args.gpu_memory) if args.gpu_memory else (None, None)
+    given = vars(args)
+    fields = {spec: given[flag] for flag, spec in _PLAIN_SETTINGS.items() if flag in given}
+    if "gpu_memory" in given:
+        gpu_memory = given["gpu_memory"]
+        bytes_, fraction = parse_gpu_memory(gpu_memory) if gpu_memory else (None, None)
+        fields["gpu_memory_bytes"], fields["gpu_memory_fraction"] = bytes_, fraction
+    if "args" in given:
+        fields["engine_args"] = split_engine_args(given["args"])
+    if "media_domains" in given:
+        text = given["media_domains"].strip()
+        fields["media_domains"] = (
+            [] if text in ("", "none") else [d.strip() for d in text.split(",") if d.strip()]
+        )
+    return fields
+
+
+def deployment_add(args: argparse.Namespace) -> int:
+    from capyctl.deployments.services import DeploymentSpec, add_deployment
+
     spec = DeploymentSpec(
         name=args.name,
         engine=args.engine,
         source=args.source,
         aliases=list(args.alias),
         host=args.host,
-        gpu_memory_bytes=gpu_bytes,
-        gpu_memory_fraction=fraction,
-        weights_bytes=args.weights_size,
-        gpus=args.gpus,
-        park=args.park,
-        idle_park_seconds=args.idle_park_seconds,
-        min_ready_seconds=args.min_ready_seconds,
-        max_waiting=args.max_waiting,
-        max_queue_seconds=args.max_queue_seconds,
-        max_turn_seconds=args.max_turn_seconds,
-        wake_timeout_seconds=args.wake_timeout,
-        start_timeout_seconds=args.start_timeout,
-        drain_timeout_seconds=args.drain_timeout,
-        engine_args=split_engine_args(args.args),
-        priority=args.priority,
-        pinned=args.pinned,
-        over_claim=args.over_claim,
+        **_settings(args),
     )
     prepare()
     deployment = add_deployment(spec, actor=_actor())
     print(f"deployment {deployment.name} added (engine {deployment.engine.name}, desired running)")
+    return 0
+
+
+def deployment_update(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from capyctl.deployments.services import get_deployment, spec_of, update_deployment
+
+    changes = _settings(args)
+    if not changes:
+        raise UserError("nothing to change: give at least one setting flag (see --help)")
+    prepare()
+    current = get_deployment(args.name)
+    deployment = update_deployment(
+        current.name, replace(spec_of(current), **changes), actor=_actor()
+    )
+    print(f"deployment {deployment.name} updated: {', '.join(sorted(changes))}")
     return 0
 
 
@@ -150,6 +191,15 @@ def _memory_text(data: dict[str, object]) -> str:
     if data["gpu_memory_fraction"] is not None:
         return f"{data['gpu_memory_fraction']:g} of GPU"
     return "estimate"
+
+
+def _copy_text(data: dict[str, object]) -> str:
+    """The weights copy a ram park promises: measured against declared, where known."""
+    declared, measured = data["weights_bytes"], data["measured_weights_bytes"]
+    if measured is None:
+        return f"{format_size(int(declared))} declared" if declared is not None else "-"  # type: ignore[call-overload]
+    text = f"{format_size(int(measured))} measured"  # type: ignore[call-overload]
+    return text + (f" ({format_size(int(declared))} declared)" if declared is not None else "")  # type: ignore[call-overload]
 
 
 def deployment_list(args: argparse.Namespace) -> int:
@@ -169,11 +219,13 @@ def deployment_list(args: argparse.Namespace) -> int:
             d["desired_state"],
             d["observed_state"] + (f" ({d['parked_mode']})" if d["parked_mode"] else ""),
             _memory_text(d),
+            _copy_text(d),
             d["park"] + (" pinned" if d["pinned"] else ""),
         ]
         for d in deployments
     ]
-    headers = ["name", "aliases", "engine", "host", "desired", "state", "gpu memory", "park"]
+    headers = ["name", "aliases", "engine", "host", "desired", "state", "gpu memory", "ram copy",
+               "park"]  # fmt: skip
     print_table(headers, rows, empty="no deployments")
     return 0
 

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from capyctl.deployments import guards  # plain Python: parsing stays Django-free
 from hostagent.units import SizeError, parse_size
 
 
@@ -252,40 +253,16 @@ def _build_deployment(commands: Any) -> None:
     )
     add.add_argument("--alias", action="append", default=[], help="another name (repeatable)")
     add.add_argument("--host", help="pin to this host (default: placed where it fits)")
-    add.add_argument(
-        "--gpu-memory", metavar="SIZE", help="per GPU: 20GiB, or a fraction of the device: 0.9"
+    _deployment_settings(add, update=False)
+    update = _sub(
+        sub,
+        "update",
+        "change a deployment's settings (the flags given; its engine takes new launch "
+        "settings at its next start)",
+        "deployment_update",
     )
-    add.add_argument("--weights-size", metavar="SIZE", type=size_arg, help="weights copy size")
-    add.add_argument("--gpus", type=count_arg(0), default=1, help="GPUs it needs (default 1)")
-    add.add_argument("--park", choices=("auto", "ram", "deep", "stop", "never"), default="auto")
-    add.add_argument("--idle-park-seconds", type=count_arg(0), metavar="N")
-    add.add_argument("--min-ready-seconds", type=count_arg(0), metavar="N")
-    add.add_argument("--max-waiting", type=count_arg(1), metavar="N")
-    add.add_argument(
-        "--max-queue-seconds",
-        type=count_arg(1),
-        metavar="N",
-        help="how long a request may wait for it (default: its wake timeout)",
-    )
-    add.add_argument(
-        "--max-turn-seconds",
-        type=count_arg(0),
-        metavar="N",
-        help="how long it keeps its GPUs busy while others wait (default 30)",
-    )
-    add.add_argument("--wake-timeout", type=count_arg(1), metavar="SECONDS")
-    add.add_argument("--start-timeout", type=count_arg(1), metavar="SECONDS")
-    add.add_argument("--drain-timeout", type=count_arg(0), metavar="SECONDS")
-    add.add_argument("--priority", type=int, default=0)
-    add.add_argument("--args", default="", metavar='"ENGINE ARGS"', help="extra engine args")
-    add.add_argument("--pinned", action="store_true", help="never park or stop it to make room")
-    add.add_argument(
-        "--over-claim",
-        choices=("stop", "raise"),
-        default="stop",
-        help="an engine measured past its GPU memory claim at start: stop it (default), "
-        "or raise the claim to what it holds",
-    )
+    update.add_argument("name", help="its name or an alias")
+    _deployment_settings(update, update=True)
     listing = _sub(sub, "list", "list deployments", "deployment_list")
     _add_json(listing)
     remove = _sub(sub, "remove", "remove a stopped deployment", "deployment_remove")
@@ -306,6 +283,66 @@ def _build_deployment(commands: Any) -> None:
         parser.add_argument(
             "--timeout", type=count_arg(1), default=None, metavar="SECONDS", help="how long to wait"
         )
+
+
+def _deployment_settings(parser: Parser, *, update: bool) -> None:
+    """The settings ``deployment add`` takes, and ``deployment update`` changes: with
+    ``update``, a flag not given is left out of the namespace (and so unchanged)."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if update else value
+
+    unset = default(None)
+
+    parser.add_argument(
+        "--gpu-memory", metavar="SIZE", default=unset,
+        help="per GPU: 20GiB, or a fraction of the device: 0.9",
+    )  # fmt: skip
+    parser.add_argument("--weights-size", metavar="SIZE", type=size_arg, default=unset,
+                        help="weights copy size")  # fmt: skip
+    parser.add_argument("--gpus", type=count_arg(0), default=default(1),
+                        help="GPUs it needs (default 1)")  # fmt: skip
+    parser.add_argument("--park", choices=("auto", "ram", "deep", "stop", "never"),
+                        default=default("auto"))  # fmt: skip
+    parser.add_argument("--idle-park-seconds", type=count_arg(0), metavar="N", default=unset)
+    parser.add_argument("--min-ready-seconds", type=count_arg(0), metavar="N", default=unset)
+    parser.add_argument("--max-waiting", type=count_arg(1), metavar="N", default=unset)
+    parser.add_argument(
+        "--max-queue-seconds", type=count_arg(1), metavar="N", default=unset,
+        help="how long a request may wait for it (default: its wake timeout)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-turn-seconds", type=count_arg(0), metavar="N", default=unset,
+        help="how long it keeps its GPUs busy while others wait (default 30)",
+    )  # fmt: skip
+    parser.add_argument("--wake-timeout", type=count_arg(1), metavar="SECONDS", default=unset)
+    parser.add_argument("--start-timeout", type=count_arg(1), metavar="SECONDS",
+                        default=unset)  # fmt: skip
+    parser.add_argument("--drain-timeout", type=count_arg(0), metavar="SECONDS",
+                        default=unset)  # fmt: skip
+    parser.add_argument("--priority", type=int, default=default(0))
+    parser.add_argument("--args", default=default(""), metavar='"ENGINE ARGS"',
+                        help="extra engine args")  # fmt: skip
+    parser.add_argument(
+        "--pinned", action=argparse.BooleanOptionalAction if update else "store_true",
+        default=default(False), help="never park or stop it to make room",
+    )  # fmt: skip
+    parser.add_argument(
+        "--over-claim",
+        choices=("stop", "raise"),
+        default=default("stop"),
+        help="an engine measured past its GPU memory claim at start: stop it (default), "
+        "or raise the claim to what it holds",
+    )
+    for ceiling in guards.CEILINGS:
+        parser.add_argument(ceiling.flag, type=count_arg(1), metavar="N",
+                            default=default(ceiling.default),
+                            help=f"{ceiling.help} (default {ceiling.default})")  # fmt: skip
+    parser.add_argument(
+        "--media-domains", metavar="HOST,HOST|none", default=default(""),
+        help="hosts whose http(s) image, audio and video URLs requests may name "
+        "(default none: data: URLs only)",
+    )  # fmt: skip
 
 
 def _build_key(commands: Any) -> None:

@@ -11,6 +11,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from capyctl.admin_utils import ReadOnlyAdmin, attach_user_error
+from capyctl.deployments import guards
 from capyctl.deployments.models import Deployment, Instance, OverClaim
 from capyctl.deployments.services import (
     SETTING_FIELDS,
@@ -39,6 +40,12 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
     args_text = forms.CharField(
         label="Engine args", required=False, help_text="extra engine arguments, as on a shell"
     )
+    media_domains_text = forms.CharField(
+        label="Media domains",
+        required=False,
+        help_text="hosts whose http(s) image, audio and video URLs requests may name, "
+        "separated by commas (empty: data: URLs only)",
+    )
 
     class Meta:
         model = Deployment
@@ -48,10 +55,14 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
         super().__init__(*args, **kwargs)
         if "over_claim" in self.fields:  # left out: the default, stop
             self.fields["over_claim"].required = False
+        for ceiling in guards.CEILINGS:  # left out: its default
+            if ceiling.name in self.fields:
+                self.fields[ceiling.name].required = False
         obj = self.instance
         if obj.pk:
             self.initial["aliases_text"] = ", ".join(obj.alias_names)
             self.initial["args_text"] = shlex.join(obj.engine_args)
+            self.initial["media_domains_text"] = ", ".join(obj.media_domains)
             if obj.gpu_memory_bytes is not None:
                 self.initial["gpu_memory"] = format_size(obj.gpu_memory_bytes).replace(" ", "")
             elif obj.gpu_memory_fraction is not None:
@@ -77,6 +88,9 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
         weights = data.get("weights_size")
         plain: dict[str, Any] = {name: data.get(name) for name in _PLAIN_FIELDS}
         plain["over_claim"] = plain.get("over_claim") or OverClaim.STOP
+        for ceiling in guards.CEILINGS:
+            if plain.get(ceiling.name) is None:
+                plain[ceiling.name] = ceiling.default
         return DeploymentSpec(
             name=data["name"],
             engine=data["engine"].name,
@@ -86,6 +100,9 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
             gpu_memory_fraction=fraction,
             weights_bytes=parse_size_value(weights, field="weights_bytes") if weights else None,
             engine_args=split_engine_args(data.get("args_text") or ""),
+            media_domains=[
+                d.strip() for d in (data.get("media_domains_text") or "").split(",") if d.strip()
+            ],
             **plain,
         )
 
@@ -133,6 +150,15 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                     "wake_timeout_seconds",
                     "start_timeout_seconds",
                     "drain_timeout_seconds",
+                )
+            },
+        ),
+        (
+            "What a request may ask",
+            {
+                "fields": (
+                    *(ceiling.name for ceiling in guards.CEILINGS),
+                    "media_domains_text",
                 )
             },
         ),

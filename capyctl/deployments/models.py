@@ -5,7 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+
+from capyctl.deployments import guards
 
 
 class ParkPolicy(models.TextChoices):
@@ -108,6 +111,28 @@ class Deployment(models.Model):
         help_text="an engine measured past its claim at start: stop it, or raise the claim",
     )
 
+    # What one /v1 request may ask of it (capyctl.deployments.guards declares each).
+    max_tokens_ceiling = models.PositiveIntegerField(
+        default=guards.MAX_TOKENS.default,
+        validators=[MinValueValidator(1), MaxValueValidator(guards.MAX_CEILING)],
+        help_text=guards.MAX_TOKENS.help,
+    )
+    n_ceiling = models.PositiveIntegerField(
+        default=guards.N.default,
+        validators=[MinValueValidator(1), MaxValueValidator(guards.MAX_CEILING)],
+        help_text=guards.N.help,
+    )
+    best_of_ceiling = models.PositiveIntegerField(
+        default=guards.BEST_OF.default,
+        validators=[MinValueValidator(1), MaxValueValidator(guards.MAX_CEILING)],
+        help_text=guards.BEST_OF.help,
+    )
+    media_domains = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="hosts whose http(s) media URLs requests may name (empty: data: URLs only)",
+    )
+
     desired_state = models.CharField(
         max_length=8, choices=DesiredState.choices, default=DesiredState.RUNNING
     )
@@ -166,6 +191,18 @@ class Deployment(models.Model):
         return default
 
     @property
+    def ceilings(self) -> dict[str, int]:
+        """Its request ceilings, by field name (``max_tokens_ceiling``...)."""
+        return {ceiling.name: int(getattr(self, ceiling.name)) for ceiling in guards.CEILINGS}
+
+    @property
+    def weights_copy_bytes(self) -> int | None:
+        """The weights copy a ``ram`` park promises in host RAM, once known: the larger of
+        the declared ``weights_bytes`` and the copy its last ``ram`` park measured."""
+        known = [b for b in (self.weights_bytes, self.measured_weights_bytes) if b]
+        return max(known) if known else None
+
+    @property
     def alias_names(self) -> list[str]:
         return [alias.name for alias in self.aliases.all()]
 
@@ -189,7 +226,8 @@ class Instance(models.Model):
     """One engine process launched for a deployment.
 
     ``launch_key`` is the API key made for this launch; CapyCTL swaps it in for the
-    client's key when forwarding. The engine listens on ``127.0.0.1:port`` of its host.
+    client's key when forwarding. The engine listens on the Unix socket ``socket_path`` of
+    its host where its program can, else on ``127.0.0.1:port``.
     """
 
     class State(models.TextChoices):
@@ -202,6 +240,9 @@ class Instance(models.Model):
     state = models.CharField(max_length=16, choices=State.choices, default=State.LAUNCHING)
     pid = models.PositiveIntegerField(null=True, blank=True)
     port = models.PositiveIntegerField(null=True, blank=True)
+    socket_path = models.CharField(
+        max_length=255, blank=True, help_text="the Unix socket it listens on, on its host"
+    )
     launch_key = models.CharField(max_length=128)
     key = models.CharField(
         max_length=100, blank=True, help_text="the host's name for this engine process"
@@ -227,4 +268,4 @@ class Instance(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.deployment.name}@{self.host.name}:{self.port}"
+        return f"{self.deployment.name}@{self.host.name}:{self.socket_path or self.port}"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from django.db import transaction
 from django.db.models import Q
 
+from capyctl.deployments import guards
 from capyctl.deployments.models import (
     Deployment,
     DeploymentAlias,
@@ -62,6 +63,10 @@ class DeploymentSpec:
     priority: int = 0
     pinned: bool = False
     over_claim: str = OverClaim.STOP
+    max_tokens_ceiling: int = guards.MAX_TOKENS.default
+    n_ceiling: int = guards.N.default
+    best_of_ceiling: int = guards.BEST_OF.default
+    media_domains: list[str] = field(default_factory=list)
 
 
 def get_deployment(name: str) -> Deployment:
@@ -148,7 +153,8 @@ def _check_figures(spec: DeploymentSpec) -> None:
 
 
 def _check_settings(spec: DeploymentSpec) -> None:
-    """Its timing, queue and priority settings, each within its range."""
+    """Its timing, queue and priority settings and its request guards (ceilings, media
+    domains), each within its range."""
     for name in (
         "idle_park_seconds",
         "min_ready_seconds",
@@ -173,6 +179,17 @@ def _check_settings(spec: DeploymentSpec) -> None:
             f"invalid priority {spec.priority}: use {-MAX_PRIORITY} to {MAX_PRIORITY}",
             field="priority",
         )
+    for ceiling in guards.CEILINGS:
+        wrong = guards.check_ceiling_value(ceiling, getattr(spec, ceiling.name))
+        if wrong is not None:
+            raise UserError(wrong, field=ceiling.name)
+    if not isinstance(spec.media_domains, list):
+        raise UserError("media domains must be a list of host names", field="media_domains")
+    try:
+        # Kept as the engines compare them: lowercase, each once.
+        spec.media_domains = guards.check_domains(spec.media_domains)
+    except ValueError as exc:
+        raise UserError(str(exc), field="media_domains") from None
 
 
 def _check_source(source: str) -> None:
@@ -234,10 +251,20 @@ SETTING_FIELDS = (
     "priority",
     "pinned",
     "over_claim",
+    *(ceiling.name for ceiling in guards.CEILINGS),
 )
-# What an engine is launched with: a change reaches a running engine at its next start.
+# What an engine is launched with: a change reaches a running engine at its next start
+# (the gateway applies a new media policy at once; the engine's own flag, then).
 _LAUNCH_FIELDS = frozenset(
-    {"source", "engine_args", "gpu_memory_bytes", "gpu_memory_fraction", "weights_bytes", "gpus"}
+    {
+        "source",
+        "engine_args",
+        "gpu_memory_bytes",
+        "gpu_memory_fraction",
+        "weights_bytes",
+        "gpus",
+        "media_domains",
+    }
 )
 _SPEC_FIELDS = (
     "source",
@@ -245,6 +272,7 @@ _SPEC_FIELDS = (
     "gpu_memory_bytes",
     "gpu_memory_fraction",
     "weights_bytes",
+    "media_domains",
     *SETTING_FIELDS,
 )
 

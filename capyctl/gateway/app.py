@@ -23,6 +23,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
 
+from capyctl.deployments import guards
 from capyctl.errors import UserError
 from capyctl.gateway import queueview
 from capyctl.gateway.batches import BatchedWrites
@@ -137,7 +138,9 @@ class Gateway:
         except routes.RouteError as refused:
             raise GatewayError(refused.status, refused.code, refused.message, retry=False) from None
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
-        key = await self.keys.check(_presented_key(headers), scope.get("client"))
+        key = await self.keys.check(
+            _presented_key(headers), scope.get("client"), scope.get("headers")
+        )
         if key is None:
             raise invalid_key()
         # Per minute and in flight, the key's and its user's; released when __call__ ends.
@@ -166,6 +169,7 @@ class Gateway:
                 f"The host of `{name}` ({route.host}) does not answer; retry when it is back.",
                 "server_error",
             )
+        _check_guards(parsed, body, route)  # what it asks of the engine
         if name != route.name:  # an alias: the engine serves the deployment's own name
             body = _rename_model(body, parsed, route.name)
         waits = route.observed_state != "ready" or route.base_url is None
@@ -840,6 +844,21 @@ def _model_of(content_type: bytes, body: bytes) -> tuple[str, dict[str, Any] | N
     if not isinstance(data, dict) or not isinstance(data.get("model"), str):
         raise GatewayError(400, "invalid_request_error", "The request needs a `model` string.")
     return str(data["model"]), data
+
+
+def _check_guards(parsed: dict[str, Any] | None, body: bytes, route: Route) -> None:
+    """400 naming the field for a count past the route's ceiling, or a media URL outside
+    its policy (:mod:`capyctl.deployments.guards`), in a JSON body."""
+    if parsed is None:  # a form (audio uploads): no counts, no URLs
+        return
+    try:
+        guards.check_ceilings(parsed, route.ceilings)
+        if guards.may_mention_url(body):  # most bodies name no URL: not walked
+            guards.check_media(parsed, route.media_domains)
+    except guards.RequestRefusedError as refused:
+        raise GatewayError(
+            400, refused.code, refused.message, retry=False, param=refused.param
+        ) from None
 
 
 def _rename_model(body: bytes, parsed: dict[str, Any] | None, served_name: str) -> bytes:

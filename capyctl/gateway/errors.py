@@ -24,6 +24,7 @@ class GatewayError(Exception):
     type: str = "invalid_request_error"
     retry: bool = True
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    param: str | None = None  # the request field at fault, where one is
 
     def body(self) -> bytes:
         # A server-side failure (an engine's, a host's) may quote where it happened.
@@ -33,7 +34,7 @@ class GatewayError(Exception):
                 "error": {
                     "message": message,
                     "type": self.type,
-                    "param": None,
+                    "param": self.param,
                     "code": self.code,
                 }
             }

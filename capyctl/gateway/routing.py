@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 from django.db.models import Q
 
+from capyctl.deployments import guards
 from capyctl.deployments.models import Deployment, Instance
 from capyctl.gateway.cache import WarmCache
+from capyctl.gateway.upstream import unix_url
 from capyctl.hosts.agents import AGENT_PINS
 
 SOFT_TTL_SECONDS = 0.25  # names in use are re-read this often, in the background
@@ -26,12 +28,16 @@ class Route:
     observed_state: str
     parked_mode: str
     host: str | None
-    base_url: str | None  # the engine's loopback address while it runs, or its agent's relay
+    # While it runs: its engine's Unix socket (http+unix://) or loopback address, or its
+    # agent's relay.
+    base_url: str | None
     tls_name: str | None  # a remote host's name: its relay is reached over mutual TLS
     host_state: str
     launch_key: str
     max_waiting: int
     max_queue_seconds: int  # how long a request may wait for it, all told
+    ceilings: tuple[tuple[str, int], ...]  # each body field it bounds, with its ceiling
+    media_domains: frozenset[str]  # hosts media URLs may name (empty: data: URLs only)
 
 
 def _fetch_many(names: list[str]) -> dict[str, Route]:
@@ -45,7 +51,7 @@ def _fetch_many(names: list[str]) -> dict[str, Route]:
         i.deployment_id: i
         for i in Instance.objects.filter(
             deployment__in=deployments, state=Instance.State.RUNNING
-        ).only("deployment_id", "port", "launch_key", "key")
+        ).only("deployment_id", "port", "socket_path", "launch_key", "key")
     }
     wanted = set(names)
     routes: dict[str, Route] = {}
@@ -56,12 +62,13 @@ def _fetch_many(names: list[str]) -> dict[str, Route]:
         base_url = None
         if remote and host is not None:
             AGENT_PINS[host.name] = host.cert_fingerprint  # checked at each TLS handshake
-        if instance is not None and instance.port:
-            base_url = (
-                f"https://{host.address}/relay/{instance.key}"
-                if remote and host is not None
-                else f"http://127.0.0.1:{instance.port}"
-            )
+        if instance is not None and (instance.port or instance.socket_path):
+            if remote and host is not None:
+                base_url = f"https://{host.address}/relay/{instance.key}"
+            elif instance.socket_path:
+                base_url = unix_url(instance.socket_path)
+            else:
+                base_url = f"http://127.0.0.1:{instance.port}"
         route = Route(
             deployment_id=deployment.pk,
             name=deployment.name,
@@ -75,6 +82,8 @@ def _fetch_many(names: list[str]) -> dict[str, Route]:
             launch_key=instance.launch_key if instance else "",
             max_waiting=deployment.setting("max_waiting"),
             max_queue_seconds=deployment.setting("max_queue_seconds"),
+            ceilings=guards.body_ceilings(deployment.ceilings),
+            media_domains=frozenset(deployment.media_domains),
         )
         for name in {deployment.name, *(a.name for a in deployment.aliases.all())} & wanted:
             routes[name] = route

@@ -46,6 +46,7 @@ from capyctl.scheduler.errors import (
     SourceError,
     UnavailableError,
     WakeTimeoutError,
+    is_control_plane_error,
 )
 from capyctl.scheduler.fetching import SourceFailedError, fetch_source
 from capyctl.scheduler.flights import flight_free
@@ -287,9 +288,9 @@ _fetched: dict[int, tuple[int, str, str, float]] = {}
 _FETCHED_FOR_SECONDS = 60.0
 
 
-def _start(deployment: Deployment, actor: str) -> Deployment:
-    started = time.monotonic()
-    source_host = admission.source_host(deployment)
+def _source_path(deployment: Deployment, source_host: Host, actor: str) -> str | None:
+    """The path of its weights on ``source_host``: fetched there, or as fetched for its
+    last try within a minute. ``None``: it was stopped while it downloaded."""
     memo = _fetched.pop(deployment.pk, None)
     try:
         if (
@@ -297,9 +298,8 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
             and memo[:2] == (source_host.pk, deployment.source)
             and time.monotonic() - memo[3] < _FETCHED_FOR_SECONDS
         ):
-            source_path: str | None = memo[2]
-        else:
-            source_path = fetch_source(deployment, source_host, actor)
+            return memo[2]
+        return fetch_source(deployment, source_host, actor)
     except SourceFailedError as exc:
         transitions.failed(
             deployment,
@@ -309,17 +309,25 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
             code=SourceError.code,
         )
         raise SourceError(f"{deployment.name}: {exc}") from exc
+    except Exception as exc:
+        _fetch_ended(deployment, exc, "while fetching its weights", actor)
+        raise
+
+
+def _start(deployment: Deployment, actor: str) -> Deployment:
+    started = time.monotonic()
+    source_host = admission.source_host(deployment)
+    source_path = _source_path(deployment, source_host, actor)
     if source_path is None:  # stopped while it downloaded
         return _load(deployment.pk)
     deployment = _load(deployment.pk)
     try:
         placed = _place(deployment, actor, source_host)
-    except NoCapacityError as exc:
-        if not exc.lasting:  # it tries again: with these weights, and not left passing
+    except Exception as exc:
+        if isinstance(exc, NoCapacityError) and not exc.lasting:  # it tries again, with these
             fetched = (source_host.pk, deployment.source, source_path, time.monotonic())
             _fetched[deployment.pk] = fetched
-            if deployment.observed_state == S.DOWNLOADING:
-                transitions.fetched_waits_for_room(deployment, str(exc))
+        _fetch_ended(deployment, exc, "after its download", actor)
         raise
     if placed is None:
         return _load(deployment.pk)
@@ -344,6 +352,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         ram_park=snapshots.launch_keeps_ram_copy(deployment, host),
         memory_fraction=estimates.memory_fraction(deployment, snapshots.device_total(host)),
         claim_bytes=claim if deployment.gpus else None,
+        media_domains=list(deployment.media_domains),
     )
     try:
         launched = driver.launch(request)
@@ -352,6 +361,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
             instance,
             pid=launched.pid,
             port=launched.port,
+            socket_path=launched.socket_path,
             api_key=launched.api_key,
             log_path=launched.log_path,
         ):  # stopped while it launched: end what was launched
@@ -374,6 +384,33 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         # stopped or failed meanwhile: its entries are gone, so is the engine
         driver.stop(instance_id, STOP_GRACE_SECONDS)
     return _load(deployment.pk)
+
+
+def _fetch_ended(deployment: Deployment, exc: Exception, when: str, actor: str) -> None:
+    """A start that fetched (or was fetching) its weights could not go on: if it left the
+    deployment ``downloading``, that ends now with what went wrong, not two minutes later
+    with the reconcile's "stopped being watched". Room that will come (what is in the way
+    passes): STOPPED, waiting for it, and the start tries again; a refusal that waiting
+    cannot fix, or any other error: FAILED with it, told to whoever waits."""
+    if isinstance(exc, SchedulerError):
+        reason, code = str(exc), exc.code
+    else:
+        said = (str(exc).strip().splitlines() or [""])[0]  # PostgreSQL adds context lines
+        reason = f"the start failed {when}: {type(exc).__name__}: {said}"
+        code = UnavailableError.code
+    try:
+        if not Deployment.objects.filter(pk=deployment.pk, observed_state=S.DOWNLOADING).exists():
+            return  # a local source, or it moved on meanwhile
+        if isinstance(exc, NoCapacityError) and not exc.lasting:
+            transitions.fetched_waits_for_room(deployment, reason)
+            return
+        transitions.failed(deployment, reason, actor=actor, expected=[S.DOWNLOADING], code=code)
+    except Exception as also:
+        if not is_control_plane_error(also):
+            raise
+        # The database does not answer: the reconcile fails it once it does.
+        logger.warning("%s: its start failed (%s) and the database did not take it (%s)",
+                       deployment.name, reason, type(also).__name__)  # fmt: skip
 
 
 def _check_claim(

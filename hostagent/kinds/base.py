@@ -72,6 +72,12 @@ class LaunchSpec:
     run_dir: Path | None = None  # the engine's own 0700 folder, for its key file
     # What this host's copy of the program said of itself (None: not asked).
     features: EngineFeatures | None = None
+    # Hosts whose media URLs the engine may fetch (vLLM's and SGLang's
+    # --allowed-media-domains; empty: none); None: no policy given, no flag.
+    media_domains: list[str] | None = None
+    # Where the engine listens instead of ``127.0.0.1:port``: a Unix socket in a 0700
+    # folder of its own (None: loopback TCP, on ``port``).
+    socket_path: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -86,12 +92,22 @@ class Launch:
 
 
 class EngineClient:
-    """Control calls to one engine on its loopback port (httpx: few calls, no hot path)."""
+    """Control calls to one engine on its Unix socket or loopback port (httpx: few calls,
+    no hot path)."""
 
-    def __init__(self, port: int, api_key: str, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        port: int,
+        api_key: str,
+        *,
+        timeout: float = 30.0,
+        socket_path: Path | None = None,
+    ) -> None:
         import httpx  # noqa: PLC0415 - kinds are read by every command, calls are rare
 
-        self.base_url = f"http://{LOOPBACK}:{port}"
+        # Over a socket the host name is only what the Host header says.
+        self.base_url = "http://localhost" if socket_path else f"http://{LOOPBACK}:{port}"
+        self.socket_path = socket_path
         self.api_key = api_key
         self.closed = False
         self._client = httpx.Client(
@@ -102,7 +118,13 @@ class EngineClient:
             # Engines speak plain HTTP on loopback. Skipping the CA bundle makes a client
             # cost about 1 ms instead of about 90 ms, which a switch would otherwise pay.
             verify=False,  # noqa: S501 - no TLS is ever used on this client
+            transport=httpx.HTTPTransport(uds=str(socket_path)) if socket_path else None,
         )
+
+    @property
+    def http(self) -> httpx.Client:
+        """The underlying client (its base URL, key and transport set)."""
+        return self._client
 
     @contextlib.contextmanager
     def default_timeout(self, seconds: float) -> Iterator[None]:
@@ -198,7 +220,15 @@ class EngineKind(Protocol):
 
     def build_launch(self, spec: LaunchSpec) -> Launch: ...
 
+    def socket_listening(self, features: EngineFeatures | None) -> bool:
+        """Whether it can listen on a Unix socket (``spec.socket_path``) instead of TCP."""
+        ...
+
     def is_healthy(self, client: EngineClient, spec: LaunchSpec) -> bool: ...
+
+    def asleep(self, client: EngineClient, spec: LaunchSpec) -> bool | None:
+        """Whether the engine says it is parked now (None: it cannot tell)."""
+        ...
 
     def warm_up(self, client: EngineClient, spec: LaunchSpec) -> None:
         """Run the first tiny request where the engine needs one before it is fast."""
@@ -227,6 +257,8 @@ def split_command(command: str) -> list[str]:
 # Flags CapyCTL sets on every launch, or that would replace what it sets: the loopback
 # address, its port, and the key (which reaches each engine another way, never as a flag).
 RESERVED_FLAGS = ("--host", "--port", "--api-key")
+# Where a Unix socket's path may be at most this long (Linux's sun_path, less its NUL).
+SOCKET_PATH_MAX = 107
 
 
 def reserved_flag_in(arg: str, reserved: tuple[str, ...]) -> str | None:
@@ -258,8 +290,21 @@ def check_reserved_flags(kind: str, args: list[str], reserved: tuple[str, ...]) 
 
 
 def loopback_flags(spec: LaunchSpec) -> list[str]:
-    """``--host 127.0.0.1 --port P``: where every engine listens."""
+    """``--host 127.0.0.1 --port P``: where an engine without a socket listens."""
     return ["--host", LOOPBACK, "--port", str(spec.port)]
+
+
+def uds_flags(spec: LaunchSpec) -> list[str]:
+    """``--uds PATH`` where the launch has a socket (vLLM and SGLang ignore or refuse
+    ``--host`` and ``--port`` beside it), else :func:`loopback_flags`."""
+    if spec.socket_path is None:
+        return loopback_flags(spec)
+    return ["--uds", str(spec.socket_path)]
+
+
+def has_uds(features: EngineFeatures | None) -> bool:
+    """Whether the installed program's help lists ``--uds`` (unknown: no)."""
+    return features is not None and features.has("--uds")
 
 
 def key_file_path(spec: LaunchSpec, name: str) -> Path:
@@ -308,6 +353,15 @@ class ProgramKind:
     health_path = "/health"
     park_modes: tuple[str, ...] = ()
     probes: ProbeCommands | None = ProbeCommands()
+
+    def socket_listening(self, features: EngineFeatures | None) -> bool:
+        """Whether this program, as its help describes it, can listen on a Unix socket
+        (then CapyCTL launches it there; else on loopback TCP)."""
+        return False
+
+    def asleep(self, client: EngineClient, spec: LaunchSpec) -> bool | None:
+        """Whether the engine says it is parked now (None: it cannot tell)."""
+        return None
 
     def capabilities(
         self, options: dict[str, Any], features: EngineFeatures | None = None

@@ -2,7 +2,9 @@
 
 With ``--enable-weights-cpu-backup`` the weights are kept in host RAM while released (our
 ``ram`` park); without it they are dropped and reloaded from disk on wake (``deep``).
-SGLang's API key guards these routes, so calls carry the launch key. SGLang reads its key
+SGLang's API key guards these routes, so calls carry the launch key. Where its help lists
+``--uds`` (its main branch; no release up to 0.5.23) it listens on a Unix socket in its
+0700 run dir instead of loopback TCP. SGLang reads its key
 from no variable, so it is in a 0600 ``--config`` file (YAML; SGLang merges its options
 inside the process), never on the command line.
 """
@@ -20,11 +22,14 @@ from hostagent.kinds.base import (
     LaunchSpec,
     ProgramKind,
     fraction_flag,
+    has_uds,
     key_file_path,
-    loopback_flags,
     one_token_completion,
+    uds_flags,
 )
-from hostagent.versions import ProbeCommands
+from hostagent.kinds.media import FLAG as MEDIA_FLAG
+from hostagent.kinds.media import media_domain_flags
+from hostagent.versions import EngineFeatures, ProbeCommands
 
 CPU_BACKUP_FLAG = "--enable-weights-cpu-backup"
 # What SGLang allocates outside its static part (activations, CUDA graph buffers), kept
@@ -58,10 +63,12 @@ class SGLangKind(ProgramKind):
     reserved_flags = (
         *RESERVED_FLAGS,
         "--config",  # one config file per launch: CapyCTL's, with the key
+        "--uds",
         "--served-model-name",
         "--model-path",
         "--enable-memory-saver",
         CPU_BACKUP_FLAG,
+        MEDIA_FLAG,  # the deployment's media domains say it
     )
     park_modes = ("ram", "deep")
     sizes_by_free_memory = True  # its static fraction counts what else the GPU holds
@@ -74,15 +81,21 @@ class SGLangKind(ProgramKind):
             spec.source,
             "--served-model-name",
             spec.served_name,
-            *loopback_flags(spec),
+            *uds_flags(spec),
             "--config",
             str(key_file_path(spec, CONFIG_FILE)),
             "--enable-memory-saver",
             *fraction_flag(static_fraction(spec), "--mem-fraction-static"),
+            *media_domain_flags(spec),
         ]
         if spec.ram_park:
             flags.append(CPU_BACKUP_FLAG)
         return flags
+
+    def socket_listening(self, features: EngineFeatures | None) -> bool:
+        # SGLang's --uds (python/sglang/srt/utils/uds.py) refuses a --host or --port
+        # other than their defaults beside it: uds_flags gives neither.
+        return has_uds(features)
 
     def key_files(self, spec: LaunchSpec) -> dict[Path, str]:
         # JSON is YAML too, and quotes the key whatever it looks like.

@@ -2,8 +2,11 @@
 
 Level 1 sleep offloads weights to host RAM and drops the KV cache (our ``ram`` park);
 level 2 drops both (``deep``). The sleep routes exist only with ``--enable-sleep-mode``
-and ``VLLM_SERVER_DEV_MODE=1``, and the API key does not guard them: loopback binding is
-what keeps them private. A 200 from ``/sleep`` is not trusted alone: ``/is_sleeping`` must
+and ``VLLM_SERVER_DEV_MODE=1``, and the API key does not guard them (only ``/v1`` and a
+few other prefixes): where ``vllm serve --help=all`` lists ``--uds`` it is launched on a
+Unix socket in its 0700 run dir (vLLM then ignores ``--host`` and ``--port``), which no
+other local user can open; older releases listen on loopback, where any local user could
+reach those routes, and reconcile notices a park CapyCTL did not ask for. A 200 from ``/sleep`` is not trusted alone: ``/is_sleeping`` must
 agree, and the runtime confirms the release with the GPU probe.
 
 The key is in ``VLLM_API_KEY``, which vLLM's server reads when no ``--api-key`` is given
@@ -18,11 +21,14 @@ from hostagent.kinds.base import (
     LaunchSpec,
     ProgramKind,
     fraction_flag,
-    loopback_flags,
+    has_uds,
     one_token_completion,
+    uds_flags,
     wait_until,
 )
-from hostagent.versions import ProbeCommands
+from hostagent.kinds.media import FLAG as MEDIA_FLAG
+from hostagent.kinds.media import media_domain_flags
+from hostagent.versions import EngineFeatures, ProbeCommands
 
 SLEEP_LEVELS = {"ram": 1, "deep": 2}
 
@@ -40,7 +46,13 @@ def flag_spelling(given: str) -> str:
 class VLLMKind(ProgramKind):
     name = "vllm"
     description = "vLLM OpenAI server with sleep mode"
-    reserved_flags = (*RESERVED_FLAGS, "--served-model-name", "--enable-sleep-mode")
+    reserved_flags = (
+        *RESERVED_FLAGS,
+        "--uds",
+        "--served-model-name",
+        "--enable-sleep-mode",
+        MEDIA_FLAG,  # the deployment's media domains say it
+    )
     # vLLM reports usage to stats.vllm.ai unless one of these is 1 (``usage/usage_lib.py``).
     quiet_env = (("VLLM_NO_USAGE_STATS", "1"), ("VLLM_DO_NOT_TRACK", "1"))
     park_modes = ("ram", "deep")
@@ -53,10 +65,14 @@ class VLLMKind(ProgramKind):
             spec.source,
             "--served-model-name",
             spec.served_name,
-            *loopback_flags(spec),
+            *uds_flags(spec),
             "--enable-sleep-mode",
             *fraction_flag(spec, "--gpu-memory-utilization"),
+            *media_domain_flags(spec),
         ]
+
+    def socket_listening(self, features: EngineFeatures | None) -> bool:
+        return has_uds(features)
 
     def extra_env(self, spec: LaunchSpec) -> dict[str, str]:
         return {"VLLM_SERVER_DEV_MODE": "1"}
@@ -69,6 +85,9 @@ class VLLMKind(ProgramKind):
 
     def _sleeping(self, client: EngineClient) -> bool:
         return bool(client.request("GET", "/is_sleeping").json().get("is_sleeping"))
+
+    def asleep(self, client: EngineClient, spec: LaunchSpec) -> bool | None:
+        return self._sleeping(client)
 
     def park(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
         if mode not in SLEEP_LEVELS:

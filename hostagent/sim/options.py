@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hostagent.sim import flags
 from hostagent.sim.cuda import check_device
-from hostagent.sim.identity import answer_identity
+from hostagent.sim.identity import answer_identity, socket_support
 from hostagent.units import parse_size
 
 KINDS = ("vllm", "sglang", "llamacpp", "tensorfold")
@@ -23,10 +23,14 @@ class SimOptions:
     served_name: str
     host: str
     port: int
+    # Where it listens instead of host:port: vLLM's --uds, llama-server's --host PATH.sock.
+    socket_path: str | None
     api_keys: frozenset[str]  # empty: every request is let in
     sleep_mode: bool  # vLLM --enable-sleep-mode / SGLang --enable-memory-saver
     cpu_backup: bool  # SGLang --enable-weights-cpu-backup
     memory_fraction: float | None
+    # vLLM's and SGLang's --allowed-media-domains (empty: media fetched from any host)
+    media_domains: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,11 +73,13 @@ _READ: dict[str, list[tuple[tuple[str, ...], dict[str, object]]]] = {
     "vllm": [  # vllm/entrypoints/common/cli_args.py, vllm/engine/arg_utils.py
         (("--host",), {"default": "127.0.0.1"}),
         (("--port",), {"type": int, "default": 8000}),
+        (("--uds",), {}),  # FrontendArgs.uds: "If set, host and port arguments are ignored."
         (("--api-key",), {"nargs": "+", "default": []}),
         (("--served-model-name",), {"nargs": "+"}),
         (("--model",), {"dest": "model"}),
         (("--enable-sleep-mode", "--no-enable-sleep-mode", "--disable-sleep-mode"), {}),
         (("--gpu-memory-utilization",), {"type": float, "default": 0.9}),  # 0.92 from 0.12
+        (("--allowed-media-domains",), {"nargs": "+", "default": []}),
     ],
     "sglang": [  # python/sglang/srt/server_args.py and its arg_groups/fields
         (("--model-path", "--model"), {"dest": "source", "required": True}),
@@ -85,6 +91,7 @@ _READ: dict[str, list[tuple[tuple[str, ...], dict[str, object]]]] = {
         (("--enable-weights-cpu-backup",), {"action": "store_true"}),
         (("--mem-fraction-static",), {"type": float, "default": 0.88}),
         (("--config",), {}),
+        (("--allowed-media-domains",), {"nargs": "+", "default": []}),
     ],
     "tensorfold": [  # src/tensorfold/cli_args.py
         (("--host",), {"default": "127.0.0.1"}),
@@ -112,13 +119,26 @@ def parse_options(argv: list[str]) -> SimOptions:
         served_name=args.served_model_name or args.source,
         host=args.host,
         port=args.port,
+        socket_path=_socket_path(kind, args),
         api_keys=frozenset(_api_keys(kind, args)),
         sleep_mode=bool(
             getattr(args, "enable_sleep_mode", False) or getattr(args, "enable_memory_saver", False)
         ),
         cpu_backup=bool(getattr(args, "enable_weights_cpu_backup", False)),
         memory_fraction=fraction,
+        media_domains=tuple(getattr(args, "allowed_media_domains", None) or ()),
     )
+
+
+def _socket_path(kind: str, args: argparse.Namespace) -> str | None:
+    """vLLM's ``--uds`` (vllm/entrypoints/openai/api_server.py setup_server: the socket,
+    and no TCP port); llama-server's ``--host`` ending in ``.sock`` where the build binds
+    Unix sockets (tools/server: ``AF_UNIX``, no port); else None."""
+    if kind == "vllm":
+        return getattr(args, "uds", None)
+    if kind == "llamacpp" and args.host.endswith(".sock") and socket_support():
+        return str(args.host)
+    return None
 
 
 class _EnableDisable(argparse.Action):

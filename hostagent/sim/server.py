@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hostagent.sim.media import load_media
 from hostagent.sim.memory import SimMemory
 from hostagent.sim.options import Knobs, SimOptions, parse_options, read_knobs
 from hostagent.sim.tfsleep import TensorFoldSleep, sleep_token
@@ -221,6 +222,10 @@ class SimEngine:
         if isinstance(body, web.Response):
             return body
         messages = body.get("messages") or []
+        if self.options.kind in ("vllm", "sglang"):  # they fetch a chat's media URLs
+            failed = await load_media(messages, self.options.media_domains)
+            if failed is not None:
+                return _error(failed, 400)
         prompt = " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
         return await self._generate(request, body, prompt, chat=True)
 
@@ -706,11 +711,20 @@ class SimEngine:
         if self.options.kind != "llamacpp":
             # vLLM, SGLang and TensorFold open their port only once the model is loaded.
             await self._load()
-        site = web.TCPSite(runner, self.options.host, self.options.port, backlog=2048)
-        await site.start()
+        path = self.options.socket_path
+        site: web.BaseSite
+        if path is not None:  # a Unix socket, and no TCP port at all
+            site = web.UnixSite(runner, path, backlog=2048)
+        else:
+            site = web.TCPSite(runner, self.options.host, self.options.port, backlog=2048)
+        try:
+            await site.start()
+        except OSError as exc:  # llama-server: "couldn't bind HTTP server socket", exit 1
+            print(f"couldn't bind HTTP server socket, hostname: {self.options.host}: {exc}")
+            raise SystemExit(1) from None
+        where = path or f"{self.options.host}:{self.options.port}"
         print(
-            f"simulated {self.options.kind} serving {self.options.served_name!r} on "
-            f"{self.options.host}:{self.options.port}",
+            f"simulated {self.options.kind} serving {self.options.served_name!r} on {where}",
             flush=True,
         )
         if self.options.kind == "llamacpp":
