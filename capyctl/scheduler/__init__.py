@@ -20,6 +20,8 @@ wakes           the one entry point the gateway awaits (``await wakes.ready(...)
                 in this process on threads of its own, or on a Celery worker.
 flights         one lock per deployment in a process; errors: typed failures.
 inflight        requests in flight per deployment, and the drain gate.
+redislink       the short Redis calls of the request path and the host lock (timeouts, a
+                shared quiet period), and who a process is (its pid checked on this machine).
 actions,        people's intents (start, stop, park, wake) saved as Operation rows,
 executor,       carried out by the process that owns the engines (standalone), or as
 tasks           Celery tasks (server mode).
