@@ -12,7 +12,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import connection
 
 from capyctl.access.models import ApiKey
 from capyctl.access.services import issue_api_key
@@ -20,6 +19,7 @@ from capyctl.gateway.batches import BatchedWrites
 from capyctl.gateway.usage import UsageBook, write_usage
 from capyctl.traces.models import RequestTrace
 from capyctl.traces.recording import Trace, TraceBook, TraceWriter
+from tests.refusals import refused
 
 
 def _counts(pk: int) -> tuple[int, int, int]:
@@ -29,36 +29,6 @@ def _counts(pk: int) -> tuple[int, int, int]:
 
 def _trace(at: datetime) -> Trace:
     return (at.timestamp(), "chat", 7, False, 200, None, 0.0, 5.0, 9.0, 3, 8, "")
-
-
-def _refuse(table: str, event: str, when: str = "") -> None:
-    """A trigger that makes the database refuse ``event`` (UPDATE or DELETE) on ``table``
-    with an error of its own, as a constraint or a permission would."""
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(
-                "CREATE OR REPLACE FUNCTION capyctl_refuse() RETURNS trigger AS "
-                "$$ BEGIN RAISE EXCEPTION 'refused by the database'; END $$ LANGUAGE plpgsql"
-            )
-            cursor.execute(
-                f"CREATE TRIGGER capyctl_refuse BEFORE {event} ON {table} FOR EACH ROW "
-                f"{f'WHEN ({when})' if when else ''} EXECUTE FUNCTION capyctl_refuse()"
-            )
-        else:
-            cursor.execute(
-                f"CREATE TRIGGER capyctl_refuse BEFORE {event} ON {table} "
-                f"{f'WHEN {when}' if when else ''} "
-                "BEGIN SELECT RAISE(ABORT, 'refused by the database'); END"
-            )
-
-
-def _allow(table: str) -> None:
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(f"DROP TRIGGER IF EXISTS capyctl_refuse ON {table}")
-            cursor.execute("DROP FUNCTION IF EXISTS capyctl_refuse()")
-        else:
-            cursor.execute("DROP TRIGGER IF EXISTS capyctl_refuse")
 
 
 async def _until(check: Callable[[], bool], what: str, seconds: float = 10) -> None:
@@ -104,10 +74,10 @@ async def test_a_usage_batch_that_fails_half_way_is_counted_once(bob, database_t
     the batch is kept and written again, and each key's counts are exact (the first key's
     requests were once counted twice)."""
     first, second = [(await sync_to_async(issue_api_key)("bob", name=n))[0] for n in "ab"]
-    table = ApiKey._meta.db_table
-    await sync_to_async(_refuse)(table, "UPDATE", f"NEW.id = {second.pk}")
     book = UsageBook()
     writes = BatchedWrites(book, write_usage, "usage")
+    refusing = refused(ApiKey._meta.db_table, "UPDATE", f"NEW.id = {second.pk}")
+    await sync_to_async(refusing.__enter__)()
     try:
         with caplog.at_level(logging.WARNING, logger="capyctl.gateway"):
             book.add(first.pk, 3, 8)
@@ -116,7 +86,7 @@ async def test_a_usage_batch_that_fails_half_way_is_counted_once(bob, database_t
             await _until(lambda: "usage not written" in caplog.text, "the write failed")
             assert "usage not written (refused by the database); kept in memory" in caplog.text
     finally:
-        await sync_to_async(_allow)(table)
+        await sync_to_async(refusing.__exit__)(None, None, None)
     await writes.close()  # what is kept is written now
     assert await sync_to_async(_counts)(first.pk) == (1, 3, 8)
     assert await sync_to_async(_counts)(second.pk) == (1, 5, 13)
@@ -135,10 +105,10 @@ async def test_a_prune_that_fails_leaves_the_written_traces_written_once(
     moments = [now + timedelta(seconds=s) for s in range(11)]
     writer = TraceWriter()
     await sync_to_async(writer)([_trace(at) for at in moments[:6]])  # within the bound
-    table = RequestTrace._meta.db_table
-    await sync_to_async(_refuse)(table, "DELETE")
     book = TraceBook()
     writes = BatchedWrites(book, writer, "traces")
+    refusing = refused(RequestTrace._meta.db_table, "DELETE")
+    await sync_to_async(refusing.__enter__)()
     try:
         with caplog.at_level(logging.WARNING, logger="capyctl.gateway"):
             for at in moments[6:10]:  # ten rows: two past the bound
@@ -146,7 +116,7 @@ async def test_a_prune_that_fails_leaves_the_written_traces_written_once(
             writes.soon()
             await _until(lambda: "refused by the database" in caplog.text, "the prune failed")
     finally:
-        await sync_to_async(_allow)(table)
+        await sync_to_async(refusing.__exit__)(None, None, None)
     await writes.close()  # whatever was kept is written now
 
     def written() -> list[datetime]:

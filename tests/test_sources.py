@@ -425,3 +425,78 @@ def test_stopping_a_downloading_model_does_not_wait_for_the_download(gpu24, file
     finally:
         files.seconds_per_mib = 0.0  # the rest of the download, at once
         starter.join(timeout=60)
+
+
+def _ask_big(key: str) -> httpx.Response:
+    """A chat request for ``big`` through the gateway, in this process."""
+    from typing import Any, cast
+
+    from asgiref.sync import async_to_sync
+
+    from capyctl.gateway.app import Gateway
+
+    async def ask() -> httpx.Response:
+        gateway = Gateway()
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=cast("Any", gateway)),
+                base_url="http://testserver", headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
+            ) as client:  # fmt: skip
+                return await client.post("/v1/chat/completions", json={
+                    "model": "big", "messages": [{"role": "user", "content": "hi"}],
+                })  # fmt: skip
+        finally:
+            await gateway.close()
+
+    return async_to_sync(ask)()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_model_no_gpu_holds_fails_after_its_download_with_that_reason(gpu24, files, bob):
+    """A 30 GiB claim, its weights from a URL, on a 24 GiB GPU: it downloads, then no
+    room can ever be made. The request is told so at once (503 no_capacity) and the model
+    is failed with that reason; it was left `downloading 4.0 MiB of 4.0 MiB` until the
+    reconcile failed it two minutes later for a download "no longer watched". The next
+    request is refused the same way, with nothing downloaded again."""
+    from capyctl.access.services import issue_api_key
+    from capyctl.engines.services import add_engine
+
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    model = deployment("big", gib=30, source=f"{files.url}/m/tiny.gguf#sha256={SHA}")
+    key = issue_api_key("bob")[1]
+    why = "big needs 30.0 GiB per GPU; the largest GPU pool holds 24.0 GiB"
+    for _ in range(2):
+        answer = _ask_big(key)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "no_capacity"
+        assert answer.json()["error"]["message"] == why
+        assert answer.headers["x-should-retry"] == "false"
+        row = Deployment.objects.get(pk=model.pk)
+        assert (row.observed_state, row.state_reason) == ("failed", why)
+        assert not row.ledger_entries.exists()
+    assert row.download["state"] == "done"  # its weights stay fetched
+    assert len(gets(files, "/m/tiny.gguf")) == 1
+    failures = Event.objects.filter(subject="big", kind="deployment.failed")
+    assert list(failures.values_list("message", flat=True)) == [f"big failed: {why}"] * 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_any_error_after_a_download_ends_the_state_with_its_own_reason(gpu24, files):
+    """The start's own database write after the download is refused (the database says
+    so): the model does not stay `downloading` but fails with what the database said."""
+    from capyctl.deployments.models import Instance
+    from capyctl.engines.services import add_engine
+    from tests.refusals import refused
+
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    model = deployment("big", gib=8, source=f"{files.url}/m/tiny.gguf#sha256={SHA}")
+    with refused(Instance._meta.db_table, "INSERT"), pytest.raises(Exception, match="refused"):
+        operations.ensure_ready(model.pk)
+    row = Deployment.objects.get(pk=model.pk)
+    assert row.observed_state == "failed"
+    assert row.state_reason.startswith("the start failed after its download: ")
+    assert row.state_reason.endswith("refused by the database")
+    assert not row.ledger_entries.exists()
+    assert operations.ensure_ready(model.pk).observed_state == "ready"  # the next start
+    assert len(gets(files, "/m/tiny.gguf")) == 1
