@@ -3,9 +3,10 @@
 Claim per GPU: explicit bytes; else an explicit fraction of the device; else the engine's
 own fraction flag in its args (vLLM ``--gpu-memory-utilization``, SGLang
 ``--mem-fraction-static``); else what was measured at its last start; else vLLM's default
-of 0.9 of the device; else the model files' size x 1.2 + 1 GiB. Weights copy: explicit
-``weights_bytes``, else the measured figure, else the weights' size at the source
-(safetensors/GGUF totals of the local or downloaded files), else all it holds on its GPUs:
+of 0.9 of the device; else the model files' size x 1.2 + 1 GiB. Weights copy: the larger
+of the declared ``weights_bytes`` and the copy its last ``ram`` park measured, else the
+weights' size at the source (safetensors/GGUF totals of the local or downloaded files),
+else all it holds on its GPUs:
 the copy is its weights, which never outgrow the GPU memory they sit in. Guessing lower
 would let a first ``ram`` park promise less host RAM than its copy takes.
 """
@@ -98,11 +99,13 @@ def over_claim(figures: dict[str, int], pools: list[str], claim: int) -> dict[st
 
 
 def weights_bytes(deployment: Deployment, gpu_held: int) -> int:
-    """The weights copy a ``ram`` park keeps in host RAM (``gpu_held``: what the
-    deployment holds on all its GPUs now, the bound when nothing better is known)."""
-    if deployment.weights_bytes is not None:
-        return int(deployment.weights_bytes)
-    if deployment.measured_weights_bytes is not None:
-        return int(deployment.measured_weights_bytes)
+    """The weights copy a ``ram`` park keeps in host RAM, as a park promises it: the larger
+    of the declared ``weights_bytes`` and the copy its last ``ram`` park was measured at (a
+    declared size smaller than the real copy is corrected by the first park); else the
+    weights' size at the source; else ``gpu_held``, what the deployment holds on all its
+    GPUs now, the bound when nothing better is known."""
+    known = deployment.weights_copy_bytes
+    if known is not None:
+        return known
     size = files_size(deployment)
     return size if size else gpu_held
