@@ -22,6 +22,7 @@ from capyctl.conf import (
     env_float,
     env_int,
     env_list,
+    env_networks,
     env_optional_str,
     env_path,
     env_secret,
@@ -312,4 +313,26 @@ CAPYCTL: dict[str, Any] = {
     "HTTP_MAX_HEADER_BYTES": env_size("CAPYCTL_HTTP_MAX_HEADER_BYTES", 64 * 1024),
     "HTTP_KEEPALIVE_TIMEOUT": env_int("CAPYCTL_HTTP_KEEPALIVE_TIMEOUT", 5, minimum=1),
     "HTTP_MAX_CONNECTIONS": env_int("CAPYCTL_HTTP_MAX_CONNECTIONS", 4096, minimum=16),
+    # Proxies (addresses or networks) whose X-Forwarded-For is believed: the throttles of
+    # guessed keys and failed logins then count the client's own address (docs/security.md).
+    "TRUSTED_PROXIES": env_networks("CAPYCTL_TRUSTED_PROXIES"),
+    # How long the gateway keeps an API key nobody uses in memory (re-read in the background).
+    "KEY_KEEP_WARM_SECONDS": env_float("CAPYCTL_KEY_KEEP_WARM_SECONDS", 60.0, minimum=0.1),
+    # A request's body must arrive within BODY_TIMEOUT seconds of its head, plus a second
+    # for every BODY_MIN_RATE bytes that arrive; else 408. One client address (IPv6: its
+    # /64) holds at most MAX_CONNECTIONS_PER_ADDRESS connections (0: no cap); requests
+    # without a well-formed /v1 key may use all but KEYED_RESERVE_PERCENT of
+    # MAX_CONNECTIONS. Bodies of everything but /v1 (pages, forms, the admin, /api/) stop
+    # at MAX_WEB_BODY_BYTES (413), before any of it is read.
+    "HTTP_BODY_TIMEOUT": env_float("CAPYCTL_HTTP_BODY_TIMEOUT", 10.0, minimum=0.1),
+    "HTTP_BODY_MIN_RATE": env_size("CAPYCTL_HTTP_BODY_MIN_RATE", 16 * 1024),
+    "HTTP_MAX_CONNECTIONS_PER_ADDRESS": env_int(
+        "CAPYCTL_HTTP_MAX_CONNECTIONS_PER_ADDRESS", 256, minimum=0
+    ),
+    "HTTP_KEYED_RESERVE_PERCENT": env_int(
+        "CAPYCTL_HTTP_KEYED_RESERVE_PERCENT", 25, minimum=0, maximum=90
+    ),
+    "HTTP_MAX_WEB_BODY_BYTES": env_size("CAPYCTL_HTTP_MAX_WEB_BODY_BYTES", 1024**2),
 }
+# Nothing a page, form or REST call may send is larger, so Django keeps it in memory.
+DATA_UPLOAD_MAX_MEMORY_SIZE = FILE_UPLOAD_MAX_MEMORY_SIZE = CAPYCTL["HTTP_MAX_WEB_BODY_BYTES"]

@@ -266,7 +266,7 @@ def _session_cookie(user):
 
 
 def _socket(session_key=None):
-    headers = [(b"origin", b"http://127.0.0.1")]
+    headers = [(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")]
     if session_key:
         headers.append((b"cookie", f"sessionid={session_key}".encode()))
     return WebsocketCommunicator(application, "/ws/dashboard/", headers=headers)

@@ -1,72 +1,303 @@
-"""Uvicorn's HTTP protocol with bounds on a request's head.
+"""Uvicorn's HTTP protocol with bounds on what one client can hold.
 
-Uvicorn has no timeout for reading a request's head: a client that connects and sends
-nothing, or sends its headers a byte at a time forever, holds a connection (and a place
-under ``limit_concurrency``) for as long as it likes. Here the head of each request must
-arrive within ``HTTP_HEADER_TIMEOUT`` seconds of the connection (or of the request's first
-byte, on a kept-alive connection) and in at most ``HTTP_MAX_HEADER_BYTES``; otherwise the
-connection is answered 408 or 431 and closed. Once the head is in, nothing changes: a long
-answer (a stream) is not cut short.
+Uvicorn itself has no timeout for a request's head or body and no cap on one client's
+connections: a client that sends nothing, or a byte every few seconds, holds a connection
+(and a place under ``limit_concurrency``) for as long as it likes. Here:
+
+- A request's head must arrive within ``header_timeout`` seconds of the connection (or of
+  the request's first byte, on a kept-alive connection) and in at most
+  ``max_header_bytes``, every byte of it counted however it arrives: else 408 or 431.
+- Its body must arrive within ``body_timeout`` seconds of the head, plus a second for
+  every ``body_min_rate`` bytes that arrive (the clock waits while the server itself is
+  not reading): else 408.
+- One client address (IPv6: its /64) holds at most ``per_address`` connections; one more
+  is answered 429 and closed at once.
+- A request is admitted while fewer than ``max_connections - keyed_reserve`` requests run
+  (and as many connections are open); past that, only ``/v1`` requests carrying a
+  well-formed key are, up to ``max_connections`` running requests. The rest get 503.
+  The gateway answers a wrong key at once, so guessers do not hold the share kept for
+  keys.
+
+Once the head is in and the body has arrived, nothing changes: a long answer (a stream)
+is not cut short.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import re
+from dataclasses import dataclass
 from typing import Any
 
+import httptools
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+# A /v1 request that may use the share kept for keys: its key has the shape of one this
+# server makes (capyctl.access.services), in either header the gateway reads.
+_KEYED = re.compile(rb"(?:bearer\s+)?capy_[a-z0-9]{10}_[A-Za-z0-9_-]{43}\s*", re.IGNORECASE)
 
-def guarded_protocol(header_timeout: float, max_header_bytes: int) -> type[asyncio.Protocol]:
-    """The protocol class for ``uvicorn.Config(http=...)`` with these bounds."""
+
+@dataclass(frozen=True)
+class Bounds:
+    header_timeout: float
+    max_header_bytes: int
+    body_timeout: float
+    body_min_rate: int  # bytes a second; 0: the whole body within body_timeout
+    max_connections: int
+    per_address: int  # 0: no cap
+    keyed_reserve: int  # of max_connections, for /v1 requests with a well-formed key
+
+
+def bounds_from_settings(values: dict[str, Any]) -> Bounds:
+    """The bounds that ``settings.CAPYCTL`` sets (docs/configuration.md)."""
+    most = int(values["HTTP_MAX_CONNECTIONS"])
+    return Bounds(
+        header_timeout=float(values["HTTP_HEADER_TIMEOUT"]),
+        max_header_bytes=int(values["HTTP_MAX_HEADER_BYTES"]),
+        body_timeout=float(values["HTTP_BODY_TIMEOUT"]),
+        body_min_rate=int(values["HTTP_BODY_MIN_RATE"]),
+        max_connections=most,
+        per_address=int(values["HTTP_MAX_CONNECTIONS_PER_ADDRESS"]),
+        keyed_reserve=most * int(values["HTTP_KEYED_RESERVE_PERCENT"]) // 100,
+    )
+
+
+def address_of(client: tuple[str, int] | None) -> str | None:
+    """A client's address as the per-address cap counts it: IPv4 as is (also when mapped
+    into IPv6), IPv6 by its /64, which one client usually holds whole. None when unknown
+    (a Unix socket)."""
+    if not client:
+        return None
+    host = str(client[0]).partition("%")[0]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+def _is_keyed(url: bytes, headers: list[tuple[bytes, bytes]]) -> bool:
+    if not url.startswith(b"/v1/"):
+        return False
+    for name, value in headers:
+        if name in (b"authorization", b"x-api-key") and _KEYED.fullmatch(value):
+            return True
+    return False
+
+
+class _RefusedError(Exception):
+    """Stops the parser once a request is refused."""
+
+
+def _response(status: bytes, text: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        b"content-length: " + str(len(text)).encode() + b"\r\nconnection: close\r\n\r\n" + text
+    )
+
+
+REQUEST_TIMEOUT = _response(b"408 Request Timeout", b"The request took too long to arrive.\n")
+HEAD_TOO_LARGE = _response(
+    b"431 Request Header Fields Too Large", b"The request's head is too large.\n"
+)
+STOPPING = _response(b"503 Service Unavailable", b"The server is stopping.\n")
+TOO_MANY = _response(b"429 Too Many Requests", b"Too many connections from this address.\n")
+
+
+def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
+    """The protocol class for ``uvicorn.Config(http=...)`` with these bounds (it keeps
+    the connection cap itself, whatever ``limit_concurrency`` says)."""
+    open_by_address: dict[str, int] = {}  # this server's connections per client address
+    anonymous_limit = bounds.max_connections - bounds.keyed_reserve
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        _head_timer: asyncio.TimerHandle | None = None
-        _head_bytes = 0
+        _timer: asyncio.TimerHandle | None = None
+        _in_head = False
+        _in_body = False
+        _head_bytes = 0  # received since the head was due, while it is not complete
+        _head_parsed = 0  # the head's bytes as the parser hands them over
+        _body_bytes = 0
+        _body_since = 0.0
+        _address: str | None = None
+        _refused = False
 
-        def _arm(self) -> None:
-            if self._head_timer is None:
-                self._head_bytes = 0
-                self._head_timer = self.loop.call_later(header_timeout, self._head_too_slow)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.limit_concurrency = None  # uvicorn's own check: on_headers_complete has ours
 
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _refuse(self, status: bytes) -> None:
-            self._disarm()
-            if not self.transport.is_closing():
-                self.transport.write(
-                    b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-                )
-                self.transport.close()
-
-        def _head_too_slow(self) -> None:
-            self._head_timer = None
-            self._refuse(b"408 Request Timeout")
+        # --- the connection ------------------------------------------------------------
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self._arm()  # the first request's head is due from now
+            if bounds.per_address:
+                address = address_of(self.client)
+                if address is not None:
+                    held = open_by_address.get(address, 0)
+                    if held >= bounds.per_address:
+                        self._refuse(TOO_MANY)
+                        return
+                    open_by_address[address] = held + 1
+                    self._address = address
+            self._head_due()  # the first request's head is due from now
+
+        def _release_address(self) -> None:
+            if self._address is not None:
+                left = open_by_address[self._address] - 1
+                if left:
+                    open_by_address[self._address] = left
+                else:
+                    del open_by_address[self._address]
+                self._address = None
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            self._stop_timer()
+            self._release_address()
             super().connection_lost(exc)
 
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._arm()  # a kept-alive connection's next request: its head is due
+        def handle_websocket_upgrade(self) -> None:
+            # The WebSocket protocol takes the transport over; this one hears no more of it.
+            self._stop_timer()
+            self._release_address()
+            super().handle_websocket_upgrade()
 
-        def on_headers_complete(self) -> None:
-            self._disarm()
-            super().on_headers_complete()
+        def _stop_timer(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _refuse(self, response: bytes) -> None:
+            """Answer ``response`` (unless an answer has begun) and close."""
+            self._stop_timer()
+            self._refused = True
+            self._in_head = self._in_body = False
+            cycle = self.cycle
+            started = cycle is not None and cycle.response_started
+            if cycle is not None:  # the application, if running, hears of a disconnect
+                cycle.disconnected = True
+                cycle.message_event.set()
+            if not self.transport.is_closing():
+                if not started:
+                    self.transport.write(response)
+                self.transport.close()
 
         def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self._head_timer is not None:  # still reading a head after these bytes
+            # Uvicorn's, but a request refused here ends the parsing without a word more.
+            if self._refused:
+                return
+            if self._in_head:
                 self._head_bytes += len(data)
-                if self._head_bytes > max_header_bytes:
-                    self._refuse(b"431 Request Header Fields Too Large")
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                if not self._refused:
+                    self.logger.warning("Invalid HTTP request received.")
+                    self.send_400_response("Invalid HTTP request received.")
+                return
+            except httptools.HttpParserUpgrade:
+                if self._refused:
+                    return
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+                return
+            if self._in_head and self._head_bytes > bounds.max_header_bytes:
+                self._refuse(HEAD_TOO_LARGE)  # a head not yet complete, already too large
+
+        def shutdown(self) -> None:
+            if self._in_body:  # a body still on its way is not waited for
+                self._refuse(STOPPING)
+            else:
+                super().shutdown()
+
+        # --- the head --------------------------------------------------------------------
+
+        def _head_due(self) -> None:
+            self._stop_timer()
+            self._in_head = True
+            self._head_bytes = self._head_parsed = 0
+            self._timer = self.loop.call_later(bounds.header_timeout, self._too_slow)
+
+        def _too_slow(self) -> None:
+            self._timer = None
+            self._refuse(REQUEST_TIMEOUT)
+
+        def on_message_begin(self) -> None:
+            if self._refused:
+                raise _RefusedError
+            super().on_message_begin()
+            if not self._in_head:  # a kept-alive connection's next request: its head is due
+                self._head_due()
+
+        def on_url(self, url: bytes) -> None:
+            self._head_parsed += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._head_parsed += len(name) + len(value) + 4  # ": " and CRLF
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            # The request line's method and version, and the blank line, count too.
+            if self._head_parsed + len(self.parser.get_method()) + 13 > bounds.max_header_bytes:
+                self._refuse(HEAD_TOO_LARGE)
+                raise _RefusedError
+            self._in_head = False
+            self._stop_timer()
+            if self.parser.should_upgrade() and self._should_upgrade():
+                super().on_headers_complete()  # a WebSocket: its protocol takes over
+                return
+            tasks, connections = len(self.tasks), len(self.connections)
+            if (tasks >= anonymous_limit or connections > anonymous_limit) and not (
+                tasks < bounds.max_connections and _is_keyed(self.url, self.headers)
+            ):
+                # Full: 503, as uvicorn's own cap answers it.
+                self.app, app = service_unavailable, self.app
+                try:
+                    super().on_headers_complete()
+                finally:
+                    self.app = app
+                return
+            super().on_headers_complete()
+            self._in_body = True
+            self._body_bytes = 0
+            self._body_since = self.loop.time()
+            self._timer = self.loop.call_later(bounds.body_timeout, self._body_check)
+
+        # --- the body --------------------------------------------------------------------
+
+        def on_body(self, body: bytes) -> None:
+            if self._refused:
+                raise _RefusedError
+            self._body_bytes += len(body)
+            super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if self._refused:
+                raise _RefusedError
+            self._stop_timer()
+            self._in_body = False
+            super().on_message_complete()
+
+        def _body_check(self) -> None:
+            self._timer = None
+            now = self.loop.time()
+            if self.flow.read_paused:  # the server is not reading: its delay, not the client's
+                self._body_since, self._body_bytes = now, 0
+                self._timer = self.loop.call_later(bounds.body_timeout, self._body_check)
+                return
+            earned = self._body_bytes / bounds.body_min_rate if bounds.body_min_rate else 0.0
+            due = self._body_since + bounds.body_timeout + earned
+            if now < due:
+                self._timer = self.loop.call_later(due - now, self._body_check)
+            else:
+                self._refuse(REQUEST_TIMEOUT)
 
     return GuardedHttpToolsProtocol

@@ -396,17 +396,19 @@ def _version() -> str:
 def _serve_uvicorn(host: str, port: int, listening: socket.socket) -> int:
     import uvicorn
 
-    from capyctl.cli.httpguard import guarded_protocol
+    from capyctl.cli.httpguard import bounds_from_settings, guarded_protocol
 
-    bounds = settings.CAPYCTL
     config = uvicorn.Config(
         "capyctl.asgi:application",
         host=host,
         port=port,
         loop="uvloop",
-        http=guarded_protocol(bounds["HTTP_HEADER_TIMEOUT"], bounds["HTTP_MAX_HEADER_BYTES"]),
-        limit_concurrency=bounds["HTTP_MAX_CONNECTIONS"],
-        timeout_keep_alive=bounds["HTTP_KEEPALIVE_TIMEOUT"],
+        # Head and body deadlines, the per-address cap, and the connection cap with its
+        # share kept for keys (the protocol keeps it: limit_concurrency would not know
+        # a key).
+        http=guarded_protocol(bounds_from_settings(settings.CAPYCTL)),
+        limit_concurrency=None,
+        timeout_keep_alive=settings.CAPYCTL["HTTP_KEEPALIVE_TIMEOUT"],
         backlog=LISTEN_BACKLOG,
         lifespan="on",
         access_log=False,
@@ -445,7 +447,18 @@ def _serve_uvicorn(host: str, port: int, listening: socket.socket) -> int:
 
 
 def _serve_daphne(host: str, port: int) -> int:
+    """daphne (Twisted) reads a whole request, body included, before the application
+    sees it, and has no per-address cap: the bounds of capyctl.cli.httpguard are
+    uvicorn's only. What the application checks (body limits by ``Content-Length``, the
+    WebSocket origin) holds here too."""
     from daphne.cli import CommandLineInterface
+
+    print(
+        "capyctl: warning: daphne has no deadline for slow request bodies and no cap per "
+        "client address; serve with uvicorn (the default) where others can reach it",
+        file=sys.stderr,
+        flush=True,
+    )
 
     argv = [
         "--bind",
