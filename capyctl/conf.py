@@ -6,6 +6,7 @@ variable and what it expects, so start-up stops with one clear line.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from collections.abc import Mapping
@@ -128,6 +129,20 @@ def env_list(name: str, default: list[str], environ: Mapping[str, str] | None = 
     if value is None or value == "":
         return list(default)
     return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def env_networks(
+    name: str, environ: Mapping[str, str] | None = None
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """Comma-separated addresses or networks (``10.0.0.5``, ``10.0.0.0/24``, ``fd00::/8``);
+    empty: none."""
+    networks = []
+    for item in env_list(name, [], environ):
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ConfigError(f"{name}: {item!r} is not an address or network") from None
+    return tuple(networks)
 
 
 def env_secret(

@@ -3,7 +3,9 @@
 - A key limited to some models stays limited when they are removed: it then allows none,
   where an empty list used to read as "every model".
 - The admin's form for a user's ceilings refuses what the service refuses, on the field.
-- Guessed keys on the REST API cost a bounded number of database reads, as on ``/v1``.
+- Guessed keys on the REST API cost at most one database read each (the same guess
+  again: none), and an address that keeps guessing is answered 429, as on ``/v1``; a real
+  key gets in from that address all the same.
 """
 
 from __future__ import annotations
@@ -204,7 +206,7 @@ GUESSES = 2000
 
 
 @pytest.mark.django_db
-def test_guessed_admin_keys_on_rest_cost_bounded_reads(client, alice, fresh_guards):
+def test_guessed_admin_keys_on_rest_are_throttled_and_read_once_each(client, alice, fresh_guards):
     from capyctl.api import auth
 
     _, real = issue_api_key("alice", admin=True)
@@ -245,7 +247,9 @@ def test_guessed_admin_keys_on_rest_cost_bounded_reads(client, alice, fresh_guar
                                 REMOTE_ADDR=f"198.51.100.{n}")  # fmt: skip
             assert answer.status_code in (401, 403), answer.content
         repeated = reads.count
-    assert during <= guessing.FAILURES_ALLOWED + refilled + 2, (during, refilled)
+    # Throttled or not, a well-formed key is looked up (a real one must get in): one
+    # indexed read a guess at most, never more.
+    assert during <= GUESSES + 2, (during, refilled)
     assert answers.get(429, 0) >= GUESSES - guessing.FAILURES_ALLOWED - refilled - 2, answers
     assert throttled.status_code == 429
     # The header is the throttle's own wait, rounded up (not a constant).
@@ -294,3 +298,57 @@ def test_keys_that_named_models_stay_limited_after_the_upgrade(bob):
     executor.migrate(after)
     scope = dict(ApiKey.objects.values_list("key_id", "limit_models"))
     assert scope == {"narrow0000": True, "everything": False}
+
+
+@pytest.mark.django_db
+def test_a_real_admin_key_never_used_gets_in_on_rest_from_a_throttled_address(
+    client, alice, fresh_guards
+):
+    """REST shares the guards: bad keys from a shared address slow the guessing there, not
+    an admin key's first use from the same address."""
+    _, real = issue_api_key("alice", admin=True)
+    here = "203.0.113.70"
+    statuses = [
+        client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {guessed_key()}",
+                   REMOTE_ADDR=here).status_code
+        for _ in range(30)
+    ]  # fmt: skip
+    assert statuses[-1] == 429
+    wrong = f"{real[:-1]}{'A' if real[-1] != 'A' else 'B'}"
+    assert client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {wrong}",
+                      REMOTE_ADDR=here).status_code == 429  # fmt: skip
+    ok = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {real}", REMOTE_ADDR=here)
+    assert ok.status_code == 200, ok.content
+    again = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {guessed_key()}",
+                       REMOTE_ADDR=here)  # fmt: skip
+    assert again.status_code == 429  # the guessing there is still slowed
+
+
+@pytest.mark.django_db
+def test_rest_refuses_an_unknown_id_and_a_wrong_secret_with_the_same_work(
+    client, alice, fresh_guards, monkeypatch
+):
+    """Whether an id exists must not show in the work REST does to refuse its key: each
+    is hashed and compared, read once, then answered from memory, the same for both."""
+    from capyctl.access import services
+
+    _, real = issue_api_key("alice", admin=True)
+    wrong = f"{real[:-1]}{'A' if real[-1] != 'A' else 'B'}"
+    hashed: list[str] = []
+    hash_secret = services.hash_secret
+    monkeypatch.setattr(services, "hash_secret", lambda s: hashed.append(s) or hash_secret(s))
+    reads = KeyReads()
+    work: dict[str, list[tuple[int, int]]] = {}
+    with connection.execute_wrapper(reads):
+        for name, presented in (("unknown id", guessed_key()), ("wrong secret", wrong)):
+            for n in range(3):
+                before = reads.count, len(hashed)
+                answer = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {presented}",
+                                    REMOTE_ADDR=f"198.51.100.{n}")  # fmt: skip
+                assert answer.status_code == 401, answer.content
+                work.setdefault(name, []).append((reads.count - before[0],
+                                                  len(hashed) - before[1]))  # fmt: skip
+    # (reads, HMACs) for each of the three asks: the first reads, the others remember.
+    assert work["unknown id"] == work["wrong secret"] == [(1, 1), (0, 1), (0, 1)], work
+    ok = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {real}")
+    assert ok.status_code == 200  # no one's wrong secret holds back the right one

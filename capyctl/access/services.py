@@ -36,6 +36,9 @@ _KEY_ID_LENGTH = 10
 _SECRET_BYTES = 32
 # Exactly what issue_api_key makes: anything else is refused before any lookup.
 _KEY_FORM = re.compile(r"capy_([a-z0-9]{10})_([A-Za-z0-9_-]{43})")
+# What a secret is compared with when its id does not exist: no secret's HMAC (random, of
+# the same length), so that path does the work a wrong secret's does.
+NO_KEY_HMAC = secrets.token_hex(32)
 MAX_RATE = 2**31 - 1  # requests per minute; the column is 32-bit
 MAX_LIFETIME = timedelta(days=100 * 365)
 
@@ -268,22 +271,47 @@ def _names(deployments: list[Deployment]) -> str:
     return ", ".join(d.name for d in deployments) or "none"
 
 
+def expires_at(key: ApiKey) -> datetime | None:
+    """When ``key`` stops working by time: its own expiry or its user's longest key
+    lifetime (counted from when it was made; one set later binds it too), the sooner."""
+    limits = getattr(key.user, "limits", None)  # no row: no lifetime
+    if limits is None or limits.key_lifetime is None:
+        return key.expires_at
+    ends = key.created_at + limits.key_lifetime
+    return ends if key.expires_at is None else min(key.expires_at, ends)
+
+
+def key_works(key: ApiKey, now: datetime | None = None) -> bool:
+    """Whether ``key`` (its secret already checked) may be used at ``now``: not revoked,
+    not expired, not past its user's key lifetime, its user active."""
+    ends = expires_at(key)
+    at = now or timezone.now()
+    return key.revoked_at is None and key.user.is_active and (ends is None or at < ends)
+
+
 def find_api_key(full_key: str, *, misses: RecentMisses | None = None) -> ApiKey | None:
-    """The active key matching ``full_key``, or ``None`` (unknown, revoked or expired).
-    With ``misses``, an id found missing is remembered there and not looked up again."""
+    """The working key matching ``full_key``, or ``None`` (unknown, wrong secret, revoked,
+    expired or its user inactive). With ``misses``, a key that failed is remembered there
+    (by its id and secret, so no one's failure holds back the right secret) and not looked
+    up again.
+
+    An unknown id and a wrong secret cost the same: one HMAC and one compare, then (the
+    first time) one read, so the time of the answer does not tell which ids exist."""
     parts = split_key(full_key)
     if parts is None:
         return None
     key_id, secret = parts
-    if misses is not None and key_id in misses:
+    digest = hash_secret(secret)
+    failed = f"{key_id}:{digest}"
+    if misses is not None and failed in misses:
+        hmac.compare_digest(NO_KEY_HMAC, digest)  # the compare a lookup would make
         return None
     began = time.monotonic()
-    key = ApiKey.objects.filter(key_id=key_id).select_related("user").first()
-    if key is None and misses is not None:
-        misses.add(key_id, began)
-    if key is None or not hmac.compare_digest(key.secret_hmac, hash_secret(secret)):
-        return None
-    if not key.is_active() or not key.user.is_active:
+    key = ApiKey.objects.filter(key_id=key_id).select_related("user", "user__limits").first()
+    matches = hmac.compare_digest(NO_KEY_HMAC if key is None else key.secret_hmac, digest)
+    if key is None or not matches or not key_works(key):
+        if misses is not None:
+            misses.add(failed, began)
         return None
     return key
 

@@ -7,13 +7,15 @@ scope is for ``/v1`` only: it could otherwise mint itself wider keys.
 
 Guessed keys cost the guesser, as on ``/v1`` (with the same memory,
 :mod:`capyctl.access.guessing`): a key not of the shape this server makes is refused
-before any lookup, an id found missing is remembered as missing for a few seconds, and
-an address whose checks keep failing is answered 429 without a lookup.
+before any lookup, a key that failed is remembered as failed for a few seconds (by its
+id and secret), and an address whose checks keep failing is answered 429 for each
+failure. A real key is let in from that address too: the throttle slows guessing, not
+use, so every well-formed key is looked up (one indexed read, the cost of any request
+with a session cookie). An unknown id and a wrong secret cost the same work.
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
@@ -23,28 +25,18 @@ from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 
-from capyctl.access.guessing import FailureThrottle, RecentMisses, address_key
+from capyctl.access.guessing import FailureThrottle, RecentMisses, request_address
 from capyctl.access.models import ApiKey
-from capyctl.access.services import KEY_PREFIX, find_api_key, hash_secret, split_key
+from capyctl.access.services import KEY_PREFIX, find_api_key
 
 _misses = RecentMisses()
 _failures = FailureThrottle()
-# Keys that passed lately (id → HMAC of the secret): an address over its failures may
-# still use one of these, checked in memory before the lookup, but nothing else.
-_verified: dict[str, str] = {}
-_VERIFIED_KEPT = 10_000
-
-
-def _verified_lately(key_id: str, secret: str) -> bool:
-    digest = _verified.get(key_id)
-    return digest is not None and hmac.compare_digest(digest, hash_secret(secret))
 
 
 def reset_guards() -> None:
-    """Forget the missing ids, failing addresses and passed keys seen so far."""
+    """Forget the failed keys and failing addresses seen so far."""
     _misses.clear()
     _failures.clear()
-    _verified.clear()
 
 
 class ApiKeyAuthentication(BaseAuthentication):
@@ -60,21 +52,17 @@ class ApiKeyAuthentication(BaseAuthentication):
             return None
         if not token.startswith(KEY_PREFIX):
             raise exceptions.AuthenticationFailed("the bearer token is not a CapyCTL API key")
-        address = address_key(request.META.get("REMOTE_ADDR") or "")
-        parts = split_key(token)
+        key = find_api_key(token, misses=_misses)
+        if key is not None:
+            return key.user, key  # throttled or not: the throttle slows guessing, not use
+        address = request_address(request.META)
         wait = _failures.wait(address)
-        if wait and not (parts is not None and _verified_lately(*parts)):
+        if wait:
             raise exceptions.Throttled(
                 wait, detail="Too many requests with invalid API keys from this address."
             )
-        key = find_api_key(token, misses=_misses)
-        if key is None:
-            _failures.failed(address)
-            raise exceptions.AuthenticationFailed("invalid, revoked or expired API key")
-        if len(_verified) >= _VERIFIED_KEPT:
-            _verified.clear()
-        _verified[key.key_id] = key.secret_hmac
-        return key.user, key
+        _failures.failed(address)
+        raise exceptions.AuthenticationFailed("invalid, revoked or expired API key")
 
     def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="capyctl"'

@@ -1,18 +1,23 @@
 """A small cache of database reads for the gateway, kept warm in the background.
 
-Names (model names, key ids) used in the last ``KEEP_WARM_SECONDS`` are re-read together,
-in one batch, every ``soft`` seconds by one background task, so requests find fresh values
-and never wait on the database. A value older than ``hard`` is never used: the request
-waits for a read. Names that need a read at the same moment share one (one query per
-``CHUNK`` names, however many requests wait). That bounds how stale anything can be,
-e.g. how long a revoked key keeps working, on every process. While the database does not
-answer, the last value read of a name stands (nothing can change it meanwhile), so ready
-models keep answering their callers.
+Names (model names, key ids) used in the last ``keep_warm`` seconds (``KEEP_WARM_SECONDS``
+unless told) are re-read together, in one batch, every ``soft`` seconds by one background
+task, so requests find fresh values and never wait on the database. A value older than
+``hard`` is never used: the request waits for a read. Names that need a read at the same
+moment share one (one query per ``CHUNK`` names, however many requests wait). That bounds
+how stale anything can be, e.g. how long a revoked key keeps working, on every process.
+While the database does not answer, the last value read of a name stands (nothing can
+change it meanwhile), so ready models keep answering their callers.
 
 What is kept is bounded, so names nobody can own (random key ids) cannot grow it: at most
 ``max_names`` names are kept warm, the least recently used giving way; with
 ``warm_missing`` off, a name found missing is only remembered as missing, for
 ``miss_seconds``, in a bounded list of its own, and never re-read in the background.
+
+A caller may also ask for a name in the slow lane (``get(name, slow=True)``): what is in
+memory is answered at once; anything else waits for one read shared by everything asked
+in the slow lane, at most one every ``slow_seconds``, so clients that are being slowed
+down cost the database a bounded number of reads however fast they ask.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from capyctl.scheduler.errors import is_control_plane_error
 
 logger = logging.getLogger("capyctl.gateway")
 T = TypeVar("T")
-KEEP_WARM_SECONDS = 60.0
+KEEP_WARM_SECONDS = 60.0  # the default; see WarmCache's keep_warm
+SLOW_LANE_SECONDS = 0.25
 # Names per query: far below any database's limit on bound variables (SQLite's is 32,766).
 CHUNK = 500
 
@@ -46,12 +52,19 @@ class WarmCache(Generic[T]):
         max_names: int = 10_000,
         warm_missing: bool = True,
         miss_seconds: float = 5.0,
+        keep_warm: float | None = None,
+        slow_seconds: float = SLOW_LANE_SECONDS,
     ) -> None:
         self._fetch_many = fetch_many
         self.soft = soft
         self.hard = hard
         self.max_names = max_names
         self.warm_missing = warm_missing
+        self.keep_warm = keep_warm  # None: KEEP_WARM_SECONDS
+        self.slow_seconds = slow_seconds
+        # How long a read takes here, lately (an average, moving): what a caller may pad a
+        # quicker answer to, so that whether a read was needed does not show.
+        self.read_seconds = 0.001
         self._values: dict[str, T | None] = {}
         self._read_at: dict[str, float] = {}  # when the read that gave the value began
         self._used_at: dict[str, float] = {}  # in order of use: the least recent first
@@ -59,6 +72,8 @@ class WarmCache(Generic[T]):
         self._reading: dict[str, asyncio.Future[T | None]] = {}
         self._batch: dict[str, asyncio.Future[T | None]] = {}
         self._batch_task: asyncio.Future[None] | None = None
+        self._slow_batch: dict[str, asyncio.Future[T | None]] = {}
+        self._slow_task: asyncio.Future[None] | None = None
         self._warmer: asyncio.Task[None] | None = None
 
     def peek(self, name: str) -> tuple[bool, T | None]:
@@ -70,8 +85,9 @@ class WarmCache(Generic[T]):
             return True, self._values.get(name)
         return False, None
 
-    async def get(self, name: str, *, fresh: bool = False) -> T | None:
-        """The value (None: there is none); ``fresh`` waits for a read begun now."""
+    async def get(self, name: str, *, fresh: bool = False, slow: bool = False) -> T | None:
+        """The value (None: there is none); ``fresh`` waits for a read begun now; ``slow``
+        waits, if a read is needed, for the slow lane's next one."""
         now = time.monotonic()
         if not fresh and name in self._missing:
             return None
@@ -85,7 +101,7 @@ class WarmCache(Generic[T]):
             reading = asyncio.ensure_future(self._read_one(name))
             self._reading[name] = reading
         elif reading is None:
-            reading = self._queue(name)
+            reading = self._queue(name, slow=slow)
         try:
             return await asyncio.shield(reading)
         except Exception as exc:
@@ -106,18 +122,28 @@ class WarmCache(Generic[T]):
         for table in (self._used_at, self._values, self._read_at):
             table.pop(name, None)
 
-    def _queue(self, name: str) -> asyncio.Future[T | None]:
-        """A future for ``name``'s value, read with every other name queued this turn."""
+    def _queue(self, name: str, *, slow: bool = False) -> asyncio.Future[T | None]:
+        """A future for ``name``'s value, read with every other name queued this turn (in
+        the slow lane: with every other one queued there until its next read)."""
         future: asyncio.Future[T | None] = asyncio.get_running_loop().create_future()
-        self._batch[name] = future
         self._reading[name] = future
+        if slow:
+            self._slow_batch[name] = future
+            if len(self._slow_batch) == 1:
+                self._slow_task = asyncio.ensure_future(self._read_batch(slow=True))
+            return future
+        self._batch[name] = future
         if len(self._batch) == 1:  # kept, so the task is not collected while it runs
             self._batch_task = asyncio.ensure_future(self._read_batch())
         return future
 
-    async def _read_batch(self) -> None:
-        await asyncio.sleep(0)  # let the requests of this turn join the batch
-        batch, self._batch = self._batch, {}
+    async def _read_batch(self, *, slow: bool = False) -> None:
+        if slow:  # one read a period, whatever is queued meanwhile
+            await asyncio.sleep(self.slow_seconds)
+            batch, self._slow_batch = self._slow_batch, {}
+        else:
+            await asyncio.sleep(0)  # let the requests of this turn join the batch
+            batch, self._batch = self._batch, {}
         try:
             found = await self._read(list(batch))
         except Exception as exc:
@@ -154,6 +180,7 @@ class WarmCache(Generic[T]):
         began = time.monotonic()
         # On the executor's threads, each of which keeps its database connection.
         found = await sync_to_async(self._fetch_chunks, thread_sensitive=False)(names)
+        self.read_seconds += (time.monotonic() - began - self.read_seconds) / 16
         for name in names:
             if began < self._read_at.get(name, -1e9):
                 continue  # never replace a newer read
@@ -170,7 +197,8 @@ class WarmCache(Generic[T]):
         failing = False
         while self._used_at:
             await asyncio.sleep(self.soft)
-            cutoff = time.monotonic() - KEEP_WARM_SECONDS
+            keep = KEEP_WARM_SECONDS if self.keep_warm is None else self.keep_warm
+            cutoff = time.monotonic() - keep
             while self._used_at:  # in order of use: the stale ones are at the front
                 name, used = next(iter(self._used_at.items()))
                 if used >= cutoff:
@@ -189,6 +217,7 @@ class WarmCache(Generic[T]):
                     failing = True
 
     async def close(self) -> None:
-        if self._warmer is not None:
-            self._warmer.cancel()
-            await asyncio.gather(self._warmer, return_exceptions=True)
+        tasks = [task for task in (self._warmer, self._slow_task) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -2,9 +2,12 @@
 
 After ``LOGIN_MAX_FAILURES`` failed tries for one user name from one address, that pair
 is locked out for ``LOGIN_LOCKOUT_SECONDS``: even the right password is refused, so
-guessing stops paying. The counters live in Django's cache (in-process memory: one web
-process serves logins in standalone and in server mode). The login page and the admin's
-say so in words, and the login page answers 429.
+guessing stops paying. The same user from an address that has not failed is never
+locked out. The address is the client's own behind a trusted proxy (``TRUSTED_PROXIES``)
+and counts IPv6 by its /64, which one client usually holds whole. The counters live in
+Django's cache (in-process memory: one web process serves logins in standalone and in
+server mode). The login page and the admin's say so in words, and the login page
+answers 429.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from django.core.cache import cache
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import HttpRequest, HttpResponse
 
+from capyctl.access.guessing import request_address
+
 
 def _slot(request: HttpRequest | None, username: str | None) -> str:
-    address = request.META.get("REMOTE_ADDR", "") if request is not None else ""
+    address = request_address(request.META) if request is not None else ""
     # Hashed: any user name fits a cache key, and none is kept in clear.
     digest = hashlib.sha256(f"{(username or '').lower()}\0{address}".encode()).hexdigest()
     return f"capyctl:login-failures:{digest}"
