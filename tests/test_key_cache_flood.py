@@ -230,7 +230,12 @@ def test_keys_of_the_wrong_shape_are_refused_before_any_lookup(bob, key_reads):
     asyncio.run(scenario())
 
 
-async def models(gateway: Gateway, key: str, client: tuple[str, int]) -> tuple[int, bytes]:
+async def models(
+    gateway: Gateway,
+    key: str,
+    client: tuple[str, int],
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> tuple[int, bytes]:
     """``GET /v1/models``: 200 and the list for a key that gets in."""
     scope = {
         "type": "http",
@@ -238,7 +243,7 @@ async def models(gateway: Gateway, key: str, client: tuple[str, int]) -> tuple[i
         "path": "/v1/models",
         "raw_path": b"/v1/models",
         "query_string": b"",
-        "headers": [(b"authorization", f"Bearer {key}".encode())],
+        "headers": [(b"authorization", f"Bearer {key}".encode()), *(headers or [])],
         "client": client,
     }
     sent: list[dict[str, Any]] = []
