@@ -108,3 +108,22 @@ def test_users_are_added_with_a_password_shown_once(cli):
                    "key_lifetime_seconds": None}  # fmt: skip
     assert {"name": "carol", "staff": False, "active": True, "keys": 0,
             "limits": no_ceilings} in staff  # fmt: skip
+
+
+def test_rests_answer_with_a_new_key_is_never_stored(alice, bob):
+    """No cache (a client's, a proxy's) may keep the 201 that holds a new key, whether a
+    session or an admin key asked for it."""
+    from rest_framework.test import APIClient
+
+    session = APIClient()
+    session.force_login(bob)
+    made = session.post("/api/keys/", {"name": "laptop"}, format="json")
+    assert made.status_code == 201, made.content
+    assert made.json()["key"].startswith("capy_")
+    assert "no-store" in made["Cache-Control"]
+    _, admin_key = issue_api_key("alice", admin=True)
+    automation = APIClient()
+    automation.credentials(HTTP_AUTHORIZATION=f"Bearer {admin_key}")
+    for_bob = automation.post("/api/keys/", {"user": "bob"}, format="json")
+    assert for_bob.status_code == 201, for_bob.content
+    assert "no-store" in for_bob["Cache-Control"]

@@ -88,3 +88,13 @@ def test_the_form_needs_its_csrf_token(bob):
     client.force_login(bob)
     assert client.post("/keys/", {"name": "x"}).status_code == 403
     assert not ApiKey.objects.exists()
+
+
+def test_the_page_that_shows_a_new_key_is_never_stored(bob):
+    """No cache (the browser's, a proxy's) may keep the answer that holds a new key."""
+    client = logged_in(bob)
+    made = client.post("/keys/", {"name": "laptop", "expires": ""})
+    assert made.status_code == 200
+    assert re.search(rb"capy_[a-z0-9]+_[A-Za-z0-9_-]+", made.content)
+    assert "no-store" in made["Cache-Control"]
+    assert "no-store" in client.get("/keys/")["Cache-Control"]  # the list too

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from django.contrib.auth.models import User
 from django.db import transaction
 from django.db.models import QuerySet
+from django.utils.cache import add_never_cache_headers
 from django_filters import rest_framework as filters
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import exceptions, mixins, status, viewsets
@@ -379,7 +380,9 @@ class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignor
             max_concurrent=data.get("max_concurrent"),
             actor=_actor(request),
         )
-        return Response(s.KeyCreated((key, full)).data, status=status.HTTP_201_CREATED)
+        created = Response(s.KeyCreated((key, full)).data, status=status.HTTP_201_CREATED)
+        add_never_cache_headers(created)  # it holds the key: no cache may keep it
+        return created
 
     def partial_update(self, request: Request, key_id: str) -> Response:
         self._mine(key_id)

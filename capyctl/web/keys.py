@@ -1,6 +1,7 @@
 """``/keys/``: any logged-in user creates, lists and revokes their own API keys.
 
-A new key's full text is shown in the answer to the form that made it, and never again.
+A new key's full text is shown in the answer to the form that made it, and never again;
+no answer of this page may be stored by any cache (``Cache-Control: no-store``).
 The page offers only what the user's ceilings allow; the service checks it again (a
 forged form is refused with the same message as REST and the CLI give).
 """
@@ -12,6 +13,7 @@ from typing import Any
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods, require_POST
 
 from capyctl.access.models import ApiKey
@@ -54,6 +56,7 @@ def _page(request: HttpRequest, **extra: Any) -> HttpResponse:
     return render(request, "web/keys.html", context, status=400 if "error" in extra else 200)
 
 
+@never_cache
 @login_required
 @require_http_methods(["GET", "POST"])
 def keys_page(request: HttpRequest) -> HttpResponse:
@@ -90,6 +93,7 @@ def _count(request: HttpRequest, field: str) -> int | None:
     return int(text)
 
 
+@never_cache
 @login_required
 @require_POST
 def revoke_key(request: HttpRequest, key_id: str) -> HttpResponse:
