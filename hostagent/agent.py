@@ -190,6 +190,8 @@ class AgentApp:
                          "exit_code": code, "log_tail": tail}  # fmt: skip
         if (method, action) == ("GET", "usage"):
             return 200, wire.usage_to_json(await run(host.usage, ident))
+        if (method, action) == ("GET", "asleep"):
+            return 200, {"asleep": await run(host.asleep, ident)}
         if (method, action) == ("POST", "wait_ready"):
             return 200, {"seconds": await run(host.wait_ready, ident, float(body["timeout"]))}
         if (method, action) == ("POST", "park"):
@@ -206,8 +208,9 @@ class AgentApp:
 
 class Relay:
     """``/relay/{instance}/v1/...``: the server's ``/v1`` requests, streamed to the
-    instance's loopback port and back unbuffered (the gateway's data-path rules: aiohttp,
-    no decompression, no retries; a server that hangs up cancels the engine's request).
+    instance's Unix socket or loopback port and back unbuffered (the gateway's data-path
+    rules: aiohttp, no decompression, no retries; a server that hangs up cancels the
+    engine's request).
 
     The path is checked again against the OpenAI routes (:mod:`hostagent.routes`), so not
     even the server, compromised or wrong, reaches an engine's other routes through it."""
@@ -216,16 +219,35 @@ class Relay:
 
     def __init__(self, host: HostRuntime) -> None:
         self.host = host
-        self._session: aiohttp.ClientSession | None = None
+        # One session for loopback ports, one per engine socket ("" is the TCP one's key).
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._closing: set[asyncio.Future[None]] = set()
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+    def _client(self, socket_path: str = "") -> aiohttp.ClientSession:
+        session = self._sessions.get(socket_path)
+        if session is None or session.closed:
+            if socket_path:
+                self._forget_ended()
+            connector: aiohttp.BaseConnector = (
+                aiohttp.UnixConnector(path=socket_path, limit=0)
+                if socket_path
+                else aiohttp.TCPConnector(limit=0)
+            )
+            session = self._sessions[socket_path] = aiohttp.ClientSession(
+                connector=connector,
                 auto_decompress=False,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             )
-        return self._session
+        return session
+
+    def _forget_ended(self) -> None:
+        """Close the sessions of sockets no engine here listens on any more."""
+        live = {str(i.socket_path) for i in self.host.instances() if i.socket_path}
+        for path in [p for p in self._sessions if p and p not in live]:
+            session = self._sessions.pop(path)
+            closing = asyncio.ensure_future(session.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     async def forward(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = str(scope["path"])
@@ -260,8 +282,13 @@ class Relay:
                 break
         # Built from the checked route, marked as encoded: aiohttp re-reads nothing.
         query = quote(scope.get("query_string", b"").decode("latin-1"), safe=_QUERY_SAFE)
-        url = URL.build(scheme="http", host="127.0.0.1", port=instance.port,
-                        path=target.path, query_string=query, encoded=True)  # fmt: skip
+        socket_path = str(instance.socket_path or "")
+        if socket_path:  # the host name only fills the Host header
+            url = URL.build(scheme="http", host="localhost", path=target.path,
+                            query_string=query, encoded=True)  # fmt: skip
+        else:
+            url = URL.build(scheme="http", host="127.0.0.1", port=instance.port,
+                            path=target.path, query_string=query, encoded=True)  # fmt: skip
         given = {k.lower(): v for k, v in scope["headers"]}
         headers = [(k.decode("latin-1"), v.decode("latin-1"))
                    for k, v in routes.forwarded_headers(given)]  # fmt: skip
@@ -269,7 +296,7 @@ class Relay:
         gone = asyncio.Event()
         watcher = asyncio.ensure_future(cancel_on_disconnect(receive, this, gone))
         try:
-            await self._stream(scope["method"], url, headers, body, send)
+            await self._stream(scope["method"], url, headers, body, send, socket_path=socket_path)
         except asyncio.CancelledError:
             if not gone.is_set():
                 raise
@@ -278,10 +305,17 @@ class Relay:
             watcher.cancel()
 
     async def _stream(
-        self, method: str, url: URL, headers: list[tuple[str, str]], body: bytes, send: Any
+        self,
+        method: str,
+        url: URL,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        send: Any,
+        *,
+        socket_path: str = "",
     ) -> None:
         try:
-            request = self._client().request(method, url, data=body, headers=headers)
+            request = self._client(socket_path).request(method, url, data=body, headers=headers)
             upstream = await request.__aenter__()
         except (aiohttp.ClientError, TimeoutError) as exc:
             logger.warning("%s %s: the engine did not answer: %s", method, url, exc)
@@ -300,8 +334,9 @@ class Relay:
             upstream.release()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        sessions, self._sessions = self._sessions, {}
+        for session in sessions.values():
+            await session.close()
 
 
 async def _read_json(receive: Any) -> dict[str, Any]:

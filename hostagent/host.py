@@ -30,11 +30,12 @@ class Launched:
     """A started engine, as the control plane records it."""
 
     pid: int
-    port: int
+    port: int  # 0 where it listens on a Unix socket
     api_key: str
     log_path: str
     # What the engine program said of itself on this host (EngineFeatures.as_dict()).
     features: dict[str, Any] | None = None
+    socket_path: str = ""  # its Unix socket on its host, where it listens on one
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -73,6 +74,7 @@ class HostRuntime:
                     {
                         "request": asdict(i.request),
                         "port": i.port,
+                        "socket_path": str(i.socket_path or ""),
                         "api_key": i.api_key,
                         "pid": i.pid,
                         "create_time": _create_time(i.pid),
@@ -107,6 +109,7 @@ class HostRuntime:
                 api_key=str(record["api_key"]),
                 pid=int(record["pid"]),
                 create_time=float(record["create_time"]),
+                socket_path=Path(record["socket_path"]) if record.get("socket_path") else None,
             )
             if instance is None:
                 logger.warning("engine %s (pid %s) is gone", request.instance_id, record["pid"])
@@ -166,6 +169,7 @@ class HostRuntime:
             instance.api_key,
             str(instance.process.log_path),
             features.as_dict() if features is not None else None,
+            str(instance.socket_path or ""),
         )
 
     def wait_ready(self, instance_id: str, timeout: float) -> float:
@@ -198,6 +202,11 @@ class HostRuntime:
 
     def usage(self, instance_id: str) -> ProcessUsage:
         return self.runtime.usage(self._get(instance_id))
+
+    def asleep(self, instance_id: str) -> bool | None:
+        """Whether the engine says it is parked (None: unknown, or no such engine)."""
+        instance = self.instance(instance_id)
+        return None if instance is None else self.runtime.asleep(instance)
 
     def alive(self, instance_id: str) -> bool:
         instance = self.instance(instance_id)

@@ -263,7 +263,8 @@ def _loopback(ip: str) -> bool:
 
 def exposed_listeners(pid: int, port: int) -> list[str]:
     """Where the engine ``pid`` listens beyond loopback: any TCP socket of the program
-    itself (the one that serves HTTP), and ``port`` anywhere in its process tree.
+    itself (the one that serves HTTP), and ``port`` anywhere in its process tree (``port``
+    0: it was launched on a Unix socket, and only the program's own sockets count).
 
     Its workers' own rendezvous sockets (torch.distributed stores, NCCL) are not counted:
     the engines bind those to every interface themselves, and they serve no HTTP.
@@ -282,10 +283,29 @@ def exposed_listeners(pid: int, port: int) -> list[str]:
         for sock in sockets:
             if sock.status != psutil.CONN_LISTEN or not sock.laddr or _loopback(sock.laddr.ip):
                 continue
-            if process.pid == pid or sock.laddr.port == port:
+            if process.pid == pid or (port and sock.laddr.port == port):
                 ip = f"[{sock.laddr.ip}]" if ":" in sock.laddr.ip else sock.laddr.ip
                 found.append(f"{ip}:{sock.laddr.port}")
     return sorted(set(found))
+
+
+def socket_held(pid: int, path: Path) -> bool:
+    """Whether the engine ``pid`` (or a process of its tree) listens on the Unix socket
+    ``path``."""
+    try:
+        leader = psutil.Process(pid)
+        tree = [leader, *leader.children(recursive=True)]
+    except psutil.Error:
+        return False
+    wanted = str(path)
+    for process in tree:
+        try:
+            sockets = process.net_connections(kind="unix")
+        except psutil.Error:
+            continue
+        if any(sock.laddr == wanted for sock in sockets):
+            return True
+    return False
 
 
 # A process that outlives SIGKILL by this much is stuck in the kernel (a GPU driver call).

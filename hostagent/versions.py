@@ -44,13 +44,19 @@ class EngineFeatures:
     flags: frozenset[str] | None = None
     help_command: str = ""
     note: str = ""
+    # What the help says the program can do beyond its flags (ProbeCommands.abilities).
+    abilities: frozenset[str] = frozenset()
 
     def has(self, flag: str) -> bool:
         return self.flags is not None and flag in self.flags
 
+    def can(self, ability: str) -> bool:
+        return ability in self.abilities
+
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["flags"] = sorted(self.flags) if self.flags is not None else None
+        data["abilities"] = sorted(self.abilities)
         return data
 
     @classmethod
@@ -61,6 +67,7 @@ class EngineFeatures:
             flags=frozenset(flags) if flags is not None else None,
             help_command=str(data.get("help_command", "")),
             note=str(data.get("note", "")),
+            abilities=frozenset(data.get("abilities") or ()),
         )
 
 
@@ -77,6 +84,9 @@ class ProbeCommands:
     # The name the help lists for a flag as given (vLLM reads ``--max_model_len`` as
     # ``--max-model-len``); None: as given.
     spelling: Callable[[str], str] | None = None
+    # Abilities a flag's description tells of: (name, pattern searched in the help), as
+    # llama-server's ``--host`` says it binds a Unix socket to a path ending in ``.sock``.
+    abilities: tuple[tuple[str, str], ...] = ()
 
 
 def minimal_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -164,7 +174,12 @@ def detect(
     if not version:  # SGLang's launch_server has no --version: its help is what it says
         version = "version not shown"
     return EngineFeatures(
-        version=version, flags=parse_flags(help_output), help_command=" ".join(probes.help)
+        version=version,
+        flags=parse_flags(help_output),
+        help_command=" ".join(probes.help),
+        abilities=frozenset(
+            name for name, pattern in probes.abilities if re.search(pattern, help_output)
+        ),
     )
 
 

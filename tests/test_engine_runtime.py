@@ -21,6 +21,7 @@ from hostagent.probe import SimulatedProbe
 from hostagent.process import CappedLog, tail
 from hostagent.runtime import EngineRuntime, InstanceRequest
 from hostagent.simgpu import SimSpec
+from tests.engine_http import engine_http
 
 GIB = 1024**3
 MIB = 1024**2
@@ -65,8 +66,8 @@ def launched(runtime):
 
 
 def chat(instance, stream=False):
-    return httpx.post(
-        f"{instance.base_url}/v1/chat/completions",
+    return engine_http(instance).post(
+        "/v1/chat/completions",
         headers={"Authorization": f"Bearer {instance.api_key}"},
         json={
             "model": instance.request.served_name,
@@ -89,7 +90,9 @@ def listening_addresses(pid):
 def test_start_request_park_ram_wake_stop(runtime, launched, kind):
     instance = launched(kind)
     runtime.wait_ready(instance, timeout=30)
-    assert listening_addresses(instance.pid) == {"127.0.0.1"}
+    # vLLM's --uds: a socket and no TCP port; SGLang 0.5.23 has none: loopback.
+    assert listening_addresses(instance.pid) == (set() if kind == "vllm" else {"127.0.0.1"})
+    assert (instance.socket_path is not None) == (kind == "vllm")
     assert chat(instance).json()["choices"][0]["message"]["content"].startswith("tok0")
     ready = runtime.usage(instance)
     assert ready.gpu == {0: 16 * GIB}
@@ -163,7 +166,9 @@ def test_an_sglang_launch_without_cpu_backup_cannot_park_ram(runtime, launched):
 def test_kinds_that_cannot_park_say_so(runtime, launched, kind):
     instance = launched(kind, env={"CAPYCTL_SIM_VERSION": "0.5.3"})  # a TensorFold without sleep
     runtime.wait_ready(instance, timeout=30)
-    assert listening_addresses(instance.pid) == {"127.0.0.1"}
+    # llama-server's --host PATH.sock: a socket; TensorFold has none: loopback.
+    expected = set() if kind == "llamacpp" else {"127.0.0.1"}
+    assert listening_addresses(instance.pid) == expected
     streamed = chat(instance, stream=True)
     assert streamed.status_code == 200
     assert streamed.text.rstrip().endswith("data: [DONE]")
@@ -180,12 +185,12 @@ def test_llamacpp_health_is_503_while_loading(runtime, launched):
     seen = set()
     for _ in range(200):
         with contextlib.suppress(httpx.TransportError):
-            seen.add(httpx.get(f"{instance.base_url}/health", timeout=1).status_code)
+            seen.add(engine_http(instance).get("/health", timeout=1).status_code)
         if 503 in seen:
             break
     assert 503 in seen
     runtime.wait_ready(instance, timeout=30)
-    assert httpx.get(f"{instance.base_url}/health").json() == {"status": "ok"}
+    assert engine_http(instance).get("/health").json() == {"status": "ok"}
 
 
 def test_multi_gpu_launch_allocates_on_each_visible_gpu(runtime, launched):
@@ -200,10 +205,11 @@ def test_multi_gpu_launch_allocates_on_each_visible_gpu(runtime, launched):
 def test_the_api_key_guards_v1(runtime, launched):
     instance = launched("vllm")
     runtime.wait_ready(instance, timeout=30)
-    url = f"{instance.base_url}/v1/chat/completions"
+    url = "/v1/chat/completions"
     body = {"model": "vllm-model", "messages": []}
-    assert httpx.post(url, json=body).status_code == 401
-    assert httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    client = engine_http(instance)
+    assert client.post(url, json=body).status_code == 401
+    assert client.post(url, json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
 
 
 # --- faults ------------------------------------------------------------------------------

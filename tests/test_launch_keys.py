@@ -10,7 +10,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
@@ -20,6 +19,7 @@ from hostagent.probe import SimulatedProbe
 from hostagent.process import inherited_env
 from hostagent.runtime import EngineRuntime, Instance, InstanceRequest
 from hostagent.simgpu import SimSpec
+from tests.engine_http import engine_http
 from tests.fakes import process_environ
 
 GIB = 1024**3
@@ -70,15 +70,19 @@ def command_lines(pid: int) -> list[bytes]:
 
 def chat(instance: Instance, key: str | None) -> int:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
-    return httpx.post(
-        f"{instance.base_url}/v1/chat/completions",
-        headers=headers,
-        json={
-            "model": instance.request.served_name,
-            "messages": [{"role": "user", "content": "hello"}],
-        },
-        timeout=10,
-    ).status_code
+    return (
+        engine_http(instance)
+        .post(
+            "/v1/chat/completions",
+            headers=headers,
+            json={
+                "model": instance.request.served_name,
+                "messages": [{"role": "user", "content": "hello"}],
+            },
+            timeout=10,
+        )
+        .status_code
+    )
 
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
@@ -116,7 +120,12 @@ def test_the_key_is_in_no_command_line_and_still_guards_the_engine(runtime, tmp_
         assert "LLAMA_ARG_API_KEY_FILE" not in env
         if variable is not None:
             assert env[variable] == instance.api_key
-        files = list(run_dir.iterdir()) if run_dir.exists() else []
+        # The engine's own socket may be there beside a key file: no other file.
+        files = [
+            path
+            for path in (run_dir.iterdir() if run_dir.exists() else [])
+            if path != instance.socket_path
+        ]
         if variable is None:
             (key_file,) = files
             assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700

@@ -76,9 +76,11 @@ def test_a_crash_while_ready_is_failed_and_started_again_on_the_next_request(gpu
     assert instance is not None
     import httpx
 
+    from tests.engine_http import engine_http
+
     with pytest.raises(httpx.HTTPError):
-        httpx.post(
-            f"{instance.base_url}/v1/completions",
+        engine_http(instance).post(
+            "/v1/completions",
             headers={"Authorization": f"Bearer {instance.api_key}"},
             json={"model": "a", "prompt": "hi"},
         )

@@ -1,7 +1,9 @@
 """A lean HTTP/1.1 client for the gateway's upstream requests (engines, agents' relays).
 
 One ``asyncio.Protocol`` per connection with httptools' response parser (the one uvicorn
-uses), and a pool of idle keep-alive connections per (host, port, TLS name): the most
+uses), to a TCP address or an engine's Unix socket (``http+unix://`` and the socket's
+path, percent-encoded: :func:`unix_url`), and a pool of idle keep-alive connections per
+(host, port, TLS name): the most
 recently used first, at most ``MAX_IDLE_PER_KEY`` of them, each closed after
 ``IDLE_SECONDS`` unused or as soon as its peer closes it. A request goes out in one write.
 
@@ -25,7 +27,7 @@ import ssl
 from collections.abc import Iterable
 from types import TracebackType
 from typing import cast
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import httptools
 
@@ -44,6 +46,12 @@ _SAFE_TARGET = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 
 _Key = tuple[str, int, str | None]  # host, port, TLS name (None: plain TCP)
+UNIX_SCHEME = "http+unix"
+
+
+def unix_url(path: str) -> str:
+    """The origin of an HTTP server on the Unix socket ``path`` (an absolute path)."""
+    return f"{UNIX_SCHEME}://{quote(path, safe='')}"
 
 
 class UpstreamError(Exception):
@@ -58,6 +66,16 @@ class _Origin:
     __slots__ = ("host", "host_header", "port", "tls")
 
     def __init__(self, origin: str) -> None:
+        if origin.startswith(f"{UNIX_SCHEME}://"):
+            # A Unix socket: its path is the host (a TCP host never starts with "/"), no port.
+            path = unquote(origin[len(UNIX_SCHEME) + 3 :])
+            if not path.startswith("/"):
+                raise ValueError(f"not an absolute socket path: {origin!r}")
+            self.tls = False
+            self.host = path
+            self.port = 0
+            self.host_header = b"localhost"
+            return
         parts = urlsplit(origin)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {origin!r}")
@@ -447,17 +465,23 @@ class UpstreamPool:
         self, loop: asyncio.AbstractEventLoop, key: _Key, tls: ssl.SSLContext | None
     ) -> _Connection:
         host, port, name = key
+        where = f"the socket {host}" if port == 0 else f"{host}:{port}"
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
-                _, connection = await loop.create_connection(
-                    lambda: _Connection(self, key), host, port, ssl=tls, server_hostname=name
-                )
+                if port == 0:
+                    _, connection = await loop.create_unix_connection(
+                        lambda: _Connection(self, key), host
+                    )
+                else:
+                    _, connection = await loop.create_connection(
+                        lambda: _Connection(self, key), host, port, ssl=tls, server_hostname=name
+                    )
         except TimeoutError:
             raise UpstreamError(
-                f"connecting to {host}:{port} took longer than {CONNECT_TIMEOUT:.0f} s"
+                f"connecting to {where} took longer than {CONNECT_TIMEOUT:.0f} s"
             ) from None
         except OSError as exc:
-            raise UpstreamError(f"cannot connect to {host}:{port}: {exc}") from exc
+            raise UpstreamError(f"cannot connect to {where}: {exc}") from exc
         return connection
 
     def _take(self, key: _Key) -> _Connection | None:

@@ -199,6 +199,10 @@ class RemoteHostDriver:
     def usage(self, instance_id: str) -> ProcessUsage:
         return wire.usage_from_json(self._call("GET", f"/instances/{instance_id}/usage"))
 
+    def asleep(self, instance_id: str) -> bool | None:
+        answer = self._call("GET", f"/instances/{instance_id}/asleep").get("asleep")
+        return None if answer is None else bool(answer)
+
     def fetch_start(self, source: str) -> FetchStatus:
         return FetchStatus.from_dict(self._call("POST", "/sources/fetch", json={"source": source}))
 

@@ -26,7 +26,7 @@ from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.hosts.services import note_measures
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import flights, inflight, operations, transitions, turns
+from capyctl.scheduler import flights, inflight, operations, snapshots, transitions, turns
 from capyctl.scheduler.drivers import HostDriver, driver_for
 from hostagent.measure import RELEASED_SHARE
 
@@ -36,15 +36,17 @@ LIVE = list(transitions.LIVE)
 
 
 def _end_orphan(instance: Instance) -> None:
-    """End an engine process of an earlier run, if that pid is still that engine."""
-    if not instance.pid or not instance.port:
+    """End an engine process of an earlier run, if that pid is still that engine (its
+    command line names its socket or port)."""
+    where = instance.socket_path or (str(instance.port) if instance.port else "")
+    if not instance.pid or not where:
         return
     try:
         proc = psutil.Process(instance.pid)
         cmdline = proc.cmdline()
     except psutil.Error:
         return
-    if str(instance.port) not in cmdline:
+    if where not in cmdline:
         return  # the pid was reused by something else: leave it alone
     try:
         os.killpg(instance.pid, signal.SIGKILL)
@@ -145,6 +147,10 @@ def reconcile(host_id: int) -> None:
             continue
         if deployment.observed_state == S.PARKED:
             _confirm_release(deployment, driver, key, host)
+        if deployment.observed_state == S.READY and _parked_unasked(
+            deployment, driver, instance, host
+        ):
+            continue
         idle = deployment.setting("idle_park_seconds")
         # Idle since its last request ended, or since it became what it is (a wake).
         last = max((t for t in (deployment.last_request_at, deployment.state_changed_at) if t),
@@ -281,6 +287,25 @@ def _engine_died(deployment: Deployment, driver: HostDriver, instance: Instance)
     code, tail = driver.exit_report(operations.instance_key(instance))
     reason = f"its engine exited with status {code}" + (f"; last lines:\n{tail}" if tail else "")
     operations.fail(deployment, driver, instance, reason, "system")
+
+
+def _parked_unasked(
+    deployment: Deployment, driver: HostDriver, instance: Instance, host: Host
+) -> bool:
+    """A ready model whose engine says it is parked was parked outside CapyCTL (an engine
+    on loopback answers its sleep routes to any local user; see docs/security.md): it is
+    counted as parked, with what it holds measured, and an event says so. Never while an
+    operation drives it: a park of CapyCTL's sleeps the engine before its state says so."""
+    if flights.driven_anywhere(deployment.pk):
+        return False
+    key = operations.instance_key(instance)
+    if driver.asleep(key) is not True:
+        return False
+    usage = driver.usage(key)
+    pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
+    figures = snapshots.measured(host, pools, usage, 0) if usage.gpu_known else None
+    said = "it is sleeping (is_sleeping: true)"
+    return transitions.parked_unasked(deployment, host, figures, said=said)
 
 
 def _confirm_release(deployment: Deployment, driver: HostDriver, key: str, host: Host) -> None:

@@ -207,11 +207,25 @@ def starting(
     )
 
 
-def launched(instance: Instance, *, pid: int, port: int, api_key: str, log_path: str) -> bool:
-    """The instance's engine is running; False: it was ended while it launched."""
+def launched(
+    instance: Instance,
+    *,
+    pid: int,
+    port: int,
+    api_key: str,
+    log_path: str,
+    socket_path: str = "",
+) -> bool:
+    """The instance's engine is running (on its Unix socket, or its loopback port: the
+    other is empty); False: it was ended while it launched."""
     return bool(
         Instance.objects.filter(pk=instance.pk, state=Instance.State.LAUNCHING).update(
-            pid=pid, port=port, launch_key=api_key, state=Instance.State.RUNNING, log_path=log_path
+            pid=pid,
+            port=port or None,
+            socket_path=socket_path,
+            launch_key=api_key,
+            state=Instance.State.RUNNING,
+            log_path=log_path,
         )
     )
 
@@ -400,6 +414,40 @@ def parked(
             data={"mode": mode},
         )
     return True
+
+
+def parked_unasked(
+    deployment: Deployment, host: Host, figures: Mapping[str, int] | None, *, said: str
+) -> bool:
+    """READY -> PARKED (``deep``): its engine says it is parked, but CapyCTL did not park
+    it (``said``: how the engine put it). Only from the READY it was read in, unchanged
+    since. ``figures``: what it holds now, measured; None: not measured, so what it held
+    stays counted, as unconfirmed. A wake reloads it as after a deep park."""
+    reason = f"parked by something other than CapyCTL: its engine says {said}"
+    with host_lock(host.pk) as locked:
+        won = _move(
+            deployment.pk,
+            [S.READY],
+            S.PARKED,
+            since=deployment.state_changed_at,
+            parked_mode="deep",
+            state_reason=reason,
+        )
+        if won and figures is None:
+            mark_unconfirmed(locked, deployment.pk, "parked outside CapyCTL, memory not measured")
+        elif won and figures is not None:
+            _held(locked, deployment, figures, "parked outside CapyCTL")
+    if won:
+        record(
+            deployment,
+            "deployment.parked_unasked",
+            f"{deployment.name} was ready, but its engine says {said}: someone parked it "
+            "without CapyCTL (a local user reaching its engine?). It is counted as parked "
+            "deep; its next request wakes it",
+            level=Event.Level.WARNING,
+            data={"mode": "deep"},
+        )
+    return won
 
 
 def release_confirmed(deployment: Deployment, host: Host, figures: Mapping[str, int]) -> bool:

@@ -156,6 +156,12 @@ class CustomKind:
         argv = [arg.format(**values) for arg in template]
         return Launch(argv=[*argv, *spec.extra_args], env=env, files=files)
 
+    def socket_listening(self, features: EngineFeatures | None) -> bool:
+        return False  # a template names {host} and {port}: it listens on TCP
+
+    def asleep(self, client: EngineClient, spec: LaunchSpec) -> bool | None:
+        return None
+
     def is_healthy(self, client: EngineClient, spec: LaunchSpec) -> bool:
         return client.healthy(str(spec.options.get("health_path", "/health")))
 

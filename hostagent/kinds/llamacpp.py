@@ -1,16 +1,31 @@
 """llama.cpp's ``llama-server``: ``/health`` is 503 while loading; no parking, so it is
 stopped to make room and started again on its next request. The key is in
-``LLAMA_API_KEY``, the variable of its ``--api-key`` option (``common/arg.cpp``)."""
+``LLAMA_API_KEY``, the variable of its ``--api-key`` option (``common/arg.cpp``).
+
+Builds whose ``--help`` says ``--host`` binds a Unix socket when the address ends with
+``.sock`` (llama.cpp since spring 2025: ``tools/server``'s ``AF_UNIX`` branch) are given
+the socket's path as ``--host`` and no ``--port``; older ones listen on loopback."""
 
 from __future__ import annotations
 
 import math
 
-from hostagent.kinds.base import RESERVED_FLAGS, LaunchSpec, ProgramKind, loopback_flags
-from hostagent.versions import ProbeCommands
+from hostagent.kinds.base import (
+    RESERVED_FLAGS,
+    KindError,
+    LaunchSpec,
+    ProgramKind,
+    loopback_flags,
+)
+from hostagent.versions import EngineFeatures, ProbeCommands
 
 MIB = 1024**2
 FIT_FLAGS = ("--fit", "-fit", "--fit-target", "-fitt")
+UNIX_SOCKET = "unix-socket"
+# common/arg.cpp's --host: "ip address to listen, or bind to an UNIX socket if the address
+# ends with .sock".
+UNIX_SOCKET_HELP = r"(?i)unix socket if the address ends with \.sock"
+SOCKET_SUFFIX = ".sock"
 
 
 def fit_flags(spec: LaunchSpec) -> list[str]:
@@ -29,12 +44,21 @@ def fit_flags(spec: LaunchSpec) -> list[str]:
     return ["--fit", "on", "--fit-target", ",".join(str(m) for m in margins)]
 
 
+def listen_flags(spec: LaunchSpec) -> list[str]:
+    """``--host PATH.sock`` where the launch has a socket, else the loopback flags."""
+    if spec.socket_path is None:
+        return loopback_flags(spec)
+    if not spec.socket_path.name.endswith(SOCKET_SUFFIX):
+        raise KindError(f"llama-server's socket path must end with {SOCKET_SUFFIX}")
+    return ["--host", str(spec.socket_path)]
+
+
 class LlamaCppKind(ProgramKind):
     name = "llamacpp"
     description = "llama.cpp llama-server"
     reserved_flags = (*RESERVED_FLAGS, "--api-key-file", "-m", "--model", "--alias", "-a")
     # `version: N (hash)` on stderr; its --help lists every flag of this build.
-    probes = ProbeCommands(help=["--help"])
+    probes = ProbeCommands(help=["--help"], abilities=((UNIX_SOCKET, UNIX_SOCKET_HELP),))
 
     sizes_by_free_memory = True  # its --fit margin is counted from each GPU's free memory
 
@@ -44,9 +68,12 @@ class LlamaCppKind(ProgramKind):
             spec.source,
             "--alias",
             spec.served_name,
-            *loopback_flags(spec),
+            *listen_flags(spec),
             *fit_flags(spec),
         ]
+
+    def socket_listening(self, features: EngineFeatures | None) -> bool:
+        return features is not None and features.can(UNIX_SOCKET)
 
     def key_env(self, spec: LaunchSpec) -> dict[str, str]:
         return {"LLAMA_API_KEY": spec.api_key}

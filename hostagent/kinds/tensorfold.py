@@ -12,7 +12,10 @@ it and a sleep token CapyCTL makes, in ``TENSORFOLD_SLEEP_TOKEN`` (never on the 
 line), and its models park ``deep``: ``POST /sleep?level=2`` drops the weights and caches,
 ``POST /wake_up`` reloads them; both are confirmed with ``GET /is_sleeping``, and a wake
 is done when it says ``ready`` (``/health`` is 200 while it sleeps). Elsewhere they are
-stopped, as before."""
+stopped, as before.
+
+TensorFold's ``--host`` takes an address only (``cli_args.py``): it cannot listen on a Unix
+socket, so it listens on loopback TCP, where its API key and sleep token guard its routes."""
 
 from __future__ import annotations
 
@@ -129,6 +132,11 @@ class TensorFoldKind(ProgramKind):
 
     def _auth(self, spec: LaunchSpec) -> dict[str, str]:
         return {"Authorization": f"Bearer {sleep_token(spec)}"}
+
+    def asleep(self, client: EngineClient, spec: LaunchSpec) -> bool | None:
+        if not has_sleep(spec.features):
+            return None
+        return bool(self._lifecycle(client, spec).get("is_sleeping"))
 
     def park(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
         if mode != "deep" or not has_sleep(spec.features):

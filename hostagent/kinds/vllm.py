@@ -6,8 +6,9 @@ and ``VLLM_SERVER_DEV_MODE=1``, and the API key does not guard them (only ``/v1`
 few other prefixes): where ``vllm serve --help=all`` lists ``--uds`` it is launched on a
 Unix socket in its 0700 run dir (vLLM then ignores ``--host`` and ``--port``), which no
 other local user can open; older releases listen on loopback, where any local user could
-reach those routes, and reconcile notices a park CapyCTL did not ask for. A 200 from ``/sleep`` is not trusted alone: ``/is_sleeping`` must
-agree, and the runtime confirms the release with the GPU probe.
+reach those routes, and reconcile notices a park CapyCTL did not ask for. A 200 from
+``/sleep`` is not trusted alone: ``/is_sleeping`` must agree, and the runtime confirms the
+release with the GPU probe.
 
 The key is in ``VLLM_API_KEY``, which vLLM's server reads when no ``--api-key`` is given
 (``args.api_key or envs.VLLM_API_KEY``), never on the command line.

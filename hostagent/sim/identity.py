@@ -20,6 +20,15 @@ import sys
 from hostagent.sim.flags import table
 
 VERSION_ENV = "CAPYCTL_SIM_VERSION"
+# "1": the simulated build predates its engine's Unix socket support (vLLM's --uds, the
+# "bind to an UNIX socket" of llama-server's --host): its help does not say it, and its
+# parser refuses --uds.
+NO_SOCKET_ENV = "CAPYCTL_SIM_NO_SOCKET"
+# llama-server's --host, as common/arg.cpp describes it in builds that bind Unix sockets.
+LLAMA_HOST_HELP = (
+    "ip address to listen, or bind to an UNIX socket if the address ends with .sock "
+    "(default: 127.0.0.1)"
+)
 DEFAULT_VERSIONS = {
     "vllm": "0.33.0",  # the releases whose flags hostagent.sim.flags lists
     "sglang": "0.5.23",
@@ -52,10 +61,15 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def socket_support() -> bool:
+    """Whether the simulated build can listen on a Unix socket (see NO_SOCKET_ENV)."""
+    return os.environ.get(NO_SOCKET_ENV, "") != "1"
+
+
 def lacking_flags(kind: str) -> tuple[str, ...]:
     """The modelled flags the simulated version of ``kind`` does not have yet."""
     if kind != "tensorfold":
-        return ()
+        return () if socket_support() else ("--uds",)
     release = _release(sim_version(kind))
     lacking: tuple[str, ...] = ()
     if release < TENSORFOLD_KEYS_FROM:
@@ -80,7 +94,10 @@ def _help_text(kind: str) -> str:
         if flag in ("-h", "--help"):
             continue
         # argparse's BooleanOptionalAction lists both forms: ``--x, --no-x``.
-        lines.append(f"  {flag}, --no-{flag[2:]}" if arity == "!" else f"  {flag}")
+        line = f"  {flag}, --no-{flag[2:]}" if arity == "!" else f"  {flag}"
+        if kind == "llamacpp" and flag == "--host" and socket_support():
+            line += f" HOST  {LLAMA_HOST_HELP}"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
