@@ -382,3 +382,25 @@ def test_address_keys_count_ipv6_by_64_and_mapped_ipv4_as_ipv4():
     assert address_of(("fe80::1%eth0", 5)) == address_of(("fe80::2", 5))
     assert re.fullmatch(r"[\d.]+", address_of(("127.0.0.1", 1)) or "")
     assert address_of(None) is None
+
+
+def test_a_trusted_proxy_has_no_per_address_cap():
+    """Behind a proxy, every client arrives from its address: the cap would be the
+    proxy's, so a trusted proxy has none (the proxy caps its clients)."""
+    import ipaddress
+
+    from capyctl.cli.httpguard import _capped_address, bounds_from_settings
+    from capyctl.conf import env_networks
+
+    values = {"HTTP_HEADER_TIMEOUT": 10, "HTTP_MAX_HEADER_BYTES": 65536,
+              "HTTP_BODY_TIMEOUT": 10, "HTTP_BODY_MIN_RATE": 16384,
+              "HTTP_MAX_CONNECTIONS": 4096, "HTTP_MAX_CONNECTIONS_PER_ADDRESS": 256,
+              "HTTP_KEYED_RESERVE_PERCENT": 25,
+              "TRUSTED_PROXIES": env_networks("X", {"X": "10.0.0.0/24,fd00::/8"})}  # fmt: skip
+    bounds = bounds_from_settings(values)
+    assert bounds.keyed_reserve == 1024
+    assert _capped_address(("10.0.0.7", 1), bounds) is None
+    assert _capped_address(("::ffff:10.0.0.7", 1), bounds) is None
+    assert _capped_address(("fd00::5", 1), bounds) is None
+    assert _capped_address(("10.0.1.7", 1), bounds) == "10.0.1.7"
+    assert _capped_address(("2001:db8::1", 1), bounds) == str(ipaddress.ip_network("2001:db8::/64"))

@@ -11,7 +11,7 @@ connections: a client that sends nothing, or a byte every few seconds, holds a c
   every ``body_min_rate`` bytes that arrive (the clock waits while the server itself is
   not reading): else 408.
 - One client address (IPv6: its /64) holds at most ``per_address`` connections; one more
-  is answered 429 and closed at once.
+  is answered 429 and closed at once. A trusted proxy's address has no such cap.
 - A request is admitted while fewer than ``max_connections - keyed_reserve`` requests run
   (and as many connections are open); past that, only ``/v1`` requests carrying a
   well-formed key are, up to ``max_connections`` running requests. The rest get 503.
@@ -48,6 +48,8 @@ class Bounds:
     max_connections: int
     per_address: int  # 0: no cap
     keyed_reserve: int  # of max_connections, for /v1 requests with a well-formed key
+    # Trusted proxies speak for many clients: no per-address cap for them.
+    uncapped: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 
 
 def bounds_from_settings(values: dict[str, Any]) -> Bounds:
@@ -61,6 +63,7 @@ def bounds_from_settings(values: dict[str, Any]) -> Bounds:
         max_connections=most,
         per_address=int(values["HTTP_MAX_CONNECTIONS_PER_ADDRESS"]),
         keyed_reserve=most * int(values["HTTP_KEYED_RESERVE_PERCENT"]) // 100,
+        uncapped=tuple(values.get("TRUSTED_PROXIES") or ()),
     )
 
 
@@ -80,6 +83,18 @@ def address_of(client: tuple[str, int] | None) -> str | None:
             return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return str(ip)
+
+
+def _capped_address(client: tuple[str, int] | None, bounds: Bounds) -> str | None:
+    """The address whose connections are counted, or None when they are not."""
+    address = address_of(client)
+    if address is None or not bounds.uncapped:
+        return address
+    try:
+        ip = ipaddress.ip_address(address.partition("/")[0])
+    except ValueError:
+        return address
+    return None if any(ip in network for network in bounds.uncapped) else address
 
 
 def _is_keyed(url: bytes, headers: list[tuple[bytes, bytes]]) -> bool:
@@ -136,7 +151,7 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             if bounds.per_address:
-                address = address_of(self.client)
+                address = _capped_address(self.client, bounds)
                 if address is not None:
                     held = open_by_address.get(address, 0)
                     if held >= bounds.per_address:

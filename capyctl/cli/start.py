@@ -447,15 +447,17 @@ def _serve_uvicorn(host: str, port: int, listening: socket.socket) -> int:
 
 
 def _serve_daphne(host: str, port: int) -> int:
-    """daphne (Twisted) reads a whole request, body included, before the application
-    sees it, and has no per-address cap: the bounds of capyctl.cli.httpguard are
-    uvicorn's only. What the application checks (body limits by ``Content-Length``, the
-    WebSocket origin) holds here too."""
+    """daphne (Twisted) reads a whole request, body included, into a temporary file
+    before the application sees it, and caps nothing per address: the bounds of
+    capyctl.cli.httpguard (and the body limits, which come too late here) are uvicorn's
+    only. Guarding Twisted's own HTTP would be a server of its own; it stays an
+    alternative for loopback."""
     from daphne.cli import CommandLineInterface
 
     print(
-        "capyctl: warning: daphne has no deadline for slow request bodies and no cap per "
-        "client address; serve with uvicorn (the default) where others can reach it",
+        "capyctl: warning: daphne has no deadline for slow request bodies, no cap per "
+        "client address and reads whole bodies to disk; serve with uvicorn (the default) "
+        "where others can reach it",
         file=sys.stderr,
         flush=True,
     )
