@@ -71,8 +71,13 @@ class OwnRedis:
         """``DEBUG SLEEP``: the server answers nothing for ``seconds`` (connections are
         accepted, calls time out, as with a paused or overloaded server); the thread that
         sent it ends when it is over."""
-        client = redis.Redis.from_url(self.url)
-        thread = threading.Thread(target=client.execute_command, args=("DEBUG", "SLEEP", seconds))
+        client = redis.Redis.from_url(self.url, socket_timeout=seconds + 30)
+
+        def sleep() -> None:
+            with contextlib.suppress(redis.RedisError):  # it was stopped meanwhile
+                client.execute_command("DEBUG", "SLEEP", seconds)
+
+        thread = threading.Thread(target=sleep)
         thread.start()
         time.sleep(0.05)  # it is asleep
         return thread

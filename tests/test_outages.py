@@ -432,3 +432,158 @@ def models(run):
 def _requests_counted(run):
     keys = json.loads(run("key", "list", "--json").out)
     return sum(k["requests"] for k in keys)
+
+
+def paced_models(run, *names, tokens=100):
+    """Models of 16 GiB each (one at a time on the 24 GiB GPU) whose answers stream
+    ``tokens`` tokens at 5 a second, and that drain at once for another (no turns); an
+    admin key."""
+    assert run("engine", "add", "paced", "--kind", "vllm", "--command", SIM,
+               "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB",
+               "--env", "CAPYCTL_SIM_TOKENS_PER_SECOND=5",
+               "--env", f"CAPYCTL_SIM_COMPLETION_TOKENS={tokens}").code == 0  # fmt: skip
+    for name in names:
+        assert run("deployment", "add", name, "--engine", "paced", "--host", "box", "--source",
+                   f"m-{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB",
+                   "--min-ready-seconds", "0", "--max-turn-seconds", "0",
+                   "--wake-timeout", "120").code == 0  # fmt: skip
+    return run("key", "create", "--user", "admin", "--admin").out.strip()
+
+
+@dataclass
+class Stream:
+    tokens: int = 0
+    done: bool = False
+    ended_at: float = 0.0
+    error: str = ""
+
+
+def stream_in_thread(port, key, model):
+    """A streamed answer from ``model``, read on a thread: what came, and when it ended."""
+    seen = Stream()
+
+    def read():
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1000, "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                              headers={"Authorization": f"Bearer {key}"},
+                              timeout=120) as reply:  # fmt: skip
+                for line in reply.iter_lines():
+                    if line == "data: [DONE]":
+                        seen.done = True
+                    elif line.startswith("data: ") and '"content"' in line:
+                        seen.tokens += 1
+        except httpx.HTTPError as exc:
+            seen.error = f"{type(exc).__name__}: {exc}"
+        seen.ended_at = time.monotonic()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    return seen, thread
+
+
+def test_redis_back_with_its_data_after_the_leases_lapsed_parks_nothing_under_a_stream(
+    outage_env, own_redis, tmp_path
+):
+    """A 16 s stream on ``r``; Redis stopped with ``SHUTDOWN SAVE`` and started again on the
+    same RDB 7 s later (every in-flight lease lapsed meanwhile, the rest kept); a request for
+    ``q``, which needs ``r``'s GPU, sent right after: the stream finishes whole, and ``q``
+    is answered only after it. So does a request for ``p`` sent before the outage, whose
+    drain of ``r`` polls the counts across it: the counts of processes whose lease lapsed
+    were taken for dead, and its first count once Redis was back read 0 under the stream
+    (which the park then cut)."""
+    env, run, (port, enrol_port, agent_port), token = one_host_setup(outage_env)
+    key = paced_models(run, "r", "p", "q", tokens=80)
+    server = start(env, tmp_path, port, enrol_port)
+    agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
+    try:
+        wait_online(port, key)
+        seen, reader = stream_in_thread(port, key, "r")  # started by it: 16 s of tokens
+        wait_for(lambda: seen.tokens >= 3, "the stream to be under way")
+        early: list[tuple[httpx.Response, float]] = []
+        asker = threading.Thread(target=lambda: early.append(timed_chat(port, key, "p")))
+        asker.start()
+        time.sleep(1)  # its drain of r waits for the stream
+        own_redis.shutdown_save()
+        time.sleep(7)
+        own_redis.start()
+        asked = time.monotonic()
+        switched, answered = timed_chat(port, key, "q")
+        reader.join(timeout=120)
+        asker.join(timeout=120)
+        ((p_answer, p_answered),) = early
+        logger.warning(
+            "Redis back with its data after 7 s: the stream on r ended %.1fs after q was "
+            "asked for (%d tokens, whole: %s), q answered %.1fs after it was asked for, p "
+            "(asked before the outage) %s %.1fs after",
+            seen.ended_at - asked, seen.tokens, seen.done, answered - asked,
+            p_answer.status_code, p_answered - asked,
+        )  # fmt: skip
+        assert (seen.error, seen.done, seen.tokens) == ("", True, 80)
+        assert switched.status_code == 200, switched.text
+        assert answered >= seen.ended_at
+        if p_answer.status_code == 200:  # or it was told to retry when the outage began
+            assert p_answered >= seen.ended_at
+        else:
+            assert p_answer.json()["error"]["code"] in DOCUMENTED, p_answer.text
+        rows = {d["name"]: d for d in json.loads(run("deployment", "list", "--json").out)}
+        assert rows["q"]["observed_state"] == "ready"
+        assert server.poll() is None
+        assert_ledger_is_the_device(run, agent_sim_dir(tmp_path, agent_port), host="box")
+    finally:
+        agent.terminate()
+        agent.wait(timeout=15)
+        stop(server)
+
+
+def timed_chat(port, key, model):
+    """A chat with ``model``, and when its answer came (monotonic)."""
+    answer = chat(port, key, model, timeout=120)
+    return answer, time.monotonic()
+
+
+def timed_requests(port, key, model, seconds):
+    """Requests to ``model`` one after another for ``seconds``: (status, seconds each)."""
+    seen: list[tuple[int, float]] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        answer = chat(port, key, model)
+        seen.append((answer.status_code, time.monotonic() - started))
+    return seen
+
+
+def test_a_hung_redis_costs_a_ready_model_half_a_second_at_most(outage_env, own_redis, tmp_path):
+    """Redis hung for 8 s (``DEBUG SLEEP``: connections open, calls time out): every call
+    waited its 2 s timeout, on the request path (counting each request in) and under the
+    host lock (a count per ready model). Requests to the ready model now answer within
+    their normal time plus 0.5 s, and a switch works again once Redis answers."""
+    env, run, (port, enrol_port, agent_port), token = one_host_setup(outage_env)
+    key = two_models(run)
+    server = start(env, tmp_path, port, enrol_port)
+    agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
+    try:
+        wait_online(port, key)
+        for model in ("b", "a"):  # both have run; a is ready, b parked
+            assert chat(port, key, model).status_code == 200
+        before = timed_requests(port, key, "a", 3)
+        hung = own_redis.hang(8)
+        during = timed_requests(port, key, "a", 6)
+        hung.join()
+        normal = max(took for _, took in before)
+        logger.warning(
+            "Redis hung for 8 s: %d requests to the ready model, statuses %s, the slowest "
+            "%.2fs (%.2fs before)",
+            len(during), sorted({status for status, _ in during}),
+            max(took for _, took in during), normal,
+        )  # fmt: skip
+        assert {status for status, _ in during} == {200}
+        assert all(took <= normal + 0.5 for _, took in during), during
+        switch_back(port, key, "b")
+        assert server.poll() is None
+        assert_ledger_is_the_device(run, agent_sim_dir(tmp_path, agent_port), host="box")
+    finally:
+        agent.terminate()
+        agent.wait(timeout=15)
+        stop(server)
