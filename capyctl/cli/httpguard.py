@@ -238,11 +238,16 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
             self._stop_timer()
             self._in_head = True
             self._head_bytes = self._head_parsed = 0
-            self._timer = self.loop.call_later(bounds.header_timeout, self._too_slow)
+            self._timer = self.loop.call_later(bounds.header_timeout, self._expired)
 
-        def _too_slow(self) -> None:
+        def _expired(self) -> None:
+            """One timer a request, as cheap as uvicorn's head alone: due for the head,
+            then (moved on if need be) for the body."""
             self._timer = None
-            self._refuse(REQUEST_TIMEOUT)
+            if self._in_head:
+                self._refuse(REQUEST_TIMEOUT)
+            elif self._in_body:
+                self._body_check()
 
         def on_message_begin(self) -> None:
             if self._refused:
@@ -265,8 +270,8 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
                 self._refuse(HEAD_TOO_LARGE)
                 raise _RefusedError
             self._in_head = False
-            self._stop_timer()
             if self.parser.should_upgrade() and self._should_upgrade():
+                self._stop_timer()
                 super().on_headers_complete()  # a WebSocket: its protocol takes over
                 return
             tasks, connections = len(self.tasks), len(self.connections)
@@ -274,6 +279,7 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
                 tasks < bounds.max_connections and _is_keyed(self.url, self.headers)
             ):
                 # Full: 503, as uvicorn's own cap answers it.
+                self._stop_timer()
                 self.app, app = service_unavailable, self.app
                 try:
                     super().on_headers_complete()
@@ -284,7 +290,11 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
             self._in_body = True
             self._body_bytes = 0
             self._body_since = self.loop.time()
-            self._timer = self.loop.call_later(bounds.body_timeout, self._body_check)
+            # The head's timer stays: it fires no later than the body is due (then the
+            # body's check moves it on), unless the body's timeout is the shorter.
+            if bounds.body_timeout < bounds.header_timeout:
+                self._stop_timer()
+                self._timer = self.loop.call_later(bounds.body_timeout, self._expired)
 
         # --- the body --------------------------------------------------------------------
 
@@ -302,16 +312,15 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
             super().on_message_complete()
 
         def _body_check(self) -> None:
-            self._timer = None
             now = self.loop.time()
             if self.flow.read_paused:  # the server is not reading: its delay, not the client's
                 self._body_since, self._body_bytes = now, 0
-                self._timer = self.loop.call_later(bounds.body_timeout, self._body_check)
+                self._timer = self.loop.call_later(bounds.body_timeout, self._expired)
                 return
             earned = self._body_bytes / bounds.body_min_rate if bounds.body_min_rate else 0.0
             due = self._body_since + bounds.body_timeout + earned
             if now < due:
-                self._timer = self.loop.call_later(due - now, self._body_check)
+                self._timer = self.loop.call_later(due - now, self._expired)
             else:
                 self._refuse(REQUEST_TIMEOUT)
 
