@@ -335,3 +335,27 @@ def test_a_release_confirmed_for_a_model_with_nothing_unconfirmed_changes_nothin
     assert transitions.release_confirmed(a, Host.objects.get(), {"gpu0": GIB}) is False
     assert Deployment.objects.get(pk=a.pk).state_reason == "to make room for b"
     assert entries("a") == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_marked_unreachable_changes_state_and_ledger_together(gpu24):
+    """A host was marked unreachable in one transaction and its models' entries made
+    unconfirmed in another: a failure between them left the host unreachable with its
+    memory counted as held and confirmed."""
+    from capyctl.hosts.agents import mark_unreachable
+    from capyctl.hosts.services import add_host
+    from tests.refusals import refused
+
+    vllm_engine()
+    a = deployment("a")
+    remote, _token = add_host("gpu-a", "10.0.0.5:7443")
+    Host.objects.filter(pk=remote.pk).update(state="online")
+    LedgerEntry.objects.create(host=remote, deployment=a, pool="gpu0", bytes=GIB, status="held")
+    table = LedgerEntry._meta.db_table
+    with refused(table, "UPDATE"), pytest.raises(Exception, match="refused by the database"):
+        mark_unreachable(Host.objects.get(pk=remote.pk), "host gpu-a did not answer")
+    assert Host.objects.get(pk=remote.pk).state == "online"
+    assert LedgerEntry.objects.get(host=remote).status == "held"
+    mark_unreachable(Host.objects.get(pk=remote.pk), "host gpu-a did not answer")
+    assert Host.objects.get(pk=remote.pk).state == "unreachable"
+    assert LedgerEntry.objects.get(host=remote).status == "unconfirmed"

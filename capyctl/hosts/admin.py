@@ -67,8 +67,10 @@ class HostAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return False
 
     def save_model(self, request: HttpRequest, obj: Host, form: Any, change: bool) -> None:
-        if change:
-            super().save_model(request, obj, form, change)
+        if change:  # only the fields the form changed: the state is the scheduler's
+            changed = [f for f in form.changed_data if f in self.fields]
+            if changed:
+                obj.save(update_fields=[*changed, "updated_at"])
             return
         try:
             host, token = add_host(form.cleaned_data["name"], form.cleaned_data["address"])

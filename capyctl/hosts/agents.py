@@ -17,7 +17,6 @@ from dataclasses import asdict
 from typing import Any
 
 import httpx
-from django.utils import timezone
 
 from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
@@ -106,20 +105,14 @@ def poll_hosts() -> None:
             mark_unreachable(host, str(exc))
             continue
         # Online only if it still holds the certificate this call trusted: a revoke that
-        # landed while the call was under way is not undone by its answer.
-        answered = Host.objects.filter(pk=host.pk, cert_fingerprint=host.cert_fingerprint).exclude(
-            cert_fingerprint=""
-        )
-        if not answered.update(
-            state=Host.State.ONLINE, inventory=inventory, last_seen_at=timezone.now()
-        ):
+        # landed while the call was under way is not undone by its answer. If it was
+        # unreachable, its entries count as held again; reconcile then finds out which
+        # engines are still there (and fails the ones that are gone).
+        was = transitions.host_answers(host, inventory, pin=host.cert_fingerprint)
+        if was is None:
             continue
         note_measures(host, inventory)
-        if host.state == Host.State.UNREACHABLE:
-            # It reports again: its entries count as held; reconcile then finds out which
-            # engines are still there (and fails the ones that are gone).
-            transitions.host_answers(host)
-        if host.state != Host.State.ONLINE:
+        if was != Host.State.ONLINE:
             gpus = ", ".join(g["name"] for g in inventory.get("gpus") or []) or "no GPUs"
             record_event("host.online", f"host {host.name} answers: {gpus}", subject=host.name,
                          host_id=host.pk)  # fmt: skip
@@ -128,10 +121,8 @@ def poll_hosts() -> None:
 def mark_unreachable(host: Host, reason: str) -> None:
     """Say ``host`` is unreachable (an event when that is news); what its models hold stays
     counted, as memory nobody can confirm now."""
-    if host.state == Host.State.UNREACHABLE:
+    if host.state == Host.State.UNREACHABLE or not transitions.host_unreachable(host):
         return
-    Host.objects.filter(pk=host.pk).update(state=Host.State.UNREACHABLE)
-    transitions.host_unreachable(host)
     record_event("host.unreachable", reason, subject=host.name, host_id=host.pk,
                  level="warning")  # fmt: skip
 

@@ -61,6 +61,14 @@ class Host(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """A new row, or the named fields of an existing one: a full save would write back
+        ``state`` as it was read, undoing what happened meanwhile (a host's state is
+        written only by :mod:`capyctl.scheduler.transitions`, with its ledger)."""
+        if not self._state.adding and kwargs.get("update_fields") is None:
+            raise TypeError("Host.save() of an existing row needs update_fields")
+        super().save(*args, **kwargs)
+
     @property
     def measures(self) -> str | None:
         """How the host measures its engines' GPU memory, ``per process`` or ``device

@@ -30,14 +30,9 @@ def get_host(name: str) -> Host:
 @transaction.atomic
 def ensure_local_host(inventory: Inventory) -> Host:
     """Create or refresh the in-process host ``local`` with what the probe sees now."""
-    host, created = Host.objects.get_or_create(
-        name=LOCAL_HOST_NAME, defaults={"is_local": True, "state": Host.State.ONLINE}
-    )
-    host.is_local = True
-    host.state = Host.State.ONLINE
-    host.inventory = inventory.as_dict()
-    host.last_seen_at = timezone.now()
-    host.save()
+    from capyctl.scheduler import transitions  # noqa: PLC0415 - the scheduler imports this module
+
+    host, created = transitions.local_host_seen(inventory.as_dict())
     if created:
         gpus = ", ".join(f"{g.name} ({format_size(g.total_bytes)})" for g in inventory.gpus)
         record_event(
@@ -99,7 +94,7 @@ def add_host(name: str, address: str) -> tuple[Host, str]:
     with transaction.atomic():
         if Host.objects.filter(name=name).exists():
             raise UserError(f"a host named {name!r} already exists", field="name")
-        host = Host.objects.create(name=name, address=address, state=Host.State.UNKNOWN)
+        host = Host.objects.create(name=name, address=address)  # its state: unknown
         token = new_join_token(host)
         record_event(
             "host.added",
@@ -234,8 +229,10 @@ def remove_host(name: str) -> None:
             [*(f"engine {e}" for e in engines), *(f"deployment {d}" for d in deployments)]
         )
         raise UserError(f"host {name} is still used by {using}", field="name")
+    from capyctl.scheduler import transitions  # noqa: PLC0415 - the scheduler imports this module
+
     with transaction.atomic():
-        host.delete()
+        transitions.host_removed(host)
         record_event("host.removed", f"host {name} removed", subject=name)
 
 
@@ -262,7 +259,7 @@ def update_host(
             raise UserError(f"{field_name} must be 0 to {MAX_SIZE_BYTES}", field=field_name)
         setattr(host, field_name, value)
         changed.append(field_name)
-    host.save()
+    host.save(update_fields=[*changed, "updated_at"])
     record_event(
         "host.changed",
         f"host {name} changed: {', '.join(changed) or 'nothing'}",

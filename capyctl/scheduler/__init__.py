@@ -5,9 +5,11 @@ Who may write what (``tests/test_layout.py`` holds the code to it):
 ==============  =========================================================================
 module          role
 ==============  =========================================================================
-transitions     THE writer: a deployment's observed state, its instance rows' state and
-                every ledger entry change only here, one function per state change
-                (conditional update, ledger change, event, notification together).
+transitions     THE writer: a deployment's observed state (with its parked mode, reason
+                and when it changed) and desired state, its instance rows' state, a
+                host's state and every ledger entry change only here, one function per
+                state change (conditional update, ledger change, event, notification
+                together); a losing update changes nothing.
 operations      the verbs: ensure ready, start, wake, park, stop, evict. They decide
                 and call transitions; they write nothing themselves.
 admission       whether a start or wake fits, planned and promised under the host lock.

@@ -10,6 +10,7 @@ import time
 
 from capyctl.deployments.models import Deployment
 from capyctl.errors import UserError
+from capyctl.scheduler import transitions
 from capyctl.scheduler.executor import server_alive, submit
 from capyctl.scheduler.models import Operation
 
@@ -33,7 +34,7 @@ def request_action(
     alive = server_alive()  # first: an intent nobody can be told changes nothing
     if action in ("start", "stop"):
         desired = "running" if action == "start" else "stopped"
-        Deployment.objects.filter(pk=deployment.pk).update(desired_state=desired)
+        transitions.desired(deployment.pk, desired)
     if not alive:
         if action in ("start", "stop"):
             return None

@@ -130,5 +130,6 @@ def _announce(deployment: Deployment, host: Host, status: FetchStatus, actor: st
 
 def _save_progress(deployment: Deployment, status: FetchStatus) -> None:
     data = {**status.as_dict(), "updated_at": timezone.now().isoformat()}
-    rows = Deployment.objects.filter(pk=deployment.pk, observed_state=S.DOWNLOADING)
-    rows.update(download=data, state_reason=f"downloading {deployment.source}: {describe(status)}")
+    transitions.download_progress(
+        deployment, data, f"downloading {deployment.source}: {describe(status)}"
+    )

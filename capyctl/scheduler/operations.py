@@ -277,7 +277,7 @@ def _act(deployment: Deployment, actor: str) -> Deployment:
 
 def start(deployment_id: int, actor: str = "system") -> Deployment:
     """The person's intent "run it": desired running, then ready."""
-    Deployment.objects.filter(pk=deployment_id).update(desired_state="running")
+    transitions.desired(deployment_id, "running")
     return ensure_ready(deployment_id, actor)
 
 
@@ -669,7 +669,7 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
 
 def stop(deployment_id: int, actor: str = "system") -> Deployment:
     """The person's intent "stop it": desired stopped, engine ended, memory released."""
-    Deployment.objects.filter(pk=deployment_id).update(desired_state="stopped")
+    transitions.desired(deployment_id, "stopped")
     deployment = _load(deployment_id)
     # A download holds its start's lock for as long as it takes: the stop does not wait.
     if deployment.observed_state == S.DOWNLOADING and transitions.download_stopped(

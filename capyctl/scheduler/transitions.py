@@ -33,6 +33,11 @@ download_abandoned downloading → failed                        —
 recovered          any live state → stopped                    released
 release_confirmed  parked                                      unconfirmed → held
 =================  ==========================================  ============================
+
+A host's state changes here too (``local_host_seen``, ``host_unreachable``, with its models'
+entries unconfirmed in the same transaction, ``host_answers``, ``host_removed`` with its
+foreign entries), as do a deployment's desired state (``desired``) and a download's
+progress line (``download_progress``).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from django.utils import timezone
 from capyctl.deployments.models import Deployment, Instance, ObservedState
 from capyctl.events.models import Event
 from capyctl.events.services import record_event
-from capyctl.hosts.models import Host
+from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import (
@@ -678,20 +683,74 @@ def foreign_measured(host: Host, figures: Mapping[str, int]) -> None:
         set_foreign(locked, allowed)
 
 
-def host_unreachable(host: Host) -> None:
-    """What the host's models hold stays counted, as memory nobody can confirm now."""
+def local_host_seen(inventory: Mapping[str, Any]) -> tuple[Host, bool]:
+    """The in-process host ``local``, made or refreshed with what the probe sees now:
+    online. Returns it, and whether it was made now."""
+    now = timezone.now()
+    seen = {"is_local": True, "state": Host.State.ONLINE, "inventory": dict(inventory),
+            "last_seen_at": now}  # fmt: skip
+    with transaction.atomic():
+        host, created = Host.objects.get_or_create(name=LOCAL_HOST_NAME, defaults=seen)
+        if not created:
+            Host.objects.filter(pk=host.pk).update(**seen)
+            host.refresh_from_db()
+    return host, created
+
+
+def host_unreachable(host: Host) -> bool:
+    """-> UNREACHABLE, and what the host's models hold stays counted, as memory nobody can
+    confirm now: both in one transaction. False: it was unreachable already."""
     with host_lock(host.pk) as locked:
+        rows = Host.objects.filter(pk=locked.pk).exclude(state=Host.State.UNREACHABLE)
+        if not rows.update(state=Host.State.UNREACHABLE):
+            return False
         LedgerEntry.objects.filter(
             host=locked,
             deployment__isnull=False,
             status__in=[Status.HELD, Status.PROMISED],
         ).update(status=Status.UNCONFIRMED, note=UNREACHABLE_NOTE)
+    return True
 
 
-def host_answers(host: Host) -> None:
-    """The host reports again: what was unconfirmed for that reason counts as held;
-    reconcile then finds out which engines are still there."""
+def host_answers(host: Host, inventory: Mapping[str, Any], *, pin: str) -> str | None:
+    """-> ONLINE with the ``inventory`` it reported, only while it still holds the
+    certificate ``pin`` the call trusted (a revoke that landed meanwhile is not undone).
+    If it was unreachable, what was unconfirmed for that reason counts as held again
+    (reconcile then finds out which engines are still there). Returns the state it was in;
+    None: its certificate changed meanwhile, and nothing changed."""
     with host_lock(host.pk) as locked:
-        LedgerEntry.objects.filter(
-            host=locked, status=Status.UNCONFIRMED, note=UNREACHABLE_NOTE
-        ).update(status=Status.HELD, note="")
+        rows = Host.objects.filter(pk=locked.pk, cert_fingerprint=pin).exclude(cert_fingerprint="")
+        if not rows.update(
+            state=Host.State.ONLINE, inventory=dict(inventory), last_seen_at=timezone.now()
+        ):
+            return None
+        if locked.state == Host.State.UNREACHABLE:
+            LedgerEntry.objects.filter(
+                host=locked, status=Status.UNCONFIRMED, note=UNREACHABLE_NOTE
+            ).update(status=Status.HELD, note="")
+    return str(locked.state)
+
+
+def host_removed(host: Host) -> None:
+    """The host is forgotten, with the memory its ledger counted as foreign (no model is
+    placed on it, so it counts nothing else: the caller checked)."""
+    with host_lock(host.pk) as locked:
+        pools = LedgerEntry.objects.filter(host=locked, deployment__isnull=True)
+        set_foreign(locked, dict.fromkeys(pools.values_list("pool", flat=True), 0))
+        locked.delete()
+
+
+# --- people's intent ---------------------------------------------------------------------
+
+
+def desired(deployment_id: int, value: str) -> None:
+    """A person's intent for the deployment: ``running`` or ``stopped`` (its desired state;
+    the scheduler acts on it)."""
+    Deployment.objects.filter(pk=deployment_id).update(desired_state=value)
+
+
+def download_progress(deployment: Deployment, data: Mapping[str, Any], line: str) -> bool:
+    """While it downloads: the fetch's progress (``download``) and its line in
+    ``state_reason``. False: it no longer downloads, and nothing changed."""
+    rows = Deployment.objects.filter(pk=deployment.pk, observed_state=S.DOWNLOADING)
+    return bool(rows.update(download=dict(data), state_reason=line))
