@@ -47,6 +47,7 @@ DATABASE_MODULES = frozenset(
         "test_switching.py",
         "test_traces.py",
         "test_transitions.py",
+        "test_unasked_parks.py",
         "test_user_ceilings.py",
     }
 )
