@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "capyctl.settings")
 
@@ -22,9 +24,10 @@ from channels.routing import ProtocolTypeRouter, URLRouter
 from channels.security.websocket import WebsocketDenier
 from django.conf import settings
 from django.core.asgi import get_asgi_application
+from django.core.exceptions import DisallowedHost
 from django.http import HttpRequest
-from django.middleware.csrf import CsrfViewMiddleware
 from django.urls import path
+from django.utils.http import is_same_domain
 
 django_application = get_asgi_application()
 
@@ -82,7 +85,7 @@ class _BodyLimit:
                 return {"type": "http.disconnect"}
         return message
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: Mapping[str, Any]) -> None:
         if self.refused:
             return
         if message["type"] == "http.response.start":
@@ -143,6 +146,30 @@ class _Handshake(HttpRequest):
         return self._handshake_scheme
 
 
+def _origin_verified(request: HttpRequest, origin: str) -> bool:
+    """The origin check of Django's CSRF middleware (``_origin_verified``): the request's
+    own scheme and host (one it answers to) with its port, or a trusted origin."""
+    try:
+        host = request.get_host()
+    except DisallowedHost:
+        pass
+    else:
+        if origin == f"{'https' if request.is_secure() else 'http'}://{host}":
+            return True
+    trusted = settings.CSRF_TRUSTED_ORIGINS
+    if origin in [exact for exact in trusted if "*" not in exact]:
+        return True
+    try:
+        asked = urlsplit(origin)
+    except ValueError:
+        return False
+    return any(
+        is_same_domain(asked.netloc, allowed.netloc.lstrip("*"))
+        for allowed in (urlsplit(pattern) for pattern in trusted if "*" in pattern)
+        if allowed.scheme == asked.scheme
+    )
+
+
 class SameOriginValidator:
     """Let a WebSocket through only from a page of the server's own origin (the scheme,
     host and port it was reached at, the host one it answers to) or of
@@ -151,14 +178,10 @@ class SameOriginValidator:
     def __init__(self, application: Any) -> None:
         self.application = application
 
-    def allows(self, scope: dict[str, Any]) -> bool:
-        request = _Handshake(scope)
-        # A check of its own each time: it reads the trusted origins once.
-        csrf = CsrfViewMiddleware(lambda request: None)
-        return "HTTP_ORIGIN" in request.META and csrf._origin_verified(request)
-
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if self.allows(scope):
+        request = _Handshake(scope)
+        origin = request.META.get("HTTP_ORIGIN")
+        if origin is not None and _origin_verified(request, origin):
             await self.application(scope, receive, send)
         else:
             await WebsocketDenier()(scope, receive, send)

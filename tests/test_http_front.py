@@ -363,7 +363,7 @@ async def test_the_dashboard_feed_takes_its_own_origin_only(alice, settings):
             first = await feed.receive_json_from(timeout=5)
             assert first["type"] == "snapshot"
         await feed.disconnect()
-        return connected
+        return bool(connected)
 
     assert await opens("http://127.0.0.1:8000")
     for foreign in ("http://127.0.0.1:1", "https://127.0.0.1:8000", "http://localhost:8000",

@@ -211,12 +211,12 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserError:
-                if not self._refused:
+                if not self.transport.is_closing():  # closing: refused here, said already
                     self.logger.warning("Invalid HTTP request received.")
                     self.send_400_response("Invalid HTTP request received.")
                 return
             except httptools.HttpParserUpgrade:
-                if self._refused:
+                if self.transport.is_closing():
                     return
                 if self._should_upgrade():
                     self.handle_websocket_upgrade()
