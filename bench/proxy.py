@@ -6,7 +6,11 @@ through CapyCTL (standalone, uvicorn): small JSON chat at concurrency 1, 32 and 
 starts spread over one stream's length as in a steady load; then 128 streams started at
 the same instant, each run with its first-chunk latency.
 
-Run: .venv/bin/python bench/proxy.py [--seconds 5]
+The engines listen on Unix sockets (the simulated llama-server binds one, as llama-server
+builds since 2025 do); ``--tcp-engines`` gives them a build without, on loopback TCP, to
+compare the two.
+
+Run: .venv/bin/python bench/proxy.py [--seconds 5] [--tcp-engines]
 """
 
 from __future__ import annotations
@@ -42,13 +46,21 @@ def capyctl(env: dict[str, str], *argv: str) -> str:
     return done.stdout.strip()
 
 
+def connector_for(url: str, limit: int) -> tuple[str, aiohttp.BaseConnector]:
+    """The URL to ask and a connector: an engine's socket (``unix:PATH|/route``) or TCP."""
+    if url.startswith("unix:"):
+        path, _, route = url.removeprefix("unix:").partition("|")
+        return f"http://localhost{route}", aiohttp.UnixConnector(path=path, limit=limit)
+    return url, aiohttp.TCPConnector(limit=limit)
+
+
 async def small_json(
     url: str, key: str, model: str, concurrency: int, seconds: float
 ) -> list[float]:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     latencies: list[float] = []
     deadline = time.perf_counter() + seconds
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    url, connector = connector_for(url, concurrency)
     headers = {"Authorization": f"Bearer {key}"}
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
 
@@ -80,7 +92,7 @@ async def paced_streams(
     ``burst``, all start at once and stream once."""
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
     run = StreamRun(0.0, 0, [])
-    connector = aiohttp.TCPConnector(limit=clients)
+    url, connector = connector_for(url, clients)
     headers = {"Authorization": f"Bearer {key}"}
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
 
@@ -115,7 +127,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def engine_address(env: dict[str, str], name: str) -> tuple[str, str]:
-    """The engine's loopback port and launch key, read from CapyCTL's database."""
+    """Where the engine listens (``unix:PATH|`` for its socket, else its loopback port)
+    and its launch key, read from CapyCTL's database."""
     os.environ.update({k: v for k, v in env.items() if k.startswith("CAPYCTL_")})
     os.environ["DJANGO_SETTINGS_MODULE"] = "capyctl.settings"
     import django
@@ -124,6 +137,8 @@ def engine_address(env: dict[str, str], name: str) -> tuple[str, str]:
     from capyctl.deployments.models import Instance
 
     instance = Instance.objects.filter(deployment__name=name, state="running").get()
+    if instance.socket_path:
+        return f"unix:{instance.socket_path}|", instance.launch_key
     return f"http://127.0.0.1:{instance.port}", instance.launch_key
 
 
@@ -152,15 +167,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=4, help="direct/proxied alternations")
+    parser.add_argument("--tcp-engines", action="store_true",
+                        help="engines without Unix sockets: on loopback TCP")  # fmt: skip
     args = parser.parse_args()
     data = tempfile.mkdtemp(prefix="capyctl-proxy-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
     env.update({"CAPYCTL_DATA_DIR": data, "CAPYCTL_LOG_LEVEL": "WARNING"})
     sim = f"{sys.executable} -m hostagent.sim llamacpp"
+    tcp = ["--env", "CAPYCTL_SIM_NO_SOCKET=1"] if args.tcp_engines else []
     capyctl(env, "engine", "add", "sim", "--kind", "llamacpp", "--command", sim,
-            "--env", "CAPYCTL_SIM_COMPLETION_TOKENS=4")  # fmt: skip
+            "--env", "CAPYCTL_SIM_COMPLETION_TOKENS=4", *tcp)  # fmt: skip
     capyctl(env, "engine", "add", "paced", "--kind", "llamacpp", "--command", sim,
-            "--env", "CAPYCTL_SIM_COMPLETION_TOKENS=50", "--env", "CAPYCTL_SIM_TOKENS_PER_SECOND=50")  # fmt: skip
+            "--env", "CAPYCTL_SIM_COMPLETION_TOKENS=50", "--env", "CAPYCTL_SIM_TOKENS_PER_SECOND=50",
+            *tcp)  # fmt: skip
     capyctl(env, "deployment", "add", "json", "--engine", "sim", "--source", "m", "--gpus", "0")
     capyctl(env, "deployment", "add", "stream", "--engine", "paced", "--source", "m", "--gpus", "0")
     key = capyctl(env, "key", "create", "--user", "admin")
