@@ -23,6 +23,9 @@ from typing import Any
 import httpx
 import pytest
 
+from capyctl.deployments.models import Deployment
+from capyctl.deployments.services import DeploymentSpec, add_deployment
+from capyctl.engines.services import add_engine
 from tests.conftest import (
     CliResult,
     Server,
@@ -156,17 +159,21 @@ def test_each_field_is_held_to_its_deployments_own_ceiling(site):
 
 def test_only_staff_set_ceilings_and_a_bad_one_changes_nothing(site):
     bob = log_in(site.server, "bob", site.passwords["bob"])
-    for change in ({"n_ceiling": 100000}, {"max_tokens_ceiling": 2**31 - 1},
-                   {"best_of_ceiling": 1000}, {"media_domains": ["169.254.169.254"]}):  # fmt: skip
+    widening: list[dict[str, Any]] = [{"n_ceiling": 100000}, {"max_tokens_ceiling": 2**31 - 1},
+                                      {"best_of_ceiling": 1000},
+                                      {"media_domains": ["169.254.169.254"]}]  # fmt: skip
+    for change in widening:
         assert bob.patch("/api/deployments/knobs/", json=change).status_code == 403, change
     before = site.deployment("knobs")
     assert (before["n_ceiling"], before["media_domains"]) == (2, [])
 
     alice = log_in(site.server, "alice", site.passwords["alice"])
-    for change, field in (({"n_ceiling": 0}, "n_ceiling"), ({"n_ceiling": "many"}, "n_ceiling"),
-                          ({"max_tokens_ceiling": 2**31}, "max_tokens_ceiling"),
-                          ({"media_domains": ["*.example.com"]}, "media_domains"),
-                          ({"media_domains": ["http://x.example/"]}, "media_domains")):  # fmt: skip
+    wrong: list[tuple[dict[str, Any], str]] = [
+        ({"n_ceiling": 0}, "n_ceiling"), ({"n_ceiling": "many"}, "n_ceiling"),
+        ({"max_tokens_ceiling": 2**31}, "max_tokens_ceiling"),
+        ({"media_domains": ["*.example.com"]}, "media_domains"),
+        ({"media_domains": ["http://x.example/"]}, "media_domains")]  # fmt: skip
+    for change, field in wrong:
         answer = alice.patch("/api/deployments/knobs/", json=change)
         assert answer.status_code == 400, (change, answer.text)
         assert field in answer.json(), answer.text
@@ -235,3 +242,30 @@ def test_media_urls_pass_only_as_data_or_from_the_deployments_media_domains(site
     refused(image_chat(site, "pics", inside.replace("http://", "ftp://")),
             "messages[0].content[1].image_url.url")  # fmt: skip
     assert hits == ["/cat.png"]
+
+
+@pytest.mark.django_db
+def test_the_admin_sets_ceilings_and_media_domains_and_refuses_bad_ones_on_the_field(client, alice):
+    alice.is_superuser = True
+    alice.save()
+    client.force_login(alice)
+    engine = add_engine("sim", kind="vllm", command="python -m hostagent.sim vllm")
+    llama = add_deployment(DeploymentSpec(name="llama", engine="sim", source="/m/llama"))
+    url = f"/admin/deployments/deployment/{llama.pk}/change/"
+    form = {"name": "llama", "engine": engine.pk, "source": "/m/llama", "gpus": 1,
+            "park": "auto", "priority": 0, "over_claim": "stop"}  # fmt: skip
+    for bad, field in (({"n_ceiling": "0"}, "n_ceiling"),
+                       ({"max_tokens_ceiling": str(2**31)}, "max_tokens_ceiling"),
+                       ({"media_domains": "*.example.com"}, "media_domains")):  # fmt: skip
+        page = client.post(url, {**form, **bad})
+        assert page.status_code == 200, bad  # the form again, with the error on its field
+        assert field in str(page.context["adminform"].form.errors), bad
+    assert Deployment.objects.get(pk=llama.pk).ceilings == {
+        "max_tokens_ceiling": 65536, "n_ceiling": 16, "best_of_ceiling": 16}  # fmt: skip
+    domains = "Images.Example.com, cdn.example.com"
+    saved = client.post(url, {**form, "n_ceiling": "4", "best_of_ceiling": "2",
+                              "media_domains": domains})  # fmt: skip
+    assert saved.status_code == 302, saved.content.decode()[:2000]
+    llama = Deployment.objects.get(pk=llama.pk)
+    assert (llama.n_ceiling, llama.best_of_ceiling, llama.max_tokens_ceiling) == (4, 2, 65536)
+    assert llama.media_domains == ["images.example.com", "cdn.example.com"]

@@ -23,7 +23,7 @@ from capyctl.deployments.services import (
 from capyctl.errors import UserError
 from capyctl.scheduler.actions import request_action
 from capyctl.validation import parse_gpu_memory, parse_size_value, split_engine_args
-from hostagent.units import format_size
+from hostagent.units import format_size_exact
 
 _PLAIN_FIELDS = ("source", *SETTING_FIELDS)
 
@@ -40,7 +40,7 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
     args_text = forms.CharField(
         label="Engine args", required=False, help_text="extra engine arguments, as on a shell"
     )
-    media_domains_text = forms.CharField(
+    media_domains = forms.CharField(
         label="Media domains",
         required=False,
         help_text="hosts whose http(s) image, audio and video URLs requests may name, "
@@ -62,13 +62,13 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
         if obj.pk:
             self.initial["aliases_text"] = ", ".join(obj.alias_names)
             self.initial["args_text"] = shlex.join(obj.engine_args)
-            self.initial["media_domains_text"] = ", ".join(obj.media_domains)
+            self.initial["media_domains"] = ", ".join(obj.media_domains)
             if obj.gpu_memory_bytes is not None:
-                self.initial["gpu_memory"] = format_size(obj.gpu_memory_bytes).replace(" ", "")
+                self.initial["gpu_memory"] = format_size_exact(obj.gpu_memory_bytes)
             elif obj.gpu_memory_fraction is not None:
                 self.initial["gpu_memory"] = f"{obj.gpu_memory_fraction:g}"
             if obj.weights_bytes is not None:
-                self.initial["weights_size"] = str(obj.weights_bytes)
+                self.initial["weights_size"] = format_size_exact(obj.weights_bytes)
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -101,7 +101,7 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
             weights_bytes=parse_size_value(weights, field="weights_bytes") if weights else None,
             engine_args=split_engine_args(data.get("args_text") or ""),
             media_domains=[
-                d.strip() for d in (data.get("media_domains_text") or "").split(",") if d.strip()
+                d.strip() for d in (data.get("media_domains") or "").split(",") if d.strip()
             ],
             **plain,
         )
@@ -158,7 +158,7 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             {
                 "fields": (
                     *(ceiling.name for ceiling in guards.CEILINGS),
-                    "media_domains_text",
+                    "media_domains",
                 )
             },
         ),
