@@ -199,7 +199,11 @@ def _keywords(node: ast.Call) -> set[str]:
     names = {k.arg for k in node.keywords if k.arg}
     for keyword in node.keywords:
         if keyword.arg in ("defaults", "create_defaults") and isinstance(keyword.value, ast.Dict):
-            names |= {k.value for k in keyword.value.keys if isinstance(k, ast.Constant)}
+            names |= {
+                k.value
+                for k in keyword.value.keys
+                if isinstance(k, ast.Constant) and isinstance(k.value, str)
+            }
     return names
 
 
