@@ -14,6 +14,7 @@ import pytest
 
 from hostagent.probe import CpuOnlyProbe
 from hostagent.runtime import EngineRuntime, InstanceRequest
+from tests.engine_http import engine_http
 
 
 def llama_server_binary() -> str:
@@ -47,8 +48,8 @@ def request_for_smollm() -> InstanceRequest:
 
 
 def ask(instance, **extra):
-    return httpx.post(
-        f"{instance.base_url}/v1/chat/completions",
+    return engine_http(instance).post(
+        "/v1/chat/completions",
         headers={"Authorization": f"Bearer {instance.api_key}"},
         json={
             "model": "smollm",
@@ -68,7 +69,7 @@ def test_llama_server_start_chat_stream_stop_and_start_again(runtime):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                status = httpx.get(f"{instance.base_url}/health", timeout=2).status_code
+                status = engine_http(instance).get("/health", timeout=2).status_code
             except httpx.TransportError:
                 status = None
             if status is not None and (not seen or seen[-1] != status):
@@ -85,10 +86,12 @@ def test_llama_server_start_chat_stream_stop_and_start_again(runtime):
             for c in psutil.Process(instance.pid).net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN
         }
-        assert listening == {"127.0.0.1"}
+        # This build's --host binds a .sock path: its socket, and no TCP port.
+        assert listening == set()
+        assert instance.socket_path is not None
 
-        no_key = httpx.post(
-            f"{instance.base_url}/v1/chat/completions",
+        no_key = engine_http(instance).post(
+            "/v1/chat/completions",
             json={"model": "smollm", "messages": [{"role": "user", "content": "hi"}]},
         )
         assert no_key.status_code == 401
@@ -146,12 +149,16 @@ def test_llama_server_reads_its_key_from_its_environment_not_its_command_line(
 
         def status(key):
             headers = {"Authorization": f"Bearer {key}"} if key else {}
-            return httpx.post(
-                f"{instance.base_url}/v1/chat/completions",
-                headers=headers,
-                json={"model": "smollm", "messages": [{"role": "user", "content": "hi"}]},
-                timeout=60,
-            ).status_code
+            return (
+                engine_http(instance)
+                .post(
+                    "/v1/chat/completions",
+                    headers=headers,
+                    json={"model": "smollm", "messages": [{"role": "user", "content": "hi"}]},
+                    timeout=60,
+                )
+                .status_code
+            )
 
         assert status(None) == 401
         assert status("host-env-key") == 401

@@ -22,9 +22,10 @@ from hostagent.versions import EngineFeatures, ProbeCommands
 MIB = 1024**2
 FIT_FLAGS = ("--fit", "-fit", "--fit-target", "-fitt")
 UNIX_SOCKET = "unix-socket"
-# common/arg.cpp's --host: "ip address to listen, or bind to an UNIX socket if the address
-# ends with .sock".
-UNIX_SOCKET_HELP = r"(?i)unix socket if the address ends with \.sock"
+# common/arg.cpp's --host, as builds since spring 2025 word it: "ip address to listen, or
+# bind to an UNIX socket if the address ends with .sock", later "IP addresses to listen on,
+# comma-separated, or UNIX socket paths ending in .sock".
+UNIX_SOCKET_HELP = r"(?is)\bunix\s+socket\b.{0,60}?\.sock\b"
 SOCKET_SUFFIX = ".sock"
 
 
