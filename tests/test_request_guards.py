@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from capyctl.deployments.models import Deployment
@@ -242,6 +243,21 @@ def test_media_urls_pass_only_as_data_or_from_the_deployments_media_domains(site
     refused(image_chat(site, "pics", inside.replace("http://", "ftp://")),
             "messages[0].content[1].image_url.url")  # fmt: skip
     assert hits == ["/cat.png"]
+    # CapyCTL launched pics's engine to fetch from its media domains alone.
+    argv = engine_command_line(site.server, "pics")
+    given = argv[argv.index("--allowed-media-domains") + 1 :]
+    assert given[: next(i for i, a in enumerate([*given, "--"]) if a.startswith("--"))] == [
+        "127.0.0.1"
+    ]
+
+
+def engine_command_line(server: Server, model: str) -> list[str]:
+    """The command line of the engine the server launched for ``model``, as ``ps`` shows it."""
+    for process in psutil.Process(server.process.pid).children(recursive=True):
+        argv = process.cmdline()
+        if "--served-model-name" in argv and argv[argv.index("--served-model-name") + 1] == model:
+            return list(argv)
+    raise AssertionError(f"no engine runs for {model}")
 
 
 @pytest.mark.django_db
