@@ -21,7 +21,7 @@ from django.db import OperationalError
 from django.db.backends import utils as db_utils
 
 from capyctl.access import guessing
-from capyctl.access.services import issue_api_key, set_user_limits
+from capyctl.access.services import hash_secret, issue_api_key, set_user_limits
 from capyctl.gateway import keys as gateway_keys
 from capyctl.gateway.app import Gateway
 from capyctl.gateway.cache import CHUNK
@@ -296,8 +296,12 @@ def test_an_unknown_id_and_a_wrong_secret_are_refused_with_the_same_work(bob, mo
     wrong = f"{real[:-1]}{'A' if real[-1] != 'A' else 'B'}"
     unknown = guessed_key()
     hashed: list[str] = []
-    hash_secret = gateway_keys.hash_secret
-    monkeypatch.setattr(gateway_keys, "hash_secret", lambda s: hashed.append(s) or hash_secret(s))
+
+    def counted_hash(secret: str) -> str:
+        hashed.append(secret)
+        return hash_secret(secret)
+
+    monkeypatch.setattr(gateway_keys, "hash_secret", counted_hash)
 
     async def scenario() -> None:
         gateway = Gateway()
@@ -345,6 +349,7 @@ def test_a_key_that_expires_while_the_database_is_down_stops_working(bob, alice,
     expiring_key, expiring = issue_api_key("bob", expires_in=timedelta(seconds=6))
     lifetime_key, lifetime = issue_api_key("alice")
     set_user_limits("alice", key_lifetime=timedelta(seconds=6))
+    assert expiring_key.expires_at is not None
     ends = max(expiring_key.expires_at, lifetime_key.created_at + timedelta(seconds=6))
 
     async def scenario() -> None:

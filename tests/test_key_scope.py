@@ -336,7 +336,12 @@ def test_rest_refuses_an_unknown_id_and_a_wrong_secret_with_the_same_work(
     wrong = f"{real[:-1]}{'A' if real[-1] != 'A' else 'B'}"
     hashed: list[str] = []
     hash_secret = services.hash_secret
-    monkeypatch.setattr(services, "hash_secret", lambda s: hashed.append(s) or hash_secret(s))
+
+    def counted_hash(secret: str) -> str:
+        hashed.append(secret)
+        return hash_secret(secret)
+
+    monkeypatch.setattr(services, "hash_secret", counted_hash)
     reads = KeyReads()
     work: dict[str, list[tuple[int, int]]] = {}
     with connection.execute_wrapper(reads):

@@ -274,7 +274,7 @@ def _names(deployments: list[Deployment]) -> str:
 def expires_at(key: ApiKey) -> datetime | None:
     """When ``key`` stops working by time: its own expiry or its user's longest key
     lifetime (counted from when it was made; one set later binds it too), the sooner."""
-    limits = getattr(key.user, "limits", None)  # no row: no lifetime
+    limits: UserLimits | None = getattr(key.user, "limits", None)  # no row: no lifetime
     if limits is None or limits.key_lifetime is None:
         return key.expires_at
     ends = key.created_at + limits.key_lifetime
