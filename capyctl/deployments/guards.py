@@ -130,16 +130,20 @@ def engine_media_domains(domains: Iterable[str]) -> list[str]:
     return list(domains) or [NO_MEDIA_DOMAIN]
 
 
+# The keys whose strings are media URLs: engines name theirs ``url``, ``image_url``...
+_URL_KEYS = ("url", "URL", "Url")
+
+
 def may_mention_url(body: bytes) -> bool:
-    """Whether a JSON body could hold a key ending in ``url`` (written plainly, or escaped):
-    the bodies that need :func:`check_media` walked."""
-    return b"url" in body or b"URL" in body or b"\\u" in body or b"Url" in body
+    """Whether a JSON body could hold a key ending in one of :data:`_URL_KEYS` (written
+    plainly, or with JSON escapes): the bodies that need :func:`check_media` walked."""
+    return b"url" in body or b"\\u" in body or b"URL" in body or b"Url" in body
 
 
 def check_media(body: Any, domains: frozenset[str]) -> None:
     """Raise :class:`RequestRefusedError` for a URL the engine would fetch from outside the
-    policy: a string under a key ``url`` or ``…_url`` (any case, any depth) that is neither a
-    ``data:`` URL nor an http(s) URL on one of ``domains``."""
+    policy: a string under a key ending in one of :data:`_URL_KEYS` (at any depth) that is
+    neither a ``data:`` URL nor an http(s) URL on one of ``domains``."""
     stack: list[tuple[Any, str]] = [(body, "")]
     while stack:
         node, where = stack.pop()
@@ -147,7 +151,7 @@ def check_media(body: Any, domains: frozenset[str]) -> None:
             for key, value in node.items():
                 place = f"{where}.{key}" if where else str(key)
                 if isinstance(value, str):
-                    if str(key).lower().endswith("url") and not _allowed(value, domains):
+                    if str(key).endswith(_URL_KEYS) and not _allowed(value, domains):
                         raise _media_refused(place, value, domains)
                 elif isinstance(value, dict | list):
                     stack.append((value, place))
