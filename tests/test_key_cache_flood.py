@@ -168,6 +168,9 @@ def test_an_address_that_keeps_failing_is_slowed_but_its_real_key_works(bob, key
             flood = 2000 - allowed
             answers += await asyncio.gather(*(call(gateway, guessed_key(), here)
                                               for _ in range(flood)))  # fmt: skip
+            # The flood's ids waited outside the warm set: no kept key gave way for them,
+            # and the background re-reads never read them.
+            assert list(gateway.keys._infos._used_at) == [real.split("_")[1]]
             # Meanwhile the warm real key is re-read in the background, every SOFT_TTL.
             rereads = int((time.monotonic() - flood_began) / gateway_keys.SOFT_TTL_SECONDS) + 2
             statuses = [status for status, _ in answers]

@@ -91,10 +91,14 @@ class WarmCache(Generic[T]):
         now = time.monotonic()
         if not fresh and name in self._missing:
             return None
-        self._use(name, now)
+        known = now - self._read_at.get(name, -1e9) <= self.hard
+        # A name in the slow lane is kept only once a read finds it: until then the warm
+        # set neither re-reads it nor lets a kept name go for it.
+        if not slow or known or name in self._used_at:
+            self._use(name, now)
         if self._warmer is None or self._warmer.done():
             self._warmer = asyncio.ensure_future(self._keep_warm())
-        if not fresh and now - self._read_at.get(name, -1e9) <= self.hard:
+        if not fresh and known:
             return self._values[name]
         reading = self._reading.get(name)
         if fresh:
@@ -145,7 +149,7 @@ class WarmCache(Generic[T]):
             await asyncio.sleep(0)  # let the requests of this turn join the batch
             batch, self._batch = self._batch, {}
         try:
-            found = await self._read(list(batch))
+            found = await self._read(list(batch), adopt=slow)
         except Exception as exc:
             for name, future in batch.items():
                 self._reading.pop(name, None)
@@ -176,7 +180,9 @@ class WarmCache(Generic[T]):
             raise
         return found
 
-    async def _read(self, names: list[str]) -> dict[str, T]:
+    async def _read(self, names: list[str], *, adopt: bool = False) -> dict[str, T]:
+        """Read ``names``; keep the values of those still kept (``adopt``: of those found
+        too, as the slow lane's names are kept only once found)."""
         began = time.monotonic()
         # On the executor's threads, each of which keeps its database connection.
         found = await sync_to_async(self._fetch_chunks, thread_sensitive=False)(names)
@@ -188,7 +194,10 @@ class WarmCache(Generic[T]):
             if value is None and not self.warm_missing:
                 self._forget(name)
                 self._missing.add(name, began)
-            elif name in self._used_at:  # not let go meanwhile: what is kept stays bounded
+            elif name in self._used_at or (adopt and value is not None):
+                if name not in self._used_at:  # found in the slow lane: kept from now on
+                    self._use(name, began)
+                # (otherwise kept only if not let go meanwhile: what is kept stays bounded)
                 self._values[name] = value
                 self._read_at[name] = began
         return found
