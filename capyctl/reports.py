@@ -224,14 +224,19 @@ def all_keys() -> list[ApiKey]:
 
 
 def status_data() -> dict[str, Any]:
-    """Hosts with their pools, engines, deployments, keys and the ledger, at a glance."""
+    """Hosts with their pools, engines, deployments, keys and the ledger, at a glance.
+    A deployment's ``problem``: what keeps it from ever starting, where that can be told."""
+    from capyctl.deployments import problems  # noqa: PLC0415 - kept off the other listings' start-up
+
     ledger = LedgerEntry.objects.select_related("host", "deployment")
     return {
         "mode": settings.MODE,
         "control_plane": controlplane.state(),
         "hosts": [host_data(host) for host in Host.objects.all()],
         "engines": [engine_data(e) for e in all_engines()],
-        "deployments": [deployment_data(d) for d in all_deployments()],
+        "deployments": [
+            {**deployment_data(d), "problem": problems.problem(d)} for d in all_deployments()
+        ],
         "keys": [key_data(k) for k in all_keys()],
         "ledger": [ledger_data(entry) for entry in ledger],
         "queues": queues_data(),

@@ -7,7 +7,7 @@ import shlex
 from datetime import UTC, datetime, timedelta
 
 from capyctl.errors import UserError
-from hostagent.units import SizeError, parse_size
+from hostagent.units import SizeError, is_bare_number, parse_size, unit_hint
 
 # Lowercase DNS label: what a deployment, engine or host may be called.
 _NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
@@ -43,8 +43,14 @@ def validate_alias(value: str) -> str:
 MAX_SIZE_BYTES = 2**62  # 4 EiB: beyond any machine, within a 64-bit database column
 
 
-def parse_size_value(value: str | int, *, field: str) -> int:
-    """Bytes from ``24GiB``, ``512MiB`` or a plain byte count."""
+def parse_size_value(value: str | int, *, field: str, bare_hint: str = "") -> int:
+    """Bytes from ``24GiB`` or ``512MiB`` (text), or a byte count (an integer, as JSON
+    sends it). Text without a unit is refused with what to write (and ``bare_hint``)."""
+    if isinstance(value, str) and is_bare_number(value):
+        raise UserError(
+            f"invalid {field.replace('_', ' ')} {value!r}: {unit_hint(value)}{bare_hint}",
+            field=field,
+        )
     if isinstance(value, int):
         size = value
         if size <= 0:
@@ -53,7 +59,7 @@ def parse_size_value(value: str | int, *, field: str) -> int:
             )
     else:
         try:
-            size = parse_size(value)
+            size = parse_size(value, unit_required=True)
         except SizeError as exc:
             raise UserError(f"invalid {field.replace('_', ' ')}: {exc}", field=field) from None
     if size > MAX_SIZE_BYTES:
@@ -63,12 +69,15 @@ def parse_size_value(value: str | int, *, field: str) -> int:
     return size
 
 
-def parse_gpu_memory(value: str) -> tuple[int | None, float | None]:
-    """Parse ``--gpu-memory``: a size per GPU (``20GiB``) or a fraction of the device.
+def parse_gpu_memory(value: str | int) -> tuple[int | None, float | None]:
+    """Parse ``--gpu-memory``: a size per GPU (``20GiB``; bytes as an integer from JSON)
+    or a fraction of the device.
 
     A fraction is a number in (0, 1] written with a decimal point or a percent sign
     (``0.9``, ``1.0``, ``90%``). Returns ``(bytes, None)`` or ``(None, fraction)``.
     """
+    if isinstance(value, int):
+        return parse_size_value(value, field="gpu_memory"), None
     text = value.strip()
     number: float | None = None
     if text.endswith("%"):
@@ -81,13 +90,20 @@ def parse_gpu_memory(value: str) -> tuple[int | None, float | None]:
     elif re.fullmatch(r"\d*\.\d+|\d+\.\d*", text):
         number = float(text)
     if number is not None:
+        if number > 1 and not text.endswith("%"):
+            raise UserError(
+                f"invalid gpu memory {value!r}: a fraction must lie in (0, 1]; "
+                f"for a size write {text}GiB",
+                field="gpu_memory",
+            )
         if not 0 < number <= 1:
             raise UserError(
                 f"invalid gpu memory fraction {value!r}: a fraction must lie in (0, 1]",
                 field="gpu_memory",
             )
         return None, number
-    return parse_size_value(text, field="gpu_memory"), None
+    also = " (or 1.0 for all of it)" if text == "1" else ""
+    return parse_size_value(text, field="gpu_memory", bare_hint=also), None
 
 
 def parse_duration(value: str, *, field: str) -> timedelta:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hostagent.units import SizeError, format_size, parse_size
+from hostagent.units import SizeError, format_size, format_size_exact, parse_size
 
 
 @pytest.mark.parametrize(
@@ -40,3 +40,21 @@ def test_bad_sizes_are_refused_with_the_value_named(text):
 )
 def test_sizes_format_for_people(num_bytes, text):
     assert format_size(num_bytes) == text
+
+
+@pytest.mark.parametrize("text", ["16", " 20 ", "1024"])
+def test_a_size_people_type_needs_a_unit(text):
+    assert parse_size(text) > 0  # bytes where a plain count is the convention (settings)
+    with pytest.raises(SizeError) as info:
+        parse_size(text, unit_required=True)
+    assert f"write {text.strip()}GiB" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "text"),
+    [(16 * 1000**3, "16GB"), (20 * 1024**3, "20GiB"), (1536 * 1024**2, "1536MiB"),
+     (1000001, "1000001B"), (1024**4, "1TiB")],
+)  # fmt: skip
+def test_exact_sizes_read_back_to_the_byte(num_bytes, text):
+    assert format_size_exact(num_bytes) == text
+    assert parse_size(text, unit_required=True) == num_bytes

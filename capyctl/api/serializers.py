@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from rest_framework import serializers
+from rest_framework.fields import empty
 
 from capyctl import reports
 from capyctl.deployments import guards
@@ -242,19 +243,30 @@ class EngineIn(serializers.Serializer):  # type: ignore[type-arg]
     options = serializers.DictField(required=False)
 
 
+class SizeField(serializers.CharField):
+    """A size: bytes as a JSON integer, or text with a unit (``20GiB``); text without a
+    unit is refused by the deployment's checks, with what to write."""
+
+    def run_validation(self, data: Any = empty) -> Any:
+        if isinstance(data, int) and not isinstance(data, bool):
+            return data
+        return super().run_validation(data)
+
+
 class DeploymentIn(serializers.Serializer):  # type: ignore[type-arg]
     name = serializers.CharField(max_length=63)
     engine = serializers.CharField(max_length=63)
     source = serializers.CharField(max_length=1000)  # type: ignore[assignment]
     aliases = serializers.ListField(child=serializers.CharField(max_length=200), required=False)
     host = serializers.CharField(required=False, allow_null=True, max_length=63)
-    gpu_memory = serializers.CharField(
+    gpu_memory = SizeField(
         required=False, allow_null=True, allow_blank=True, max_length=32,
-        help_text="per GPU: 20GiB, bytes, or a fraction of the device such as 0.9",
+        help_text="per GPU: 20GiB, bytes as an integer, or a fraction of the device such as 0.9",
     )  # fmt: skip
-    weights_size = serializers.CharField(
-        required=False, allow_null=True, allow_blank=True, max_length=32, help_text="e.g. 15GiB"
-    )
+    weights_size = SizeField(
+        required=False, allow_null=True, allow_blank=True, max_length=32,
+        help_text="e.g. 15GiB, or bytes as an integer",
+    )  # fmt: skip
     gpus = serializers.IntegerField(required=False, min_value=0, max_value=64)
     park = serializers.ChoiceField(choices=ParkPolicy.choices, required=False)
     pinned = serializers.BooleanField(required=False)

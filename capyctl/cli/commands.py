@@ -71,7 +71,21 @@ def engine_add(args: argparse.Namespace) -> int:
         actor=_actor(),
     )
     print(f"engine {engine.name} added ({engine.kind}: {engine.command})")
+    from capyctl.deployments.problems import missing_program
+
+    program = missing_program(engine)
+    if program is not None:
+        _warn(
+            f"engine {engine.name}: its program {program} is not found on this host; its "
+            "models cannot start until it is installed"
+        )
     return 0
+
+
+def _warn(message: str) -> None:
+    """A setup stored that cannot work yet: one line, and the command still succeeds."""
+    sys.stdout.flush()  # after what the command printed, where both go to one place
+    print(f"capyctl: warning: {message}", file=sys.stderr)
 
 
 def engine_list(args: argparse.Namespace) -> int:
@@ -164,8 +178,33 @@ def deployment_add(args: argparse.Namespace) -> int:
     )
     prepare()
     deployment = add_deployment(spec, actor=_actor())
-    print(f"deployment {deployment.name} added (engine {deployment.engine.name}, desired running)")
+    sizes = _sizes_text(deployment, ("gpu_memory_bytes", "weights_bytes"))
+    print(
+        f"deployment {deployment.name} added (engine {deployment.engine.name}, desired running"
+        + (f"; {sizes})" if sizes else ")")
+    )
+    from capyctl.deployments.problems import never_fits, program_problem
+
+    too_big = never_fits(deployment)
+    if too_big is not None:
+        _warn(f"{too_big}, so it cannot start until a host with room for it joins")
+    program = program_problem(deployment)
+    if program is not None:
+        _warn(f"{program}; {deployment.name} cannot start until it is installed")
     return 0
+
+
+def _sizes_text(deployment: Any, fields: Any) -> str:
+    """The sizes a deployment stored, in GiB as listings show them (``16GB`` is 14.9 GiB)."""
+    parts = []
+    if "gpu_memory_bytes" in fields or "gpu_memory_fraction" in fields:
+        if deployment.gpu_memory_bytes is not None:
+            parts.append(f"gpu memory {format_size(deployment.gpu_memory_bytes)} per GPU")
+        elif deployment.gpu_memory_fraction is not None:
+            parts.append(f"gpu memory {deployment.gpu_memory_fraction:g} of each GPU")
+    if "weights_bytes" in fields and deployment.weights_bytes is not None:
+        parts.append(f"weights copy {format_size(deployment.weights_bytes)}")
+    return ", ".join(parts)
 
 
 def deployment_update(args: argparse.Namespace) -> int:
@@ -181,7 +220,11 @@ def deployment_update(args: argparse.Namespace) -> int:
     deployment = update_deployment(
         current.name, replace(spec_of(current), **changes), actor=_actor()
     )
-    print(f"deployment {deployment.name} updated: {', '.join(sorted(changes))}")
+    sizes = _sizes_text(deployment, changes)
+    print(
+        f"deployment {deployment.name} updated: {', '.join(sorted(changes))}"
+        + (f" ({sizes})" if sizes else "")
+    )
     return 0
 
 
@@ -286,7 +329,7 @@ def status(args: argparse.Namespace) -> int:
             d["desired_state"],
             d["observed_state"] + (f" ({d['parked_mode']})" if d["parked_mode"] else ""),
             _memory_text(d),
-            d["state_reason"],
+            d["problem"] or d["state_reason"],
         ]
         for d in data["deployments"]
     ]

@@ -3,23 +3,44 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import Any, NoReturn
+import itertools
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, NoReturn
 
 from capyctl.deployments import guards  # plain Python: parsing stays Django-free
-from hostagent.units import SizeError, parse_size
+from hostagent.units import SizeError, is_bare_number, is_unit, parse_size
 
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line and exit with status 2."""
 
+    # The command line being parsed (its subcommands' parsers see it too).
+    argv: ClassVar[list[str]] = []
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        Parser.argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(Parser.argv, namespace)
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}{_split_size_hint(message)}\n")
+
+
+def _split_size_hint(message: str) -> str:
+    """For ``--gpu-memory 16 GB``: the unit left over (or the number refused without it),
+    and how to write the size."""
+    argv = Parser.argv
+    for number, word in itertools.pairwise(argv):
+        if not (is_unit(word) and is_bare_number(number)):
+            continue
+        if message.startswith("unrecognized arguments:") or f"{number!r}" in message:
+            return f" (a size is one word: write {number}{word}, not {number} {word})"
+    return ""
 
 
 def size_arg(text: str) -> int:
     try:
-        return parse_size(text)
+        return parse_size(text, unit_required=True)
     except SizeError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -55,7 +55,7 @@ def run_operation(operation_id: int) -> None:
             )
             return
         except Exception as exc:  # an unexpected fault must still answer the requester
-            logger.exception("operation %s failed", op)
+            logger.exception("%s of %s failed", op.action, op.deployment.name)
             Operation.objects.filter(pk=op.pk).update(
                 status=Operation.Status.FAILED,
                 message=f"internal error: {type(exc).__name__}: {exc}",
@@ -63,10 +63,12 @@ def run_operation(operation_id: int) -> None:
             )
             return
         state = result.observed_state + (f" ({result.parked_mode})" if result.parked_mode else "")
+        message = f"{result.name} is {state}"
+        if op.action == Operation.Action.PARK and result.observed_state != "parked":
+            # Stopped instead (its engine cannot park, its policy says stop...): say why.
+            message += ", not parked" + (f": {result.state_reason}" if result.state_reason else "")
         Operation.objects.filter(pk=op.pk).update(
-            status=Operation.Status.DONE,
-            message=f"{result.name} is {state}",
-            finished_at=timezone.now(),
+            status=Operation.Status.DONE, message=message, finished_at=timezone.now()
         )
     finally:
         connection.close()
@@ -170,6 +172,7 @@ def submit(operation: Operation) -> None:
             except Exception as exc:  # saved: the next pass sends what was not handed over
                 if not is_control_plane_error(exc):
                     raise
-                logger.warning("operation %s waits for the next pass: %s", operation.pk, exc)
+                logger.warning("%s of %s waits for the next pass: %s", operation.action,
+                               operation.deployment.name, exc)  # fmt: skip
 
         transaction.on_commit(hand_over)

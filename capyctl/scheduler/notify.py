@@ -31,4 +31,7 @@ def announce(deployment_id: int, **outcome: Any) -> None:
             group(deployment_id), {"type": "deployment.outcome", **outcome}
         )
     except Exception as exc:  # waiters fall back on the database; say why once here
-        logger.warning("could not announce deployment %s: %s", deployment_id, exc)
+        from capyctl.deployments.models import Deployment  # noqa: PLC0415 - a failure's words only
+
+        name = Deployment.objects.filter(pk=deployment_id).values_list("name", flat=True).first()
+        logger.warning("could not announce the outcome for %s: %s", name or deployment_id, exc)

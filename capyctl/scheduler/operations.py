@@ -134,7 +134,8 @@ def _drain_and_stop(deployment: Deployment, actor: str, *, reason: str, level: s
     with flights.operating(deployment.pk, deployment.name):
         if not _drain(deployment, "stopping"):
             return False
-        logger.warning(reason) if level == Event.Level.WARNING else logger.info(reason)
+        logger.log(logging.WARNING if level == Event.Level.WARNING else logging.INFO,
+                   "%s: %s", deployment.name, reason)  # fmt: skip
         _stop(deployment, actor, reason=reason, level=level)
         return True
 
@@ -585,9 +586,7 @@ def _best_mode(deployment: Deployment, host: Host, *, checking: bool = False) ->
         resident = dataclasses.replace(resident, parks_unverified=False)
     ram_free = snap.pools[snap.ram_pool].free_bytes if snap.ram_pool in snap.pools else 0
     mode, why = park_mode(resident, snap, ram_free)
-    if resident.parks_unverified:
-        return mode, f"{why}, so it was stopped"
-    return mode, "its engine cannot park, so it was stopped"
+    return mode, f"{why}, so it was stopped"
 
 
 def _kept_memory(

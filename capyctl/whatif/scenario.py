@@ -229,8 +229,8 @@ def parse_hosts(spec: str) -> list[dict[str, Any]]:
         if not 1 <= count <= MAX_GPUS_PER_HOST:
             raise UserError(f"--hosts {spec!r}: {part!r}: 1 to {MAX_GPUS_PER_HOST} GPUs a host")
         try:
-            size = parse_size(match[2])
-            ram = parse_size(match[3]) if match[3] else DEFAULT_HOST_RAM
+            size = parse_size(match[2], unit_required=True)
+            ram = parse_size(match[3], unit_required=True) if match[3] else DEFAULT_HOST_RAM
         except SizeError as exc:
             raise UserError(f"--hosts {spec!r}: {exc}") from None
         pools = [{"pool": f"gpu{i}", "capacity_bytes": max(size - gpu_reserve, 0),
