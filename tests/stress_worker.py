@@ -10,6 +10,12 @@ database, Redis in server mode); what it saw goes to stdout as one JSON object a
 - ``watch HOST SIMDIR STOPFILE``: looks under the host lock until ``STOPFILE`` exists, and
   once more after: no pool's entries past its capacity, and the ledger never counting less
   on a GPU than the simulated device (the agent's files in ``SIMDIR``) shows there.
+- ``serve SEED STOPFILE NAME...`` (server mode): requests in flight, counted as the gateway
+  counts them: one on each ready model at a time, held 0.5 to 2 s, and across a Redis
+  outage until Redis has answered again for 3 s. One whose model begins to drain is held
+  3 s more (a long answer), and ``draining`` beside ``STOPFILE`` says so: the test's Redis
+  outage then begins while that drain polls the counts. A model parked while one of them
+  is counted is a defect (a park drains first).
 
 Each process has its own per-model locks, turn waits and database connection, so only what
 is shared across processes (the host lock, the conditional updates, the ledger) keeps them
@@ -130,6 +136,53 @@ def watching(host: int, simdir: Path, stopfile: Path) -> dict[str, object]:
     return {"looks": looks, "found": found}
 
 
+HELD_AFTER_OUTAGE_SECONDS = 3.0
+DRAINED_HOLD_SECONDS = 3.0
+
+
+def serving(seed: int, stopfile: Path, names: list[str]) -> dict[str, object]:
+    from capyctl.deployments.models import Deployment
+    from capyctl.scheduler import inflight
+
+    ids = {Deployment.objects.get(name=name).pk: name for name in names}
+    rng = random.Random(seed)  # noqa: S311 - a seeded, repeatable schedule
+    held: dict[int, float] = {}  # deployment -> when its request ends (monotonic)
+    drained: set[int] = set()  # held ones a drain waited for
+    errors: list[str] = []
+    served = outages = waited = 0
+    back_since: float | None = time.monotonic()  # Redis has answered since
+    while not stopfile.exists():
+        now = time.monotonic()
+        if inflight.down_since() is not None:
+            back_since = None
+        elif back_since is None:
+            back_since, outages = now, outages + 1
+        states = dict(Deployment.objects.filter(pk__in=ids).values_list("pk", "observed_state"))
+        settled = back_since is not None and now - back_since >= HELD_AFTER_OUTAGE_SECONDS
+        for deployment_id, ends in list(held.items()):
+            observed = states.get(deployment_id)
+            until = ends
+            if observed in ("parking", "parked"):
+                errors.append(f"{ids[deployment_id]} was {observed} with a request in flight")
+            if observed == "draining" and deployment_id not in drained:
+                drained.add(deployment_id)
+                waited += 1
+                held[deployment_id] = until = max(until, now + DRAINED_HOLD_SECONDS)
+                stopfile.with_name("draining").touch()
+            if observed not in ("ready", "draining") or (now >= until and settled):
+                inflight.end(deployment_id)  # served, or cut (a person's stop)
+                del held[deployment_id]
+                drained.discard(deployment_id)
+                served += 1
+        for deployment_id, observed in states.items():
+            if observed == "ready" and deployment_id not in held and inflight.begin(deployment_id):
+                held[deployment_id] = now + rng.uniform(0.5, 2)
+        time.sleep(0.05)
+    for deployment_id in held:
+        inflight.end(deployment_id)
+    return {"served": served, "outages": outages, "drains_waited": waited, "errors": errors}
+
+
 def main(argv: list[str]) -> int:
     role, *rest = argv
     _setup()
@@ -142,6 +195,9 @@ def main(argv: list[str]) -> int:
         report = reconciling(Host.objects.get(name=rest[0]).pk, Path(rest[1]))
     elif role == "watch":
         report = watching(Host.objects.get(name=rest[0]).pk, Path(rest[1]), Path(rest[2]))
+    elif role == "serve":
+        seed, stopfile, *names = rest
+        report = serving(int(seed), Path(stopfile), names)
     else:
         sys.stderr.write(f"unknown role {role!r}\n")
         return 2

@@ -6,7 +6,12 @@ memory after a park, load slowly or hang on wake), beside a process doing reconc
 and one watching under the host lock. Each process has its own per-model locks and turn
 waits: only the host lock, the conditional updates and the ledger keep them apart. On
 SQLite the processes share one database file in standalone mode; on PostgreSQL they run in
-server mode with Redis, as Celery workers do.
+server mode with a Redis of the test's own, as Celery workers do, beside a process holding
+requests in flight on the ready models (as the gateway counts them): mid-run, while a
+drain waits for one of them, Redis stops with ``SHUTDOWN SAVE`` and starts again on its
+data 7 s later, so every lease lapses while the counts stay, and the process holding the
+requests reaches it again 4 s after the others (it talks to Redis through a proxy the
+test pauses); no model may be parked under a request counted in flight.
 
 A failure names its seed: ``CAPYCTL_STRESS_SEED=N`` replays that schedule, and
 ``CAPYCTL_STRESS_STEPS`` makes a longer soak (outside CI).
@@ -18,6 +23,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,7 @@ import pytest
 from hostagent.runtime import free_port
 from hostagent.simgpu import read_allocations
 from tests.conftest import program_environment, run_program, run_programs, start_server, stop_server
+from tests.own_servers import OwnRedis, PausableProxy
 from tests.scheduling import SIM
 from tests.test_hosts_join import start_agent
 from tests.test_scheduler_stress import DOCUMENTED_CODES, PASSING
@@ -44,6 +51,8 @@ ENGINES = {
 MODELS = [("sim", 16), ("keeps", 12), ("slow", 10), ("sim", 8), ("hangs", 8), ("sim", 6)]
 WORKERS = 6
 GPUS = "1x24GiB"
+OUTAGE_SECONDS = 7.0  # past every lease (5 s), so the counts outlive them
+LATE_SECONDS = 4.0  # the process holding requests is back this much later than the others
 
 
 def _setup(env: dict[str, str]) -> None:
@@ -123,39 +132,79 @@ def _status(env: dict[str, str]) -> list[tuple[str, str]]:
     return [(d["name"], d["observed_state"]) for d in json.loads(listed.out)]
 
 
-def test_worker_processes_on_one_agent_keep_the_ledger_true(tmp_path, redis_url):
+def _restart_with_data(redis: OwnRedis, late: PausableProxy, draining: Path) -> threading.Thread:
+    """Redis stopped with ``SHUTDOWN SAVE`` once ``draining`` exists (a drain waits for a
+    request held in flight, and polls the counts across the outage), and started again on
+    its data ``OUTAGE_SECONDS`` later; what talks to it through ``late`` reaches it again
+    ``LATE_SECONDS`` after that (on a thread, returned)."""
+
+    def outage() -> None:
+        deadline = time.monotonic() + 120
+        while not draining.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        late.pause()
+        redis.shutdown_save()
+        time.sleep(OUTAGE_SECONDS)
+        redis.start()
+        time.sleep(LATE_SECONDS)
+        late.resume()
+
+    thread = threading.Thread(target=outage)
+    thread.start()
+    return thread
+
+
+def test_worker_processes_on_one_agent_keep_the_ledger_true(tmp_path, own_redis):
     seed = int(os.environ.get("CAPYCTL_STRESS_SEED") or random.SystemRandom().randrange(10**6))
     steps = int(os.environ.get("CAPYCTL_STRESS_STEPS") or 20)
     replay = f"(seed {seed}: CAPYCTL_STRESS_SEED={seed} replays it)"
     with program_environment(tmp_path / "data") as env:
         server_mode = env.get("CAPYCTL_DATABASE_URL", "").startswith("postgres")
         if server_mode:
-            env["CAPYCTL_REDIS_URL"] = redis_url
+            env["CAPYCTL_REDIS_URL"] = own_redis.url
         agent, simdir = _joined_host(env, tmp_path, server_mode)
         try:
             names = [f"m{i}" for i in range(len(MODELS))]
             stopfile = tmp_path / "stop"
             watcher = _spawn(env, tmp_path, "watch", "watch", "box", simdir, stopfile)
             passes = _spawn(env, tmp_path, "reconcile", "reconcile", "box", stopfile)
+            others = [watcher, passes]
+            proxy = PausableProxy(own_redis.port)
+            if server_mode:
+                late = {**env, "CAPYCTL_REDIS_URL": proxy.url()}
+                others.append(_spawn(late, tmp_path, "serve", "serve", seed, stopfile, *names))
             workers = [
                 _spawn(env, tmp_path, f"work{n}", "work", seed, n, steps, *names)
                 for n in range(WORKERS)
             ]
+            draining = stopfile.with_name("draining")
+            outage = _restart_with_data(own_redis, proxy, draining) if server_mode else None
             try:
                 for process in workers:
                     process.wait(timeout=240)
             finally:
+                if outage is not None:
+                    outage.join()
                 stopfile.touch()
-                for process in [watcher, passes, *workers]:
+                for process in [*others, *workers]:
                     try:
                         process.wait(timeout=60)
                     except subprocess.TimeoutExpired:
                         process.kill()
+                proxy.close()
             reports = [_report(tmp_path, f"work{n}", p, replay) for n, p in enumerate(workers)]
             errors = [e for r in reports for e in r["errors"]]
             assert errors == [], f"{replay}\n" + "\n".join(errors)
             codes = {code for r in reports for code in r["codes"]}
-            assert codes <= DOCUMENTED_CODES, f"{codes} {replay}"
+            outage_codes = {"control_plane_unavailable"} if server_mode else set()
+            documented = DOCUMENTED_CODES | outage_codes
+            assert codes <= documented, f"{codes} {replay}"
+            if server_mode:
+                served = _report(tmp_path, "serve", others[2], replay)
+                assert served["errors"] == [], f"{served['errors'][:5]} {replay}"
+                assert served["outages"] >= 1, "the requests in flight never saw Redis away"
+                assert served["drains_waited"] >= 1, "no drain waited for a request in flight"
+                assert served["served"] >= 5, served
             done = sum(sum(r["done"].values()) for r in reports)
             refused = [r["codes"] for r in reports]
             assert done >= WORKERS * steps // 4, f"{done} done, refused: {refused} {replay}"
