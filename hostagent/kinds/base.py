@@ -285,7 +285,8 @@ def check_reserved_flags(kind: str, args: list[str], reserved: tuple[str, ...]) 
             also = f" ({given} would be read as {flag})" if given != flag else ""
             raise KindError(
                 f"engine args may not set {flag}{also}: CapyCTL sets it for every {kind} "
-                "launch (engines listen on 127.0.0.1 only, on a port and key CapyCTL picks)"
+                "launch (engines listen on their own Unix socket or on 127.0.0.1 only, with "
+                "a key CapyCTL makes)"
             )
 
 
