@@ -10,8 +10,13 @@ connections: a client that sends nothing, or a byte every few seconds, holds a c
 - Its body must arrive within ``body_timeout`` seconds of the head, plus a second for
   every ``body_min_rate`` bytes that arrive (the clock waits while the server itself is
   not reading): else 408.
-- One client address (IPv6: its /64) holds at most ``per_address`` connections; one more
-  is answered 429 and closed at once. A trusted proxy's address has no such cap.
+- One client address (IPv6: its /64) holds at most ``per_address`` connections that are
+  not carrying a ``/v1`` request with a well-formed key. One more may still show such a
+  key in its head (an app's pool of connections opens them all at once, before any head
+  is read); a head without one is answered 429 and closed, and until its head is in it
+  counts against no one else's share. An app's pool of keyed connections is
+  not capped (the gateway answers a wrong key at once, and the guessed-key throttle slows
+  those who keep trying). A trusted proxy's address has no cap.
 - A request is admitted while fewer than ``max_connections - keyed_reserve`` requests run
   (and as many connections are open); past that, only ``/v1`` requests carrying a
   well-formed key are, up to ``max_connections`` running requests. The rest get 503.
@@ -129,6 +134,7 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)`` with these bounds (it keeps
     the connection cap itself, whatever ``limit_concurrency`` says)."""
     open_by_address: dict[str, int] = {}  # this server's connections per client address
+    over_cap = [0]  # connections open over their address's cap (see _mark_over)
     anonymous_limit = bounds.max_connections - bounds.keyed_reserve
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -139,40 +145,56 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
         _head_parsed = 0  # the head's bytes as the parser hands them over
         _body_bytes = 0
         _body_since = 0.0
-        _address: str | None = None
+        _client_address: str | None = None  # the address counted, if capped
+        _counted = False  # this connection counts against its address's cap now
+        _over = False  # came in over the cap: only a keyed /v1 request may use it
         _refused = False
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.limit_concurrency = None  # uvicorn's own check: on_headers_complete has ours
+            self._client_address = None
 
         # --- the connection ------------------------------------------------------------
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             if bounds.per_address:
-                address = _capped_address(self.client, bounds)
-                if address is not None:
-                    held = open_by_address.get(address, 0)
-                    if held >= bounds.per_address:
-                        self._refuse(TOO_MANY)
-                        return
-                    open_by_address[address] = held + 1
-                    self._address = address
+                self._client_address = _capped_address(self.client, bounds)
+                self._count_address()
             self._head_due()  # the first request's head is due from now
 
+        def _count_address(self) -> None:
+            """Count this connection against its address's cap, or mark it over the cap."""
+            address = self._client_address
+            if address is None or self._counted:
+                return
+            held = open_by_address.get(address, 0)
+            if held >= bounds.per_address:
+                self._mark_over(True)
+                return
+            open_by_address[address] = held + 1
+            self._counted = True
+            self._mark_over(False)
+
+        def _mark_over(self, over: bool) -> None:
+            if over != self._over:
+                over_cap[0] += 1 if over else -1
+                self._over = over
+
         def _release_address(self) -> None:
-            if self._address is not None:
-                left = open_by_address[self._address] - 1
+            if self._counted and self._client_address is not None:
+                left = open_by_address[self._client_address] - 1
                 if left:
-                    open_by_address[self._address] = left
+                    open_by_address[self._client_address] = left
                 else:
-                    del open_by_address[self._address]
-                self._address = None
+                    del open_by_address[self._client_address]
+            self._counted = False
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_timer()
             self._release_address()
+            self._mark_over(False)
             super().connection_lost(exc)
 
         def handle_websocket_upgrade(self) -> None:
@@ -245,7 +267,7 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
             then (moved on if need be) for the body."""
             self._timer = None
             if self._in_head:
-                self._refuse(REQUEST_TIMEOUT)
+                self._refuse(TOO_MANY if self._over else REQUEST_TIMEOUT)
             elif self._in_body:
                 self._body_check()
 
@@ -254,6 +276,7 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
                 raise _RefusedError
             super().on_message_begin()
             if not self._in_head:  # a kept-alive connection's next request: its head is due
+                self._count_address()  # it counts again until its head shows a key
                 self._head_due()
 
         def on_url(self, url: bytes) -> None:
@@ -270,13 +293,21 @@ def guarded_protocol(bounds: Bounds) -> type[asyncio.Protocol]:
                 self._refuse(HEAD_TOO_LARGE)
                 raise _RefusedError
             self._in_head = False
+            keyed = _is_keyed(self.url, self.headers)
+            if keyed:
+                self._release_address()  # a keyed request is not capped by address
+                self._mark_over(False)
+            elif self._over:
+                self._refuse(TOO_MANY)
+                raise _RefusedError
             if self.parser.should_upgrade() and self._should_upgrade():
                 self._stop_timer()
                 super().on_headers_complete()  # a WebSocket: its protocol takes over
                 return
-            tasks, connections = len(self.tasks), len(self.connections)
+            # Connections over their address's cap whose head is not in count for no one.
+            tasks, connections = len(self.tasks), len(self.connections) - over_cap[0]
             if (tasks >= anonymous_limit or connections > anonymous_limit) and not (
-                tasks < bounds.max_connections and _is_keyed(self.url, self.headers)
+                tasks < bounds.max_connections and keyed
             ):
                 # Full: 503, as uvicorn's own cap answers it.
                 self._stop_timer()
