@@ -143,8 +143,7 @@ def test_slow_bodies_from_one_address_leave_room_for_everyone_else(program_env):
         # (an app's pool, a burst of requests): keyed /v1 requests do not count against it.
         pool = [_connect(port, "127.0.0.4") for _ in range(12)]
         ask = (
-            f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Authorization: Bearer {key}\r\n\r\n"
+            f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n\r\n"
         ).encode()
         for raw in pool:
             raw.sendall(ask)
