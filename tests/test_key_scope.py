@@ -357,3 +357,21 @@ def test_rest_refuses_an_unknown_id_and_a_wrong_secret_with_the_same_work(
     assert work["unknown id"] == work["wrong secret"] == [(1, 1), (0, 1), (0, 1)], work
     ok = client.get("/api/deployments/", HTTP_AUTHORIZATION=f"Bearer {real}")
     assert ok.status_code == 200  # no one's wrong secret holds back the right one
+
+
+@pytest.mark.django_db
+def test_an_admin_key_past_its_users_key_lifetime_stops_working_on_rest(
+    client, alice, fresh_guards
+):
+    """REST checks a key's time as /v1 does: its user's longest key lifetime binds keys
+    made before it was set."""
+    from django.utils import timezone
+
+    from capyctl.access.services import set_user_limits
+
+    key, real = issue_api_key("alice", admin=True)
+    ApiKey.objects.filter(pk=key.pk).update(created_at=timezone.now() - timedelta(days=2))
+    bearer = {"HTTP_AUTHORIZATION": f"Bearer {real}"}
+    assert client.get("/api/deployments/", **bearer).status_code == 200
+    set_user_limits("alice", key_lifetime=timedelta(days=1))
+    assert client.get("/api/deployments/", **bearer).status_code == 401
