@@ -66,8 +66,13 @@ async def test_limits_in_redis_are_shared_by_every_process(redis_url):
 
 async def test_limits_hold_in_this_process_while_redis_is_down(own_redis):
     """Redis stopped: every limited key's request failed (ConnectionError, a bare 500).
-    Now the process counts alone until Redis is back: limits still hold, per process."""
+    Now the process counts alone until Redis is back: limits still hold, per process.
+    (Once a call did not answer, none is made until the process's in-flight check-in,
+    which keeps trying, finds Redis back.)"""
+    from capyctl.scheduler import inflight, redislink
+
     limiter = RedisRateLimiter(own_redis.url)
+    checking_in = inflight.RedisInFlight(own_redis.url)  # as in every API process
     busy: list[tuple[tuple[str, int], int | None]] = [(("key", 43), 1)]
     try:
         assert await limiter.retry_after(43, 2) is None
@@ -82,11 +87,14 @@ async def test_limits_hold_in_this_process_while_redis_is_down(own_redis):
         await limiter.leave(busy, "m1")
         assert await limiter.enter(busy, "m3") is None
         own_redis.start()
+        while not redislink.answers():
+            await asyncio.sleep(0.05)
         await limiter.leave(busy, "m3")  # entered here: left here
         assert await limiter.enter(busy, "m4") is None  # Redis counts again
         assert limiter.down_since is None
         assert await limiter.enter(busy, "m5") == 0
     finally:
+        checking_in.stop()
         await limiter.close()
 
 

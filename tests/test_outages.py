@@ -556,20 +556,24 @@ def timed_requests(port, key, model, seconds):
 
 def test_a_hung_redis_costs_a_ready_model_half_a_second_at_most(outage_env, own_redis, tmp_path):
     """Redis hung for 8 s (``DEBUG SLEEP``: connections open, calls time out): every call
-    waited its 2 s timeout, on the request path (counting each request in) and under the
-    host lock (a count per ready model). Requests to the ready model now answer within
-    their normal time plus 0.5 s, and a switch works again once Redis answers."""
+    waited its 2 s timeout, on the request path (counting each request in, a key's limits)
+    and under the host lock (a count per ready model). Requests to the ready model now
+    answer within their normal time plus 0.5 s, and a switch works again once Redis
+    answers."""
     env, run, (port, enrol_port, agent_port), token = one_host_setup(outage_env)
     key = two_models(run)
+    limited = run(
+        "key", "create", "--user", "admin", "--rpm", "10000", "--max-concurrent", "100"
+    ).out.strip()  # its limits are counted in Redis
     server = start(env, tmp_path, port, enrol_port)
     agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
     try:
         wait_online(port, key)
         for model in ("b", "a"):  # both have run; a is ready, b parked
             assert chat(port, key, model).status_code == 200
-        before = timed_requests(port, key, "a", 3)
+        before = timed_requests(port, limited, "a", 3)
         hung = own_redis.hang(8)
-        during = timed_requests(port, key, "a", 6)
+        during = timed_requests(port, limited, "a", 6)
         hung.join()
         normal = max(took for _, took in before)
         logger.warning(

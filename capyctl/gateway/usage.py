@@ -18,6 +18,7 @@ from django.utils import timezone
 from capyctl.access.models import ApiKey
 from capyctl.gateway.errors import GatewayError
 from capyctl.gateway.keys import KeyInfo
+from capyctl.scheduler import redislink
 
 logger = logging.getLogger("capyctl.gateway")
 
@@ -221,6 +222,10 @@ def _redis_key(kind: str, bucket: Bucket) -> str:
     )
 
 
+class _Quiet(Exception):  # noqa: N818 - a path, not a fault
+    """Redis is not asked now (its quiet period)."""
+
+
 class RedisRateLimiter:
     """The same windows and counts, kept in Redis (server mode): every API process counts
     against one window per key and per user, by Redis's clock, in one atomic step.
@@ -231,18 +236,19 @@ class RedisRateLimiter:
     """
 
     def __init__(self, url: str) -> None:
-        import redis.asyncio  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
-
-        self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        # On the request path: short timeouts, and no call for a while once one did not
+        # answer (the scheduler's quiet period, shared by every Redis call of the process).
+        self._redis = redislink.async_client(url)
         self._script = self._redis.register_script(_LIMIT_SCRIPT)
         self._enter = self._redis.register_script(_ENTER_SCRIPT)
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._errors = redislink.errors()
         self._local = LocalLimiter()
         self._entered_here: set[str] = set()  # members counted by this process alone
         self._leaves_owed: list[tuple[str, str]] = []  # (key, member) to remove when back
         self.down_since: float | None = None
 
     def _down(self, exc: BaseException) -> None:
+        redislink.failed(exc)
         if self.down_since is None:
             self.down_since = time.time()
             logger.warning("Redis does not answer (%s): limits count in this process alone",
@@ -266,6 +272,8 @@ class RedisRateLimiter:
         if not live:
             return None
         member = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
+        if not redislink.answers():
+            return await self._local.admit(limits)
         try:
             refused = await self._script(
                 keys=[_redis_key("rpm", bucket) for _, bucket, _ in live],
@@ -285,10 +293,17 @@ class RedisRateLimiter:
         if not live:
             return None
         try:
+            if not redislink.answers():
+                raise _Quiet
             refused = await self._enter(
                 keys=[_redis_key("busy", bucket) for _, bucket, _ in live],
                 args=[*(limit for _, _, limit in live), member, IN_FLIGHT_LEASE_SECONDS],
             )
+        except _Quiet:
+            full = await self._local.enter(limits, member)
+            if full is None:
+                self._entered_here.add(member)
+            return full
         except self._errors as exc:
             self._down(exc)
             full = await self._local.enter(limits, member)
@@ -307,6 +322,9 @@ class RedisRateLimiter:
         for bucket, limit in limits:
             if limit:
                 key = _redis_key("busy", bucket)
+                if not redislink.answers():
+                    self._leaves_owed.append((key, member))
+                    continue
                 try:
                     await self._redis.zrem(key, member)
                 except self._errors as exc:
