@@ -248,10 +248,13 @@ def test_hosts_crud_with_a_join_token(staff):
     assert added.status_code == 201, added.content
     assert added.json()["join_token"].startswith("capyjoin_")
     assert added.json()["state"] == "unknown"
+    assert "no-store" in added["Cache-Control"]  # it holds a secret: no cache may keep it
     listed = staff.get("/api/hosts/?state=unknown").json()
     assert [h["name"] for h in listed["results"]] == ["box"]
     assert "join_token" not in staff.get("/api/hosts/box/").json()
-    token = staff.post("/api/hosts/box/token/", {}, format="json").json()["join_token"]
+    renewed = staff.post("/api/hosts/box/token/", {}, format="json")
+    assert "no-store" in renewed["Cache-Control"]
+    token = renewed.json()["join_token"]
     assert token != added.json()["join_token"]
     change = {"address": "10.0.0.8:7701", "gpu_reserve_bytes": 1024**3}
     changed = staff.patch("/api/hosts/box/", change, format="json")

@@ -59,6 +59,12 @@ def _actor(request: Request) -> str:
     return str(request.user.get_username())
 
 
+def _unstored(response: Response) -> Response:
+    """An answer that holds a secret (a new key, a join token): no cache may keep it."""
+    add_never_cache_headers(response)
+    return response
+
+
 def _valid(serializer_class: type[Serializer[Any]], request: Request, **kw: Any) -> dict[str, Any]:
     serializer = serializer_class(data=request.data, **kw)
     serializer.is_valid(raise_exception=True)
@@ -284,7 +290,7 @@ class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
     def create(self, request: Request) -> Response:
         data = _valid(s.HostIn, request)
         host, token = hosts.add_host(data["name"], data["address"])
-        return Response(s.HostAdded((host, token)).data, status=status.HTTP_201_CREATED)
+        return _unstored(Response(s.HostAdded((host, token)).data, status=status.HTTP_201_CREATED))
 
     def partial_update(self, request: Request, name: str) -> Response:
         data = _valid(s.HostChange, request)
@@ -308,7 +314,7 @@ class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
         host = hosts.get_host(name)
         if host.is_local:
             raise UserError(f"{name!r} is the in-process host; it does not join", field="name")
-        return Response(s.HostAdded((host, hosts.new_join_token(host))).data)
+        return _unstored(Response(s.HostAdded((host, hosts.new_join_token(host))).data))
 
     @extend_schema(
         summary="Stop trusting the host's certificate at once (it must join again)",
@@ -380,9 +386,7 @@ class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignor
             max_concurrent=data.get("max_concurrent"),
             actor=_actor(request),
         )
-        created = Response(s.KeyCreated((key, full)).data, status=status.HTTP_201_CREATED)
-        add_never_cache_headers(created)  # it holds the key: no cache may keep it
-        return created
+        return _unstored(Response(s.KeyCreated((key, full)).data, status=status.HTTP_201_CREATED))
 
     def partial_update(self, request: Request, key_id: str) -> Response:
         self._mine(key_id)
