@@ -303,7 +303,7 @@ def socket_held(pid: int, path: Path) -> bool:
             sockets = process.net_connections(kind="unix")
         except psutil.Error:
             continue
-        if any(sock.laddr == wanted for sock in sockets):
+        if any(str(sock.laddr) == wanted for sock in sockets):  # a Unix socket's: its path
             return True
     return False
 

@@ -68,7 +68,7 @@ def launched(runtime):
             gpu_indices=[0],
             env={**MEMORY, **env},
         )
-        instance = runtime.launch(request)
+        instance: Instance = runtime.launch(request)
         instances.append(instance)
         runtime.wait_ready(instance, timeout=30)
         return instance
@@ -310,9 +310,9 @@ def test_the_real_llama_server_listens_on_its_socket(tmp_path):
         assert instance.spec.features is not None
         assert instance.spec.features.can("unix-socket"), instance.spec.features
         runtime.wait_ready(instance, timeout=120)
-        assert_private_socket(instance)
+        path = assert_private_socket(instance)
         if os.geteuid() == 0:
-            assert "Permission denied" in as_another_user(instance.socket_path)
+            assert "Permission denied" in as_another_user(path)
         answer = engine_http(instance, headers={"Authorization": f"Bearer {instance.api_key}"},
                              timeout=60).post(
             "/v1/chat/completions",
