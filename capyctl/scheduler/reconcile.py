@@ -28,6 +28,7 @@ from capyctl.hosts.services import note_measures
 from capyctl.ledger.models import LedgerEntry
 from capyctl.scheduler import flights, inflight, operations, snapshots, transitions, turns
 from capyctl.scheduler.drivers import HostDriver, driver_for
+from hostagent.errors import EngineCallError
 from hostagent.measure import RELEASED_SHARE
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -299,9 +300,13 @@ def _parked_unasked(
     if flights.driven_anywhere(deployment.pk):
         return False
     key = operations.instance_key(instance)
-    if driver.asleep(key) is not True:
+    try:
+        if driver.asleep(key) is not True:
+            return False
+        usage = driver.usage(key)
+    except EngineCallError as exc:  # an agent without the question, or one busy now
+        logger.info("could not ask %s's engine whether it sleeps: %s", deployment.name, exc)
         return False
-    usage = driver.usage(key)
     pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
     figures = snapshots.measured(host, pools, usage, 0) if usage.gpu_known else None
     said = "it is sleeping (is_sleeping: true)"
