@@ -22,6 +22,10 @@ from urllib.parse import quote
 
 import aiohttp
 import httpx
+from aiohttp.client_exceptions import UnixClientConnectorError
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.client_reqrep import ClientRequest
+from aiohttp.tracing import Trace
 from yarl import URL
 
 from hostagent import routes, tls, wire
@@ -32,6 +36,7 @@ from hostagent.host import HostRuntime
 from hostagent.probe import Probe, make_probe
 from hostagent.runtime import DEFAULT_RELEASE_SECONDS
 from hostagent.simgpu import SIM_PIDS, SIM_PIDS_ENV, parse_sim_gpus
+from hostagent.unixsock import connect_unix
 
 logger = logging.getLogger("hostagent.agent")
 _QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
@@ -206,6 +211,25 @@ class AgentApp:
         return 404, {"error": {"type": "NotFound", "message": message}}
 
 
+class PatientUnixConnector(aiohttp.UnixConnector):
+    """aiohttp's connector to a Unix socket, waiting while the engine's accept queue is
+    full (:mod:`hostagent.unixsock`) instead of failing the request at once."""
+
+    async def _create_connection(
+        self, req: ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout
+    ) -> ResponseHandler:
+        try:
+            sock = await connect_unix(self.path, timeout.sock_connect or 10.0)
+        except OSError as exc:
+            raise UnixClientConnectorError(self.path, req.connection_key, exc) from exc
+        try:
+            _, protocol = await self._loop.create_unix_connection(self._factory, sock=sock)
+        except OSError as exc:
+            sock.close()
+            raise UnixClientConnectorError(self.path, req.connection_key, exc) from exc
+        return protocol
+
+
 class Relay:
     """``/relay/{instance}/v1/...``: the server's ``/v1`` requests, streamed to the
     instance's Unix socket or loopback port and back unbuffered (the gateway's data-path
@@ -229,7 +253,7 @@ class Relay:
             if socket_path:
                 self._forget_ended()
             connector: aiohttp.BaseConnector = (
-                aiohttp.UnixConnector(path=socket_path, limit=0)
+                PatientUnixConnector(path=socket_path, limit=0)
                 if socket_path
                 else aiohttp.TCPConnector(limit=0)
             )

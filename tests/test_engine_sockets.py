@@ -7,13 +7,16 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
+import aiohttp
 import httpx
 import psutil
 import pytest
@@ -208,6 +211,65 @@ def test_the_gateways_upstream_pool_speaks_over_a_unix_socket(tmp_path):
     bodies, idle = asyncio.run(scenario())
     assert bodies == [b"/v1/models localhost"] * 2
     assert idle == 1  # one kept-alive connection, reused
+
+
+async def gateway_burst(path: Path, count: int) -> list[bytes]:
+    """``count`` requests at once through the gateway's upstream pool."""
+    pool = UpstreamPool()
+
+    async def one() -> bytes:
+        async with await pool.request("GET", f"{unix_url(str(path))}/health") as response:
+            return await response.read()
+
+    try:
+        return list(await asyncio.gather(*(one() for _ in range(count))))
+    finally:
+        await pool.close()
+
+
+async def relay_burst(path: Path, count: int) -> list[bytes]:
+    """``count`` requests at once through the host agent's relay's client."""
+    from hostagent.agent import PatientUnixConnector
+
+    connector = PatientUnixConnector(path=str(path), limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one() -> bytes:
+            async with session.get("http://localhost/health") as response:
+                return await response.read()
+
+        return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+@pytest.mark.parametrize("burst", [gateway_burst, relay_burst], ids=["gateway", "relay"])
+def test_a_full_accept_queue_on_the_socket_is_waited_for_as_tcp_would(tmp_path, burst):
+    """A Unix socket whose accept queue is full refuses a connect at once (EAGAIN) where
+    TCP would retry: a burst of new connections must wait for the engine, not fail."""
+    import threading
+
+    import uvloop
+
+    path = tmp_path / "engine.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)  # the engine is busy: one waits in its queue, the rest are refused
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
+
+    def serve_later() -> None:
+        time.sleep(0.5)
+        for _ in range(8):
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve_later, daemon=True)
+    thread.start()
+    try:
+        assert uvloop.run(burst(path, 8)) == [b"ok"] * 8  # the gateway's and agent's loop
+    finally:
+        thread.join(timeout=10)
+        server.close()
 
 
 # --- end to end: standalone, and through a joined host's relay ---------------------------------

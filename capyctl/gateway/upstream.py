@@ -34,6 +34,7 @@ import httptools
 # Never sent as given: Host and Content-Length are this client's own, the rest belong to
 # one connection.
 from hostagent.asgi import HOP_BY_HOP
+from hostagent.unixsock import connect_unix
 
 CONNECT_TIMEOUT = 10.0
 IDLE_SECONDS = 30.0
@@ -469,9 +470,7 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
                 if port == 0:
-                    _, connection = await loop.create_unix_connection(
-                        lambda: _Connection(self, key), host
-                    )
+                    connection = await self._connect_unix(loop, key, host)
                 else:
                     _, connection = await loop.create_connection(
                         lambda: _Connection(self, key), host, port, ssl=tls, server_hostname=name
@@ -482,6 +481,22 @@ class UpstreamPool:
             ) from None
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {where}: {exc}") from exc
+        return connection
+
+    async def _connect_unix(
+        self, loop: asyncio.AbstractEventLoop, key: _Key, path: str
+    ) -> _Connection:
+        """A connection to the socket ``path``, waiting while its accept queue is full
+        (:mod:`hostagent.unixsock`), so a burst of new connections to an engine waits for
+        it instead of failing."""
+        sock = await connect_unix(path, CONNECT_TIMEOUT)
+        try:
+            _, connection = await loop.create_unix_connection(
+                lambda: _Connection(self, key), sock=sock
+            )
+        except BaseException:
+            sock.close()
+            raise
         return connection
 
     def _take(self, key: _Key) -> _Connection | None:
