@@ -29,6 +29,15 @@ def leased(url, deployment_id, timeout=10.0):
         time.sleep(0.02)
 
 
+def settled(keeper, timeout=15.0):
+    """Wait until leases can be told (a new Redis looks like one that lost its data: for
+    its first seconds nobody is taken for gone)."""
+    deadline = time.monotonic() + timeout
+    while keeper.held_elsewhere(999):  # nobody drives deployment 999
+        assert time.monotonic() < deadline, "leases never settled"
+        time.sleep(0.1)
+
+
 def just_renewed(url, deployment_id):
     """Wait until the lease was renewed a moment ago: the next renewal is a whole period
     away (so what a pass sees right after a restart does not depend on luck)."""
@@ -109,6 +118,7 @@ def test_a_driver_that_runs_but_stopped_renewing_is_not_taken_for_gone(own_redis
         assert worker.stdout is not None
         assert worker.stdout.readline().strip() == "driving"
         leased(own_redis.url, 9)
+        settled(here)
         os.kill(worker.pid, signal.SIGSTOP)
         time.sleep(flights.LEASE_SECONDS + 1.5)
         assert not redis.Redis.from_url(own_redis.url).exists("capyctl:flight:9")

@@ -87,7 +87,7 @@ async def test_limits_hold_in_this_process_while_redis_is_down(own_redis):
         await limiter.leave(busy, "m1")
         assert await limiter.enter(busy, "m3") is None
         own_redis.start()
-        while not redislink.answers():
+        while not redislink.link(own_redis.url).answers():
             await asyncio.sleep(0.05)
         await limiter.leave(busy, "m3")  # entered here: left here
         assert await limiter.enter(busy, "m4") is None  # Redis counts again

@@ -242,13 +242,14 @@ class RedisRateLimiter:
         self._script = self._redis.register_script(_LIMIT_SCRIPT)
         self._enter = self._redis.register_script(_ENTER_SCRIPT)
         self._errors = redislink.errors()
+        self._link = redislink.link(url)
         self._local = LocalLimiter()
         self._entered_here: set[str] = set()  # members counted by this process alone
         self._leaves_owed: list[tuple[str, str]] = []  # (key, member) to remove when back
         self.down_since: float | None = None
 
     def _down(self, exc: BaseException) -> None:
-        redislink.failed(exc)
+        self._link.failed(exc)
         if self.down_since is None:
             self.down_since = time.time()
             logger.warning("Redis does not answer (%s): limits count in this process alone",
@@ -272,7 +273,7 @@ class RedisRateLimiter:
         if not live:
             return None
         member = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-        if not redislink.answers():
+        if not self._link.answers():
             return await self._local.admit(limits)
         try:
             refused = await self._script(
@@ -293,7 +294,7 @@ class RedisRateLimiter:
         if not live:
             return None
         try:
-            if not redislink.answers():
+            if not self._link.answers():
                 raise _Quiet
             refused = await self._enter(
                 keys=[_redis_key("busy", bucket) for _, bucket, _ in live],
@@ -322,7 +323,7 @@ class RedisRateLimiter:
         for bucket, limit in limits:
             if limit:
                 key = _redis_key("busy", bucket)
-                if not redislink.answers():
+                if not self._link.answers():
                     self._leaves_owed.append((key, member))
                     continue
                 try:

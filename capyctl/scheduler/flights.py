@@ -135,6 +135,7 @@ class _RedisLeases:
 
     def __init__(self, url: str) -> None:
         self._errors = redislink.errors()
+        self._link = redislink.link(url)
         self._redis = redislink.client(url)  # asked under the host lock and by passes
         self._background = redislink.client(url, redislink.BACKGROUND_TIMEOUT_SECONDS)
         self._me = uuid.uuid4().hex
@@ -162,14 +163,14 @@ class _RedisLeases:
         self._nudge.set()
 
     def held_elsewhere(self, deployment_id: int) -> bool:
-        if not redislink.answers():
+        if not self._link.answers():
             return True  # cannot tell: assume somebody drives it
         keys = [_LEASE_KEY.format(deployment_id), _DRIVER_KEY.format(deployment_id),
                 _LAST_KEY, _SINCE_KEY]  # fmt: skip
         try:
             found = self._held_script(keys=keys, args=[GAP_SECONDS, SETTLE_SECONDS])
         except self._errors as exc:
-            redislink.failed(exc)
+            self._link.failed(exc)
             return True
         if isinstance(found, bytes):  # no lease: its last driver's process still runs?
             return redislink.alive(found) is True
@@ -203,10 +204,10 @@ class _RedisLeases:
                 if not self._failing:
                     logger.warning("flight leases not renewed: %s", exc)
                 self._failing = True
-                redislink.failed(exc)
+                self._link.failed(exc)
             else:
                 if self._failing:
-                    redislink.answered()
+                    self._link.answered()
                 self._failing = False
             self._nudge.wait(RETRY_SECONDS if self._failing else LEASE_RENEW_SECONDS)
             self._nudge.clear()

@@ -277,6 +277,7 @@ class RedisInFlight:
     def __init__(self, url: str) -> None:
         self.process = uuid.uuid4().hex
         self._errors = redislink.errors()
+        self._link = redislink.link(url)
         self._redis = redislink.client(url)  # the request path and the host lock's
         self._async = redislink.async_client(url)
         self._background = redislink.client(url, redislink.BACKGROUND_TIMEOUT_SECONDS)
@@ -331,7 +332,7 @@ class RedisInFlight:
     def _failed(self, exc: BaseException) -> None:
         """A call did not reach Redis: its count is published at the next check-in, which
         comes soon."""
-        redislink.failed(exc)
+        self._link.failed(exc)
         self._down(exc)
         self._lacking = True
         self._nudge.set()
@@ -371,7 +372,7 @@ class RedisInFlight:
             self._lacking = self._lacking or lacking
             raise
         self._published = True
-        redislink.answered()
+        self._link.answered()
         self._up()
         with self._lock:  # deployments with nothing in flight need no field any more
             for deployment_id, left in counted:
@@ -407,7 +408,7 @@ class RedisInFlight:
 
     def begin(self, deployment_id: int) -> bool:
         keys, args = self._step(deployment_id, +1, 1)
-        if not redislink.answers():
+        if not self._link.answers():
             self._unsent()
             return True  # counted here; published when Redis is back
         try:
@@ -423,7 +424,7 @@ class RedisInFlight:
 
     async def abegin(self, deployment_id: int) -> bool:
         keys, args = self._step(deployment_id, +1, 1)
-        if not redislink.answers():
+        if not self._link.answers():
             self._unsent()
             return True
         try:
@@ -439,7 +440,7 @@ class RedisInFlight:
 
     def end(self, deployment_id: int) -> None:
         keys, args = self._step(deployment_id, -1, 0)
-        if not redislink.answers():
+        if not self._link.answers():
             self._unsent()
             return
         try:
@@ -451,7 +452,7 @@ class RedisInFlight:
 
     async def aend(self, deployment_id: int) -> None:
         keys, args = self._step(deployment_id, -1, 0)
-        if not redislink.answers():
+        if not self._link.answers():
             self._unsent()
             return
         try:
@@ -464,7 +465,7 @@ class RedisInFlight:
     # -- the scheduler's side -------------------------------------------------------------
 
     def close(self, deployment_id: int) -> None:
-        if not redislink.answers():
+        if not self._link.answers():
             raise CountsUnknown("the drain gate could not be closed: Redis did not answer lately")
         try:
             self._redis.set(_CLOSED.format(deployment_id), 1, ex=_TTL_SECONDS)
@@ -475,7 +476,7 @@ class RedisInFlight:
     def reopen(self, deployment_id: int) -> None:
         with self._lock:  # its state is ready all the same; opened when Redis answers
             self._reopen.add(deployment_id)
-        if not redislink.answers():
+        if not self._link.answers():
             return
         try:
             self._redis.delete(_CLOSED.format(deployment_id))
@@ -498,7 +499,7 @@ class RedisInFlight:
         return [_PROCESSES, _WHO, _LAPSED, _LEASE + (process or self.process)]
 
     def count(self, deployment_id: int) -> int:
-        if not redislink.answers():
+        if not self._link.answers():
             raise CountsUnknown("Redis did not answer lately")
         keys = [_KEY.format(deployment_id), _EPOCH, _REBUILDING, _PROCESSES, _LAST, _WHO, _LAPSED]
         args = [_LEASE, STALE_SECONDS, GAP_SECONDS, int(REBUILDING_SECONDS * 1000),

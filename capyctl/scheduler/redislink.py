@@ -5,10 +5,10 @@ Calls made on the request path (counting a request in and out) and under the hos
 pause, a partition: timeouts, not refused connections) would hold every request, and every
 change on the host, for the whole socket timeout. So they use clients with short timeouts
 (:func:`client`, :func:`async_client`), and once one of them did not answer, this process
-asks Redis nothing on those paths for :data:`QUIET_SECONDS` (:func:`answers`): they do what
+asks Redis nothing on those paths for :data:`QUIET_SECONDS` (:meth:`Link.answers`): they do what
 they do when Redis is away at once. Background loops (the in-flight check-ins, the flight
 leases) keep trying, and the first of them that gets an answer ends the quiet period
-(:func:`answered`).
+(:meth:`Link.answered`). Each Redis server has its own (:func:`link`).
 
 :func:`identity` names this process so that another process on the same machine can tell
 whether it still runs (:func:`alive`): a sign that does not depend on Redis.
@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 
@@ -32,29 +33,43 @@ TIMEOUT_SECONDS = 0.25  # a call on the request path or under the host lock
 BACKGROUND_TIMEOUT_SECONDS = 1.0  # a background loop's call
 QUIET_SECONDS = 5.0  # after a call did not answer, how long those paths ask Redis nothing
 
-_quiet_until = 0.0
-_lock = threading.Lock()
+
+class Link:
+    """The quiet period of one Redis server, shared by every caller in this process."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._quiet_until = 0.0
+        self._lock = threading.Lock()
+
+    def answers(self) -> bool:
+        """Whether calls on the request path and under the host lock may ask it now."""
+        return time.monotonic() >= self._quiet_until
+
+    def failed(self, exc: BaseException) -> None:
+        """A call did not answer: the short paths ask it nothing for a while."""
+        with self._lock:
+            if time.monotonic() >= self._quiet_until:
+                logger.debug("Redis at %s did not answer (%s): quiet for %ss", self.address,
+                             exc, QUIET_SECONDS)  # fmt: skip
+            self._quiet_until = time.monotonic() + QUIET_SECONDS
+
+    def answered(self) -> None:
+        """A background call got its answer: it is back for every path."""
+        with self._lock:
+            self._quiet_until = 0.0
 
 
-def answers() -> bool:
-    """Whether calls on the request path and under the host lock may ask Redis now."""
-    return time.monotonic() >= _quiet_until
+_links: dict[str, Link] = {}
+_links_lock = threading.Lock()
 
 
-def failed(exc: BaseException) -> None:
-    """A call did not answer: the short paths ask Redis nothing for a while."""
-    global _quiet_until  # noqa: PLW0603 - one quiet period a process, shared by its callers
-    with _lock:
-        if time.monotonic() >= _quiet_until:
-            logger.debug("Redis did not answer (%s): quiet for %ss", exc, QUIET_SECONDS)
-        _quiet_until = time.monotonic() + QUIET_SECONDS
-
-
-def answered() -> None:
-    """A background call got its answer: Redis is back for every path."""
-    global _quiet_until  # noqa: PLW0603 - one quiet period a process, shared by its callers
-    with _lock:
-        _quiet_until = 0.0
+def link(url: str) -> Link:
+    """The quiet period of the Redis server at ``url`` (its databases share it)."""
+    parsed = urlsplit(url)
+    address = parsed.path if parsed.scheme == "unix" else f"{parsed.hostname}:{parsed.port or 6379}"
+    with _links_lock:
+        return _links.setdefault(address, Link(address))
 
 
 def client(url: str, timeout: float = TIMEOUT_SECONDS) -> Any:

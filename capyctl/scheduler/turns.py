@@ -112,14 +112,15 @@ class RedisRegistry:
         # Its calls run under the host lock: short timeouts, and none for a while once
         # Redis did not answer (this process's own waits meanwhile).
         self._redis = redislink.client(url)
+        self._link = redislink.link(url)
         self._own = LocalRegistry()
         self._hosts: dict[int, int] = {}  # deployment -> host, for done()
 
     def _answers(self) -> bool:
-        return redislink.answers()
+        return self._link.answers()
 
     def _down(self, exc: BaseException) -> None:
-        redislink.failed(exc)
+        self._link.failed(exc)
         logger.debug("turns: Redis did not answer (%s); this process's waits only", exc)
 
     def note(self, wait: Wait) -> float:
