@@ -506,15 +506,15 @@ class RedisInFlight:
                 PRESUMED_GONE_SECONDS]  # fmt: skip
         for _attempt in range(2):
             try:
-                found = [int(v) if isinstance(v, int) else v for v in self._count(keys, args)]
+                code, *suspects = self._count(keys, args)
             except self._errors as exc:
                 self._failed(exc)
                 raise CountsUnknown(f"Redis does not answer ({type(exc).__name__})") from exc
-            if found[0] >= 0:
-                return int(found[0])
-            if found[0] == -1:
+            if int(code) >= 0:
+                return int(code)
+            if int(code) == -1:
                 raise CountsUnknown("Redis has just come back; not every process has checked in")
-            silent = self._silent(found[1:])
+            silent = self._silent(suspects)
             if silent:
                 raise CountsUnknown(
                     f"{redislink.describe(silent)} has not published its counts lately (cut "
