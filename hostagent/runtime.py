@@ -308,22 +308,23 @@ class EngineRuntime:
         start may be measured by device, its GPUs are held from here until it is ready."""
         kind = get_kind(request.kind)
         # A key that never starts with "-", which flag parsers would misread.
-        spec = self._listen_at(kind, self._spec(request, 0, secrets.token_hex(24)))
+        spec = self._spec(request, 0, secrets.token_hex(24))
         if getattr(kind, "sizes_by_free_memory", False):  # SGLang's and llama-server's
             spec = dataclasses.replace(spec, gpu_memory=self._memory_at_launch(request))
         if spec.features is not None:  # a flag this build lacks: one line, not an exit
             spelling = kind.probes.spelling if kind.probes is not None else None
             check_flags(f"{kind.name} on this host", spec.features, request.extra_args, spelling)
-        launch = kind.build_launch(spec)
+        spec = self._listen_at(kind, spec)  # from here on, its socket's folder may exist
         log_path = self.log_dir / f"{request.instance_id}.log"
-        gpus = self.meter.gpus(request.gpu_indices)
-        lease = None
-        if gpus and self.meter.leases_starts():
-            lease = self.meter.leases.acquire(
-                f"the start of {request.served_name}", gpus, LAUNCH_LEASE_SECONDS
-            )
         run_dir = self.run_root / request.instance_id
+        lease = None
         try:
+            launch = kind.build_launch(spec)
+            gpus = self.meter.gpus(request.gpu_indices)
+            if gpus and self.meter.leases_starts():
+                lease = self.meter.leases.acquire(
+                    f"the start of {request.served_name}", gpus, LAUNCH_LEASE_SECONDS
+                )
             prepare_run_dir(run_dir, launch.files)
             before = self.meter.used(gpus) if lease is not None else None
             process = start_process(

@@ -4,6 +4,7 @@ not behind its key). Health, park, wake, warm-up and /v1 go over the socket, in 
 through a joined host's relay; a build without socket support listens on loopback."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -29,7 +30,7 @@ from hostagent.probe import CpuOnlyProbe, SimulatedProbe
 from hostagent.runtime import EngineRuntime, Instance, InstanceRequest
 from hostagent.sim.identity import NO_SOCKET_ENV
 from hostagent.simgpu import SimSpec
-from hostagent.versions import EngineFeatures
+from hostagent.versions import EngineFeatures, EngineFlagError
 from tests.conftest import run_program, start_server, stop_server
 from tests.engine_http import engine_http
 from tests.test_hosts_join import joined, wait_online  # noqa: F401 - a fixture
@@ -168,18 +169,24 @@ def test_sglang_with_uds_is_given_the_socket_and_no_host_or_port(tmp_path):
     assert "--port" not in argv
 
 
-def test_a_run_dir_too_deep_for_a_socket_path_gets_a_short_private_one(tmp_path):
+def test_a_run_dir_too_deep_for_a_socket_path_gets_a_short_private_one(tmp_path, monkeypatch):
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     deep = tmp_path.joinpath(*["a-rather-long-folder-name"] * 4)
     probe = SimulatedProbe(SimSpec(unified=False, sizes=[24 * GIB]), tmp_path / "sim")
     runtime = EngineRuntime(probe, deep / "logs", release_timeout=2.0)
     request = InstanceRequest(instance_id=f"vllm-{uuid.uuid4().hex}", kind="vllm",
                               command=f"{SIM} vllm", source="/m", served_name="m",
                               gpu_indices=[0], env=MEMORY)  # fmt: skip
+    with pytest.raises(EngineFlagError):  # a launch refused leaves no folder behind
+        runtime.launch(dataclasses.replace(request, extra_args=["--no-such-flag"]))
+    assert list(temporary.iterdir()) == []
     instance = runtime.launch(request)
     try:
         runtime.wait_ready(instance, timeout=30)
         path = assert_private_socket(instance)
-        assert path.parent.parent == Path(tempfile.gettempdir())
+        assert path.parent.parent == temporary
         assert len(bytes(path)) <= 107 < len(bytes(deep / "run" / request.instance_id / "x"))
     finally:
         runtime.stop(instance, grace_seconds=2)
