@@ -236,6 +236,7 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 @admin.register(Instance)
 class InstanceAdmin(ReadOnlyAdmin):
-    list_display = ("deployment", "host", "state", "pid", "port", "started_at", "ended_at")
+    list_display = ("deployment", "host", "state", "pid", "port", "socket_path", "started_at",
+                    "ended_at")  # fmt: skip
     list_filter = ("state", "host")
     exclude = ("launch_key",)
