@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -270,11 +271,27 @@ def test_a_server_restarted_while_requests_wait_for_a_wake(restart_env, tmp_path
         stop(server)
 
 
+@contextmanager
+def box_running(env, tmp_path, ports, token, key):
+    """The server and host ``box``'s agent (24 GiB), online for ``key``, until the block
+    ends; the server's process."""
+    port, enrol_port, agent_port = ports
+    server = start(env, tmp_path, port, enrol_port)
+    agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
+    try:
+        wait_online(port, key)
+        yield server
+    finally:
+        agent.terminate()
+        agent.wait(timeout=15)
+        stop(server)
+
+
 def test_an_api_process_killed_with_requests_in_flight(restart_env, tmp_path):
     """The api process killed (SIGKILL) while three streams to ``a`` are under way: the
     supervisor starts it again, and a request for ``b``, which needs ``a`` parked, is
-    served: the dead process's requests in flight stop counting within their lease (5 s),
-    so the park does not wait for requests nobody serves any more."""
+    served: the dead process's requests in flight stop counting once it has been silent for
+    3 s (its pid is gone), so the park does not wait for requests nobody serves any more."""
     env, run, (port, enrol_port, agent_port), token = one_host_setup(restart_env)
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", SIM,
                "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB",
@@ -284,10 +301,7 @@ def test_an_api_process_killed_with_requests_in_flight(restart_env, tmp_path):
                    f"m-{name}", "--gpu-memory", "16GiB", "--weights-size", "2GiB",
                    "--min-ready-seconds", "0").code == 0  # fmt: skip
     key = run("key", "create", "--user", "admin", "--admin").out.strip()
-    server = start(env, tmp_path, port, enrol_port)
-    agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
-    try:
-        wait_online(port, key)
+    with box_running(env, tmp_path, (port, enrol_port, agent_port), token, key) as server:
         assert chat(port, key, "a").status_code == 200
         streaming: list[str] = []
         ended: list[str] = []
@@ -333,10 +347,6 @@ def test_an_api_process_killed_with_requests_in_flight(restart_env, tmp_path):
         assert (rows["a"]["observed_state"], rows["b"]["observed_state"]) == ("parked", "ready")
         assert server.poll() is None
         assert_ledger_is_the_device(run, agent_sim_dir(tmp_path, agent_port), host="box")
-    finally:
-        agent.terminate()
-        agent.wait(timeout=15)
-        stop(server)
 
 
 def _answers(port):
@@ -495,10 +505,7 @@ def test_redis_back_with_its_data_after_the_leases_lapsed_parks_nothing_under_a_
     (which the park then cut)."""
     env, run, (port, enrol_port, agent_port), token = one_host_setup(outage_env)
     key = paced_models(run, "r", "p", "q", tokens=80)
-    server = start(env, tmp_path, port, enrol_port)
-    agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
-    try:
-        wait_online(port, key)
+    with box_running(env, tmp_path, (port, enrol_port, agent_port), token, key) as server:
         seen, reader = stream_in_thread(port, key, "r")  # started by it: 16 s of tokens
         wait_for(lambda: seen.tokens >= 3, "the stream to be under way")
         early: list[tuple[httpx.Response, float]] = []
@@ -531,10 +538,6 @@ def test_redis_back_with_its_data_after_the_leases_lapsed_parks_nothing_under_a_
         assert rows["q"]["observed_state"] == "ready"
         assert server.poll() is None
         assert_ledger_is_the_device(run, agent_sim_dir(tmp_path, agent_port), host="box")
-    finally:
-        agent.terminate()
-        agent.wait(timeout=15)
-        stop(server)
 
 
 def timed_chat(port, key, model):
@@ -565,10 +568,7 @@ def test_a_hung_redis_costs_a_ready_model_half_a_second_at_most(outage_env, own_
     limited = run(
         "key", "create", "--user", "admin", "--rpm", "10000", "--max-concurrent", "100"
     ).out.strip()  # its limits are counted in Redis
-    server = start(env, tmp_path, port, enrol_port)
-    agent = start_agent(env, tmp_path / "agent", agent_port, "--join", token, gpus="24GiB")
-    try:
-        wait_online(port, key)
+    with box_running(env, tmp_path, (port, enrol_port, agent_port), token, key) as server:
         for model in ("b", "a"):  # both have run; a is ready, b parked
             assert chat(port, key, model).status_code == 200
         before = timed_requests(port, limited, "a", 3)
@@ -587,7 +587,3 @@ def test_a_hung_redis_costs_a_ready_model_half_a_second_at_most(outage_env, own_
         switch_back(port, key, "b")
         assert server.poll() is None
         assert_ledger_is_the_device(run, agent_sim_dir(tmp_path, agent_port), host="box")
-    finally:
-        agent.terminate()
-        agent.wait(timeout=15)
-        stop(server)

@@ -71,7 +71,7 @@ RETRY_SECONDS = 0.1
 STALE_SECONDS = 3.0
 # Nobody checked in for this long: Redis was away; every process gets the time to check
 # in again (REBUILDING_SECONDS) before a count is trusted.
-GAP_SECONDS = 1.5
+GAP_SECONDS = 2.0
 REBUILDING_SECONDS = 3.0
 # A process nobody can check (another machine) whose lease lapsed while Redis answered is
 # taken for dead after this long.
@@ -465,6 +465,8 @@ class RedisInFlight:
     # -- the scheduler's side -------------------------------------------------------------
 
     def close(self, deployment_id: int) -> None:
+        with self._lock:  # a drain again: an opening still owed is not
+            self._reopen.discard(deployment_id)
         if not self._link.answers():
             raise CountsUnknown("the drain gate could not be closed: Redis did not answer lately")
         try:
@@ -474,17 +476,14 @@ class RedisInFlight:
             raise CountsUnknown(f"the drain gate could not be closed: {exc}") from exc
 
     def reopen(self, deployment_id: int) -> None:
+        if self._link.answers():
+            try:
+                self._redis.delete(_CLOSED.format(deployment_id))
+                return
+            except self._errors as exc:
+                self._failed(exc)
         with self._lock:  # its state is ready all the same; opened when Redis answers
             self._reopen.add(deployment_id)
-        if not self._link.answers():
-            return
-        try:
-            self._redis.delete(_CLOSED.format(deployment_id))
-        except self._errors as exc:
-            self._failed(exc)
-            return
-        with self._lock:
-            self._reopen.discard(deployment_id)
 
     def stop(self) -> None:
         """Stop checking in and leave: for a tracker that is done with (and at exit)."""
