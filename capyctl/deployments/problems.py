@@ -17,8 +17,8 @@ from pathlib import Path
 from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
 from capyctl.hosts.models import Host
-from capyctl.ledger.pools import pool_usage
-from capyctl.scheduler import estimates, snapshots
+from capyctl.ledger.pools import device_total, pool_usage
+from capyctl.scheduler import estimates
 from hostagent.kinds import KindError, get_kind
 from hostagent.units import format_size
 
@@ -39,7 +39,7 @@ def never_fits(deployment: Deployment) -> str | None:
     most_gpus, largest, claim_shown = 0, 0, 0
     for host in hosts:
         capacities = _gpu_capacities(host)
-        claim = estimates.claim_per_gpu(deployment, snapshots.device_total(host))
+        claim = estimates.claim_per_gpu(deployment, device_total(host))
         if sum(1 for c in capacities if c >= claim) >= deployment.gpus:
             return None
         most_gpus = max(most_gpus, len(capacities))

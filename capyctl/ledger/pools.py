@@ -12,6 +12,13 @@ from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 
 
+def device_total(host: Host) -> int:
+    """The smallest GPU's total memory on ``host`` (0 without GPUs): what a claim given as
+    a share of a device is a share of."""
+    gpus = (host.inventory or {}).get("gpus") or []
+    return min((int(g["total_bytes"]) for g in gpus), default=0)
+
+
 @dataclass(frozen=True)
 class PoolUsage:
     """One pool of one host: capacity (total - reserve) and bytes by ledger status."""

@@ -27,6 +27,7 @@ from capyctl.engines import services as engines
 from capyctl.engines.models import Engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
+from capyctl.ledger.pools import device_total
 from capyctl.ledger.services import host_lock
 from capyctl.scheduler import (
     admission,
@@ -339,7 +340,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         deployment, "deployment.starting", f"starting {deployment.name} on {host.name}", actor=actor
     )
     driver = driver_for(host)
-    claim = estimates.claim_per_gpu(deployment, snapshots.device_total(host))
+    claim = estimates.claim_per_gpu(deployment, device_total(host))
     request = InstanceRequest(
         instance_id=instance_id,
         kind=deployment.engine.kind,
@@ -351,7 +352,7 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         env=dict(deployment.engine.env),
         options=dict(deployment.engine.options),
         ram_park=snapshots.launch_keeps_ram_copy(deployment, host),
-        memory_fraction=estimates.memory_fraction(deployment, snapshots.device_total(host)),
+        memory_fraction=estimates.memory_fraction(deployment, device_total(host)),
         claim_bytes=claim if deployment.gpus else None,
         media_domains=list(deployment.media_domains),
     )
@@ -636,7 +637,7 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
     # the memory it was started to use (a changed claim applies from its next start).
     claim = instance.claim_bytes
     if claim is None:
-        claim = estimates.claim_per_gpu(deployment, snapshots.device_total(host))
+        claim = estimates.claim_per_gpu(deployment, device_total(host))
     for _round in range(MAX_SWITCH_ROUNDS):
         victims = admission.admit_wake(deployment, host, pools, claim)
         if victims is None:

@@ -11,7 +11,7 @@ import time
 from capyctl.deployments.models import Deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.ledger.pools import pool_usage
+from capyctl.ledger.pools import device_total, pool_usage
 from capyctl.scheduler import estimates, inflight, turns
 from capyctl.scheduler.policy import HostSnapshot, Need, Pool, Resident
 from hostagent.kinds import get_kind
@@ -22,11 +22,6 @@ def gpu_pools(host: Host, gpu_indices: list[int]) -> list[str]:
     if (host.inventory or {}).get("unified"):
         return ["unified"] if gpu_indices else []
     return [f"gpu{i}" for i in gpu_indices]
-
-
-def device_total(host: Host) -> int:
-    gpus = (host.inventory or {}).get("gpus") or []
-    return min((int(g["total_bytes"]) for g in gpus), default=0)
 
 
 def ram_pool(host: Host) -> str:
