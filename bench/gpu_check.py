@@ -168,7 +168,6 @@ def main() -> int:  # noqa: PLR0915 - one check, read top to bottom
     probe = "the probe" if args.sim else "NVML"
     try:
         operations.ensure_ready(models[0].pk)
-        client = httpx.Client(timeout=120)
         print(f"{args.switches} switches, weights {gb(weights)} a model "
               f"(a: 40 %, b: 70 % of the device)")  # fmt: skip
         for i in range(args.switches):
@@ -182,11 +181,15 @@ def main() -> int:  # noqa: PLR0915 - one check, read top to bottom
             if instance is None:
                 raise RuntimeError(f"{target.name} has no running engine")
             asked = time.perf_counter()
-            answer = client.post(
-                f"{instance.base_url}/v1/chat/completions",
-                headers={"Authorization": f"Bearer {instance.api_key}"},
-                json={"model": target.name, "messages": [{"role": "user", "content": "hi"}]},
-            )
+            # The engine listens on its Unix socket where its build can (docs/engines.md).
+            path = instance.socket_path
+            transport = httpx.HTTPTransport(uds=str(path)) if path is not None else None
+            with httpx.Client(timeout=120, transport=transport) as engine:
+                answer = engine.post(
+                    f"{instance.base_url}/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {instance.api_key}"},
+                    json={"model": target.name, "messages": [{"role": "user", "content": "hi"}]},
+                )
             answer.raise_for_status()
             total = time.perf_counter() - started
             park, wake = calls.get("park", 0.0), calls.get("wake", 0.0)
