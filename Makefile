@@ -10,13 +10,14 @@ ARGS ?=
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/capyctl
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: help venv dev run demo test lint typecheck djangocheck test-sqlite test-postgres test-loaded gpu-wheels clean
+.PHONY: help venv dev dist run demo test lint typecheck djangocheck test-sqlite test-postgres test-loaded gpu-wheels clean
 
 help:
 	@echo "make run    set up .venv and run 'capyctl start standalone' on http://127.0.0.1:8000"
 	@echo "make demo   the same with a simulated GPU, models and a key in .capyctl-demo (no GPU needed)"
 	@echo "make test   set up .venv and run lint, type checks and the tests (SQLite and PostgreSQL)"
 	@echo "make venv   only create .venv with CapyCTL installed (capyctl on its PATH)"
+	@echo "make dist   build the wheels and sdists in dist/: capyctl, and capyctl-host (the host agent alone)"
 	@echo "make gpu-wheels  CapyCTL's dependencies as Python 3.12 wheels in .whl/, for bench/gpu_check.sh on a GPU machine without a network"
 
 $(BIN)/python:
@@ -65,6 +66,11 @@ venv: $(VENV)/.runtime-installed
 
 dev: $(VENV)/.dev-installed $(VENV)/.engines-installed $(VENV)/.browser-installed
 
+# capyctl (everything) and capyctl-host (the host agent alone), each a wheel and an sdist.
+dist: $(VENV)/.dev-installed
+	rm -rf dist
+	$(BIN)/python release/build.py --out dist
+
 run: venv
 	$(BIN)/capyctl start standalone $(ARGS)
 
@@ -77,7 +83,7 @@ lint: dev
 	$(BIN)/ruff format --check .
 
 typecheck: dev
-	$(BIN)/mypy capyctl hostagent tests
+	$(BIN)/mypy capyctl hostagent tests release
 
 djangocheck: dev
 	CAPYCTL_DATA_DIR=$$(mktemp -d) $(BIN)/python manage.py check --fail-level WARNING

@@ -33,6 +33,10 @@ from capyctl.conf import (
 from hostagent.simgpu import SIM_PIDS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+# The pages' templates and assets: templates/ and static/ at the top of a checkout; an
+# installed wheel carries them inside the package, as capyctl/_web/ (setup.py).
+_PACKAGED_WEB = Path(__file__).resolve().parent / "_web"
+WEB_ROOT = _PACKAGED_WEB if _PACKAGED_WEB.is_dir() else BASE_DIR
 
 DATA_DIR = env_path("CAPYCTL_DATA_DIR", Path.cwd() / ".capyctl")
 
@@ -124,7 +128,7 @@ ASGI_APPLICATION = "capyctl.asgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [WEB_ROOT / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -214,7 +218,7 @@ USE_I18N = False
 USE_TZ = True
 
 STATIC_URL = "/static/"
-STATICFILES_DIRS = [BASE_DIR / "static"]
+STATICFILES_DIRS = [WEB_ROOT / "static"]
 
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"

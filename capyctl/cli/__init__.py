@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import logging
 import os
 import signal
@@ -97,6 +98,12 @@ def _run_with_django(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE)
     except DatabaseError as exc:
+    if importlib.util.find_spec("django") is None:  # the slim install: the host agent only
+        return _fail(
+            "this install (capyctl-host) runs only the host agent, `capyctl start host`; the "
+            "other commands need the full install: pip install capyctl",
+            EXIT_USAGE,
+        )
         return _fail(_database_failure(exc), EXIT_FAILURE)
 
 

@@ -70,7 +70,9 @@ def _handler(name: str) -> Callable[[argparse.Namespace], int]:
         import importlib
 
         module = "commands"  # import only the module of the handler that runs
-        if name.startswith("start"):
+        if name == "start_host":  # the host agent: no Django (the slim install runs it)
+            module = "agent"
+        elif name.startswith("start"):
             module = "start"
         elif name.startswith(("key_", "user_")):
             module = "people"

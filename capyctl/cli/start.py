@@ -14,8 +14,10 @@ from typing import Any
 
 from django.conf import settings
 
+from capyctl.cli.listening import check_port_free as _check_port_free
+from capyctl.cli.listening import parse_listen
+from capyctl.cli.listening import warn_if_open as _warn_if_open
 from capyctl.errors import UserError
-from hostagent.datadir import open_to_others
 from hostagent.units import format_size
 
 logger = logging.getLogger("capyctl.start")
@@ -24,35 +26,6 @@ logger = logging.getLogger("capyctl.start")
 # this long before the process exits, which keeps a stop under 5 seconds.
 GRACEFUL_SHUTDOWN_SECONDS = 3
 LISTEN_BACKLOG = 2048
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[::1]:PORT``, ``:PORT`` or ``PORT`` → (host, port)."""
-    text = value.strip()
-    host = "127.0.0.1"
-    port_text = text
-    if text.startswith("["):
-        end = text.find("]")
-        if end == -1 or text[end + 1 : end + 2] != ":":
-            raise UserError(f"invalid --listen {value!r}: use HOST:PORT, e.g. 127.0.0.1:8000")
-        host, port_text = text[1:end], text[end + 2 :]
-    elif ":" in text:
-        host_part, _, port_text = text.rpartition(":")
-        host = host_part or "0.0.0.0"  # noqa: S104 - ":PORT" asks for every interface
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise UserError(f"invalid --listen {value!r}: the port must be a number from 1 to 65535")
-    return host, int(port_text)
-
-
-def _check_port_free(host: str, port: int) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-            raise UserError(f"cannot listen on {host}:{port}: {reason}") from None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -77,12 +50,6 @@ def _url(host: str, port: int) -> str:
     if ":" in shown:
         shown = f"[{shown}]"
     return f"http://{shown}:{port}"
-
-
-def _warn_if_open(data_dir: Path) -> None:
-    warning = open_to_others(data_dir)
-    if warning is not None:
-        print(warning, file=sys.stderr, flush=True)
 
 
 def mask_url(url: str) -> str:
@@ -217,36 +184,6 @@ def _serve_enrolment(listen: str) -> Any:
     threading.Thread(target=server.run, name="enrolment", daemon=True).start()
     print(f"  hosts join at https://{host}:{port} (CA {where.fingerprint()[:16]}…)", flush=True)
     return server
-
-
-def start_host(args: argparse.Namespace) -> int:
-    """The host agent. Needs no database (nor Django's settings): it answers the server
-    over mutual TLS."""
-    from capyctl.conf import ConfigError, env_float
-    from hostagent.agent import AgentError, AgentFiles, join, serve
-    from hostagent.runtime import DEFAULT_RELEASE_SECONDS
-
-    data_dir = Path(getattr(args, "data_dir", None) or os.environ.get("CAPYCTL_DATA_DIR")
-                    or Path.cwd() / ".capyctl-host")  # fmt: skip
-    files = AgentFiles(data_dir)
-    _warn_if_open(data_dir)
-    try:
-        release = env_float("CAPYCTL_PARK_CONFIRM_SECONDS", DEFAULT_RELEASE_SECONDS, minimum=0.1)
-        host, port = parse_listen(args.listen)
-        if args.join:
-            if files.joined():
-                raise AgentError(
-                    f"{data_dir} already holds the enrolment of host {files.host_name()}: "
-                    "start without --join, or use another --data-dir"
-                )
-            name = join(args.join, files)
-            print(f"joined as host {name}; certificate in {files.cert}", flush=True)
-        _check_port_free(host, port)
-        serve(files, host, port, release_timeout=release)
-    except (AgentError, UserError, ConfigError) as exc:
-        print(f"capyctl: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
 
 
 # --- server mode ---------------------------------------------------------------------------
