@@ -48,6 +48,7 @@ DATABASE_MODULES = frozenset(
         "test_traces.py",
         "test_transitions.py",
         "test_unasked_parks.py",
+        "test_upgrades.py",
         "test_user_ceilings.py",
     }
 )

@@ -15,6 +15,7 @@ from django.db import connection
 from django.db.migrations.loader import MigrationLoader
 from django.db.migrations.recorder import MigrationRecorder
 
+from capyctl.errors import UserError
 from hostagent.datadir import make_private_dir
 
 # Databases this process has already brought up to date.
@@ -58,22 +59,116 @@ def _every_migration_file_applied() -> bool:
     return True
 
 
-def migrate_database() -> bool:
-    """Apply pending migrations; return whether any ran."""
-    if connection.settings_dict["NAME"] in _migrated:
-        return False
-    _migrated.add(connection.settings_dict["NAME"])
+@dataclass(frozen=True)
+class SchemaUpgrade:
+    """What bringing the database up to date did."""
+
+    applied: int  # migrations applied
+    created: bool  # a new database: nothing was there to keep
+    backup: Path | None  # SQLite: the copy of the database as it was, taken first
+
+    def line(self) -> str | None:
+        """The start's line on it (a new database goes without saying)."""
+        if self.created:
+            return None
+        kept = f"; the database as it was is in {self.backup}" if self.backup else ""
+        return f"  upgraded:  {self.applied} migrations applied{kept}"
+
+
+def known_migrations() -> set[tuple[str, str]]:
+    """Every migration this code has, as (app label, name)."""
+    return set(MigrationLoader(None, ignore_no_migrations=True).disk_migrations)
+
+
+def own_app_labels() -> set[str]:
+    """CapyCTL's own apps (Django's contrib apps aside)."""
+    return {c.label for c in apps.get_app_configs() if c.name.startswith("capyctl.")}
+
+
+def sqlite_database() -> Path | None:
+    """The SQLite database file, or ``None`` on PostgreSQL (or SQLite in memory)."""
+    db = settings.DATABASES["default"]
+    if not db["ENGINE"].endswith("sqlite3") or str(db["NAME"]) == ":memory:":
+        return None
+    return Path(db["NAME"])
+
+
+def pg_dump_command(file: str = "capyctl-before-upgrade.dump") -> str:
+    """The ``pg_dump`` line that backs up this PostgreSQL database (its password never
+    shown: pg_dump asks for it, or reads PGPASSWORD or ~/.pgpass)."""
+    import shlex
+
+    db = settings.DATABASES["default"]
+    parts = ["pg_dump", "--format=custom", f"--file={file}"]
+    for flag, key in (("--host", "HOST"), ("--port", "PORT"), ("--username", "USER")):
+        if db.get(key):
+            parts.append(f"{flag}={db[key]}")
+    parts.append(str(db["NAME"]))
+    return shlex.join(parts)
+
+
+def _start_command() -> str:
+    return f"capyctl start {'server' if settings.MODE == 'server' else 'standalone'}"
+
+
+def _outdated(pending: int) -> UserError:
+    """Why an outdated database is not migrated here, and what to run."""
+    where = connection.settings_dict["NAME"]
+    what = f"the database {where} was made by an earlier CapyCTL ({pending} migrations to apply)"
+    if sqlite_database() is not None:
+        return UserError(
+            f"{what}: run `{_start_command()}` once; it takes a backup, then upgrades it"
+        )
+    return UserError(
+        f"{what}: back it up first with `{pg_dump_command()}`, then run "
+        f"`{_start_command()} --migrate`"
+    )
+
+
+def migrate_database(*, at_start: bool = False, migrate: bool = False) -> SchemaUpgrade | None:
+    """Bring the database up to date; ``None`` when it already was.
+
+    A new database is made at once. One an earlier version made is upgraded only by a
+    start (``at_start``): SQLite after a copy of it is taken into ``<data dir>/backups/``;
+    PostgreSQL only with ``migrate`` (the user ran ``pg_dump`` first). Anywhere else, or
+    without ``migrate``, it raises a :class:`UserError` that says what to run.
+    """
+    name = connection.settings_dict["NAME"]
+    if name in _migrated:
+        return None
     if _every_migration_file_applied():
-        return False
+        _migrated.add(name)
+        return None
     from django.core.management import call_command
     from django.db.migrations.executor import MigrationExecutor
 
     executor = MigrationExecutor(connection)
     plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
     if not plan:
-        return False
-    call_command("migrate", interactive=False, verbosity=0)
-    return True
+        _migrated.add(name)
+        return None
+    created = not executor.recorder.applied_migrations()
+    backup = None
+    if not created:
+        database = sqlite_database()
+        if not at_start or (database is None and not migrate):
+            raise _outdated(len(plan))
+        if database is not None:
+            from capyctl.backups import back_up_into_data_dir
+
+            backup = back_up_into_data_dir(database, Path(settings.DATA_DIR), "before-upgrade")
+    try:
+        call_command("migrate", interactive=False, verbosity=0)
+    except Exception as exc:
+        if backup is None:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"the upgrade failed ({first}); the database as it was is in {backup.path}: "
+            f"`capyctl restore {backup.path}` brings it back"
+        ) from exc
+    _migrated.add(name)
+    return SchemaUpgrade(len(plan), created, backup.path if backup else None)
 
 
 def ensure_first_admin() -> AdminAccount:
@@ -110,12 +205,16 @@ def ensure_first_admin() -> AdminAccount:
     return AdminAccount(username="admin", password_file=written, password=password, created=True)
 
 
-def prepare_standalone() -> None:
-    """Everything standalone needs before serving: schema and the local host."""
+def prepare_standalone(*, migrate: bool = False) -> SchemaUpgrade | None:
+    """Everything standalone needs before serving: the serving lock (a restore refuses
+    while it is held), the schema (see :func:`migrate_database`) and the local host."""
+    from capyctl.backups import hold_serving_lock
     from capyctl.hosts.services import ensure_local_host
     from hostagent.probe import read_inventory
 
-    migrate_database()
+    hold_serving_lock(Path(settings.DATA_DIR))
+    upgrade = migrate_database(at_start=True, migrate=migrate)
     ensure_local_host(
         read_inventory(settings.CAPYCTL["SIM_GPUS"], settings.CAPYCTL["SIM_STATE_DIR"])
     )
+    return upgrade

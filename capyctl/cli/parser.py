@@ -80,6 +80,8 @@ def _handler(name: str) -> Callable[[argparse.Namespace], int]:
             module = "traces"
         elif name.startswith("simulate"):
             module = "whatif"
+        elif name in ("backup", "restore"):
+            module = "backup"
         handler: Any = getattr(importlib.import_module(f"capyctl.cli.{module}"), name)
         result: int = handler(args)
         return result
@@ -122,6 +124,7 @@ def build_parser() -> Parser:
     _build_cache(commands)
     _build_trace(commands)
     _build_simulate(commands)
+    _build_backup(commands)
 
     status = _sub(commands, "status", "hosts, pools, deployments and the ledger", "status")
     _add_json(status)
@@ -177,6 +180,10 @@ def _build_start(commands: Any) -> None:
         parser.add_argument(
             "--enrol-listen", metavar="ADDR", help="where hosts join (HOST:PORT, TLS), e.g. :7443"
         )
+    for parser in (standalone, server, api):
+        parser.add_argument("--migrate", action="store_true",
+                            help="upgrade a PostgreSQL database an earlier version made "
+                            "(back it up with pg_dump first)")  # fmt: skip
     server.add_argument("--workers", type=count_arg(1), default=1, metavar="N",
                         help="worker processes to run (1)")  # fmt: skip
     worker = _sub(modes, "worker", "server mode's worker process only", "start_worker")
@@ -195,6 +202,16 @@ def _build_start(commands: Any) -> None:
         default=argparse.SUPPRESS,
         help="where the agent keeps its key and certificate (default: ./.capyctl-host)",
     )
+
+
+def _build_backup(commands: Any) -> None:
+    backup = _sub(commands, "backup", "copy the standalone database, even while it serves",
+                  "backup")  # fmt: skip
+    backup.add_argument("file", nargs="?", metavar="FILE",
+                        help="where (default: <data dir>/backups/, the newest 5 kept)")  # fmt: skip
+    restore = _sub(commands, "restore", "bring a backup back (with no server running)",
+                   "restore")  # fmt: skip
+    restore.add_argument("file", metavar="FILE")
 
 
 def _build_host(commands: Any) -> None:

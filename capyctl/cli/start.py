@@ -108,6 +108,12 @@ def _login_lines(admin: Any) -> list[str]:
     return [f"  log in as: {admin.username}"]
 
 
+def _upgrade_lines(upgrade: Any) -> list[str]:
+    """The banner's line on an upgrade of the database, if this start made one."""
+    line = upgrade.line() if upgrade is not None else None
+    return [line] if line else []
+
+
 def start_standalone(args: argparse.Namespace) -> int:
     from capyctl.bootstrap import ensure_first_admin, prepare_standalone
     from capyctl.cli import demo as demo_mode
@@ -119,7 +125,7 @@ def start_standalone(args: argparse.Namespace) -> int:
     allow_listen_host(host)
     _warn_if_open(Path(settings.DATA_DIR))
     listening = _listen(host, port) if args.server != "daphne" else None
-    prepare_standalone()
+    upgrade = prepare_standalone(migrate=args.migrate)
     admin = ensure_first_admin()
     demo = demo_mode.set_up_demo(admin.username) if getattr(args, "demo", False) else None
     local = Host.objects.get(name=LOCAL_HOST_NAME)
@@ -133,6 +139,7 @@ def start_standalone(args: argparse.Namespace) -> int:
         f"CapyCTL {_version()} standalone, serving on {base}",
         f"  data dir:  {settings.DATA_DIR}",
         f"  database:  {_describe_database()}",
+        *_upgrade_lines(upgrade),
         f"  host:      local, {gpu_text or 'no GPUs'}; RAM {ram}",
         f"  dashboard: {base}/   admin: {base}/admin/   api: {base}/api/docs/",
     ]
@@ -217,7 +224,7 @@ def start_api(args: argparse.Namespace) -> int:
     _check_server_mode()
     _check_port_free(host, port)
     allow_listen_host(host)
-    migrate_database()
+    migrate_database(at_start=True, migrate=args.migrate)
     listening = _listen(host, port)
     enrolment = _serve_enrolment(args.enrol_listen) if args.enrol_listen else None
     print(f"CapyCTL {_version()} api, serving on {_url(host, port)}", flush=True)
@@ -254,11 +261,13 @@ def start_server(args: argparse.Namespace) -> int:
     _check_server_mode()
     _check_port_free(host, port)
     _warn_if_open(Path(settings.DATA_DIR))
-    migrate_database()
+    upgrade = migrate_database(at_start=True, migrate=args.migrate)
     admin = ensure_first_admin()
     base = _url(host, port)
     print(f"CapyCTL {_version()} server, serving on {base}", flush=True)
     print(f"  database:  {_describe_database()}", flush=True)
+    for line in _upgrade_lines(upgrade):
+        print(line, flush=True)
     print(f"  redis:     {mask_url(settings.REDIS_URL or '')}", flush=True)
     print(f"  workers:   {args.workers} process(es)", flush=True)
     if admin.created and admin.password_file is not None:
