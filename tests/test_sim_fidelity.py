@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -45,7 +47,8 @@ def route_table() -> dict[str, dict[str, tuple[str, str]]]:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         pairs = {}
         for kind, cell in zip(KINDS, cells[1:], strict=True):
-            real, simulated = (part.strip() for part in cell.split(" / "))
+            # A note's mark (¹, ²) says how a served route behaves, not whether it is served.
+            real, simulated = (part.strip().rstrip("¹²") for part in cell.split(" / "))
             pairs[kind] = (real, simulated)
         for route in re.findall(r"`([A-Z]+ [^`]+)`", cells[0]):
             table[route] = pairs
@@ -243,3 +246,144 @@ def test_sglang_without_the_memory_saver_answers_a_release_and_frees_nothing(
     status, before, after = asyncio.run(release(["--enable-memory-saver"]))
     assert status == 200
     assert after < before / 2
+
+
+# -- the Responses API's stream, and a chat request without its messages ---------------------
+
+
+@pytest.fixture
+async def engine_url(request: pytest.FixtureRequest) -> Any:
+    """A simulated engine of the parametrized kind on a port of its own: its kind and
+    its ``/v1`` URL."""
+    kind = request.param
+    engine = SimEngine(parse_options([kind, *BARE[kind]]), read_knobs())
+    engine.ready.set()
+    server = TestServer(engine.app())
+    await server.start_server()
+    yield kind, str(server.make_url("/v1"))
+    await server.close()
+
+
+async def read_helper_stream(client: openai.AsyncOpenAI, model: str) -> list[str]:
+    """The event types the SDK's ``responses.stream()`` helper yields."""
+    async with client.responses.stream(model=model, input="hi") as stream:
+        return [event.type async for event in stream]
+
+
+def served_model(kind: str) -> str:
+    return "m.gguf" if kind == "llamacpp" else "m"
+
+
+async def stream_events(base_url: str, model: str) -> list[dict[str, Any]]:
+    """The raw events of a streamed Response, each ``data:`` as JSON."""
+    async with httpx.AsyncClient() as client:
+        answer = await client.post(
+            f"{base_url}/responses", json={"model": model, "input": "hi", "stream": True}
+        )
+    return [json.loads(line[6:]) for line in answer.text.splitlines() if line[:6] == "data: "]
+
+
+@pytest.mark.parametrize("engine_url", ["vllm", "sglang", "tensorfold"], indirect=True)
+async def test_the_sdks_stream_helper_reads_each_engines_responses_stream(
+    engine_url: tuple[str, str],
+) -> None:
+    kind, url = engine_url
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+    async with client.responses.stream(model="m", input="hi") as stream:
+        kinds = [event.type async for event in stream]
+        final = await stream.get_final_response()
+    text = " ".join(f"tok{i}" for i in range(8))
+    assert final.output_text == text
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    if kind == "sglang":  # SGLang streams no deltas but for Harmony (gpt-oss) models
+        assert kinds == ["response.created", "response.in_progress", "response.completed"]
+    else:
+        assert kinds.count("response.output_text.delta") == 8
+        assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+        assert kinds[-4:-1] == [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+        ]
+
+
+@pytest.mark.parametrize("engine_url", ["vllm"], indirect=True)
+async def test_vllm_numbers_its_events_and_names_its_message_afresh_when_done(
+    engine_url: tuple[str, str],
+) -> None:
+    _kind, url = engine_url
+    events = await stream_events(url, "m")
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    added, part, first = events[2:5]
+    item_id = added["item"]["id"]
+    assert (added["output_index"], added["item"]["status"]) == (0, "in_progress")
+    assert part["part"] == {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    assert (first["item_id"], first["output_index"], first["content_index"]) == (item_id, 0, 0)
+    done = events[-1]["response"]
+    assert done["output"][0]["id"].startswith("msg_")
+    assert done["output"][0]["id"] != item_id  # vLLM builds the final Response again
+    assert events[-2]["item"]["id"] == item_id
+
+
+@pytest.mark.parametrize("engine_url", ["llamacpp"], indirect=True)
+async def test_llama_servers_responses_stream_places_nothing_so_the_sdks_helper_fails(
+    engine_url: tuple[str, str],
+) -> None:
+    _kind, url = engine_url
+    events = await stream_events(url, "m.gguf")
+    assert [event["type"] for event in events][:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert not any("output_index" in e or "sequence_number" in e for e in events)
+    assert events[0]["response"] == {
+        "id": events[-1]["response"]["id"], "object": "response", "status": "in_progress"
+    }  # fmt: skip
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0)
+    with pytest.raises(TypeError, match="list indices must be integers or slices, not NoneType"):
+        await read_helper_stream(client, "m.gguf")
+
+
+@pytest.mark.parametrize("engine_url", ["tensorfold"], indirect=True)
+async def test_tensorfold_ends_a_cut_off_response_incomplete(engine_url: tuple[str, str]) -> None:
+    _kind, url = engine_url
+    async with httpx.AsyncClient() as client:
+        asked = {"model": "m", "input": "hi", "max_output_tokens": 2}
+        whole = (await client.post(f"{url}/responses", json=asked)).json()
+        answer = await client.post(f"{url}/responses", json={**asked, "stream": True})
+    assert (whole["status"], whole["incomplete_details"]) == (
+        "incomplete", {"reason": "max_output_tokens"}
+    )  # fmt: skip
+    last = json.loads(answer.text.rstrip().splitlines()[-1][6:])
+    assert (last["type"], last["response"]["status"]) == ("response.incomplete", "incomplete")
+
+
+@pytest.mark.parametrize(
+    ("engine_url", "refusal"),
+    [
+        ("vllm", {"error": {"type": "Bad Request", "param": None, "code": 400}}),
+        ("sglang", {"object": "error", "type": "Bad Request", "param": None, "code": 400}),
+        ("llamacpp", {"error": {"code": 400, "message": "'messages' is required",
+                                "type": "invalid_request_error"}}),
+        ("tensorfold", {"error": {"message": "messages must be a non-empty list",
+                                  "type": "invalid_request_error", "param": "messages"}}),
+    ],
+    indirect=["engine_url"],
+)  # fmt: skip
+async def test_a_chat_without_messages_is_refused_as_each_engine_refuses_it(
+    engine_url: tuple[str, str], refusal: dict[str, Any]
+) -> None:
+    kind, url = engine_url
+    async with httpx.AsyncClient() as client:
+        answer = await client.post(f"{url}/chat/completions", json={"model": served_model(kind)})
+    assert answer.status_code == 400
+    body = answer.json()
+    message = (body.get("error") or body)["message"]
+    if kind in ("vllm", "sglang"):  # pydantic's words, joined by FastAPI
+        assert "'loc': ('body', 'messages'), 'msg': 'Field required'" in message
+        (body.get("error") or body).pop("message")
+    assert body == refusal

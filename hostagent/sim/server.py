@@ -17,7 +17,9 @@ from aiohttp import web
 from hostagent.sim.media import load_media
 from hostagent.sim.memory import SimMemory
 from hostagent.sim.options import Knobs, SimOptions, parse_options, read_knobs
+from hostagent.sim.responses import ResponseStream, final_status
 from hostagent.sim.tfsleep import TensorFoldSleep, sleep_token
+from hostagent.sim.validation import missing_field
 
 JSON = "application/json"
 _HEALTH_OK = {
@@ -173,8 +175,10 @@ class SimEngine:
             os._exit(3)  # the fault switch: die like a crashed engine, mid-request
 
     async def _body(  # noqa: PLR0911 - each refusal is its own early answer
-        self, request: web.Request
+        self, request: web.Request, required: str | None = None
     ) -> dict[str, Any] | web.Response:
+        """The request's JSON body, or the engine's refusal; ``required`` names a field the
+        route cannot do without (checked before the model, as the engines validate first)."""
         if not self.authorized(request):
             return _error("Invalid API key", 401, "authentication_error")
         if not self.ready.is_set():
@@ -190,6 +194,9 @@ class SimEngine:
             return _error("request body is not valid JSON", 400)
         if not isinstance(body, dict):
             return _error("request body must be a JSON object", 400)
+        missing = missing_field(self.options.kind, required, body) if required else None
+        if missing is not None:
+            return _json(missing[1], missing[0])
         # TensorFold serves any `model` under its --name (src/tensorfold/cuda/http.py).
         known = body.get("model") in (self.options.served_name, None)
         if not known and self.options.kind != "tensorfold":
@@ -218,7 +225,7 @@ class SimEngine:
         return _json({"object": "list", "data": [model]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await self._body(request, required="messages")
         if isinstance(body, web.Response):
             return body
         messages = body.get("messages") or []
@@ -374,61 +381,64 @@ class SimEngine:
         words = [f"tok{i}" for i in range(count)]
         ident = f"resp_{uuid.uuid4().hex}"
         prompt_tokens = max(1, len(str(given).split()))
+        status = final_status(self.options.kind, cut_off=count < self.knobs.completion_tokens)
         message = {
             "type": "message",
-            "id": f"msg_{uuid.uuid4().hex[:16]}",
-            "status": "completed",
+            "id": f"msg_{uuid.uuid4().hex}",
+            "status": status,
             "role": "assistant",
             "content": [{"type": "output_text", "text": " ".join(words), "annotations": []}],
         }
-        done = {
+        usage = {
+            "input_tokens": prompt_tokens,
+            "output_tokens": count,
+            "total_tokens": prompt_tokens + count,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        }
+        done: dict[str, Any] = {
             "id": ident,
             "object": "response",
             "created_at": int(time.time()),
-            "status": "completed",
+            "status": status,
             "model": self.options.served_name,
             "output": [message],
             "parallel_tool_calls": True,
             "tool_choice": "auto",
             "tools": [],
-            "usage": {
-                "input_tokens": prompt_tokens,
-                "output_tokens": count,
-                "total_tokens": prompt_tokens + count,
-                "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens_details": {"reasoning_tokens": 0},
-            },
+            "usage": usage,
         }
+        if status == "incomplete":
+            done["incomplete_details"] = {"reason": "max_output_tokens"}
         if body.get("store", True):
             self.responses[ident] = done
         if not body.get("stream"):
             return _json(done)
+        return await self._stream_response(request, done, words)
+
+    async def _stream_response(
+        self, request: web.Request, done: dict[str, Any], words: list[str]
+    ) -> web.StreamResponse:
+        """The Response's events as this engine streams them (hostagent/sim/responses.py)."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        sequence = 0
-
-        async def event(kind: str, **fields: Any) -> None:
-            nonlocal sequence
-            data = {"type": kind, "sequence_number": sequence, **fields}
-            sequence += 1
-            await response.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
-
         started = {**done, "status": "in_progress", "output": [], "usage": None}
-        await event("response.created", response=started)
+        stream = ResponseStream(self.options.kind, started, done)
+
+        async def send(events: list[dict[str, Any]]) -> None:
+            for event in events:
+                line = f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+                await response.write(line.encode())
+
+        await send(stream.opening())
         delay = 1 / self.knobs.tokens_per_second if self.knobs.tokens_per_second > 0 else 0
         for i, word in enumerate(words):
             if delay:
                 await asyncio.sleep(delay)
-            await event(
-                "response.output_text.delta",
-                item_id=message["id"],
-                output_index=0,
-                content_index=0,
-                delta=word if i == 0 else " " + word,
-            )
-        await event("response.completed", response=done)
+            await send(stream.delta(word if i == 0 else " " + word))
+        await send(stream.closing())
         await response.write_eof()
         return response
 
