@@ -82,6 +82,8 @@ def _handler(name: str) -> Callable[[argparse.Namespace], int]:
             module = "whatif"
         elif name in ("backup", "restore"):
             module = "backup"
+        elif name.startswith("service_"):
+            module = "service"
         handler: Any = getattr(importlib.import_module(f"capyctl.cli.{module}"), name)
         result: int = handler(args)
         return result
@@ -125,7 +127,13 @@ def build_parser() -> Parser:
     _build_trace(commands)
     _build_simulate(commands)
     _build_backup(commands)
+    _build_service(commands)
 
+    init = _sub(commands, "init", "make a data dir and its admin account, as a first start does",
+                "init")  # fmt: skip
+    init.set_defaults(makes_data_dir=True)
+    init.add_argument("--data-dir", metavar="DIR", default=argparse.SUPPRESS,
+                      help="where (default: $CAPYCTL_DATA_DIR or ./.capyctl)")  # fmt: skip
     status = _sub(commands, "status", "hosts, pools, deployments and the ledger", "status")
     _add_json(status)
     events = _sub(commands, "events", "what happened, newest last", "events")
@@ -212,6 +220,37 @@ def _build_backup(commands: Any) -> None:
     restore = _sub(commands, "restore", "bring a backup back (with no server running)",
                    "restore")  # fmt: skip
     restore.add_argument("file", metavar="FILE")
+
+
+def _build_service(commands: Any) -> None:
+    from capyctl.cli.service import KINDS  # plain Python, like this module
+
+    service = _sub(commands, "service", "run CapyCTL as a systemd service")
+    sub = service.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
+    unit = _sub(sub, "print", "print a hardened systemd unit that runs `capyctl start KIND`",
+                "service_print")  # fmt: skip
+    unit.set_defaults(no_django=True)  # a GPU machine with the host agent alone prints one
+    unit.add_argument("kind", choices=KINDS, metavar="KIND", help=", ".join(KINDS))
+    unit.add_argument("--user", default="capyctl",
+                      help="the user of its own it runs as (capyctl)")  # fmt: skip
+    unit.add_argument("--data-dir", metavar="DIR", default=argparse.SUPPRESS,
+                      help="its data dir, the one place it may write (/var/lib/capyctl; "
+                      "host: /var/lib/capyctl-host)")  # fmt: skip
+    unit.add_argument("--listen", metavar="ADDR",
+                      help="HOST:PORT (as capyctl start's default; not for worker)")  # fmt: skip
+    unit.add_argument("--enrol-listen", metavar="ADDR",
+                      help="where hosts join (standalone, server)")  # fmt: skip
+    unit.add_argument("--workers", type=count_arg(1), metavar="N", help="server: worker processes")
+    unit.add_argument("--concurrency", type=count_arg(1), metavar="N",
+                      help="worker: operations at once")  # fmt: skip
+    unit.add_argument("--env-file", metavar="FILE",
+                      help="environment file for secrets such as CAPYCTL_DATABASE_URL (server "
+                      "and worker: /etc/capyctl/capyctl.env)")  # fmt: skip
+    unit.add_argument("--capyctl", metavar="PATH",
+                      help="the capyctl program it runs (default: this one)")  # fmt: skip
+    unit.add_argument("--protect-home", choices=("yes", "read-only"),
+                      help="ProtectHome= (default: yes, or read-only where a path it needs "
+                      "is in a home directory)")  # fmt: skip
 
 
 def _build_host(commands: Any) -> None:
