@@ -54,6 +54,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if not getattr(args, "no_django", False) and importlib.util.find_spec("django") is None:
+        return _fail(  # the slim install (capyctl-host): the host agent only
+            "this install (capyctl-host) runs only the host agent, `capyctl start host`; the "
+            "other commands need the full install: pip install capyctl",
+            EXIT_USAGE,
+        )
     if getattr(args, "demo", False):
         from capyctl.cli.demo import demo_environment
 
@@ -98,12 +104,6 @@ def _run_with_django(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE)
     except DatabaseError as exc:
-    if importlib.util.find_spec("django") is None:  # the slim install: the host agent only
-        return _fail(
-            "this install (capyctl-host) runs only the host agent, `capyctl start host`; the "
-            "other commands need the full install: pip install capyctl",
-            EXIT_USAGE,
-        )
         return _fail(_database_failure(exc), EXIT_FAILURE)
 
 
