@@ -25,7 +25,8 @@ from django.db import connection
 
 from capyctl.deployments import guards
 from capyctl.errors import UserError
-from capyctl.gateway import queueview
+from capyctl.gateway import access, queueview
+from capyctl.gateway.advice import with_capyctl_hint
 from capyctl.gateway.batches import BatchedWrites
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
 from capyctl.gateway.keys import KeyCache, KeyInfo
@@ -112,6 +113,10 @@ class Gateway:
                 await self.limits.leave(*outcome.admitted)
             metrics.count(outcome.model, outcome.status, started, outcome.headers_at,
                           outcome.overhead)  # fmt: skip
+            key_id = outcome.admitted[0].key_id if outcome.admitted is not None else "-"
+            access.log_request(scope["method"], outcome.path or access.quoted(scope["path"]),
+                               started, model=outcome.model, status=outcome.status,
+                               key_id=key_id)  # fmt: skip
             if self._tracing and outcome.admitted is not None and outcome.model != "-":
                 self._trace(outcome, outcome.admitted[0].pk, started)
 
@@ -137,6 +142,11 @@ class Gateway:
             target = routes.resolve(scope.get("raw_path") or path.encode(), path)
         except routes.RouteError as refused:
             raise GatewayError(refused.status, refused.code, refused.message, retry=False) from None
+        outcome.path = target.path
+        method = scope["method"]
+        usual = method == "POST" and target.kind == "forward"  # two compares, most requests
+        if not usual and method not in access.allowed_methods(target):
+            raise access.method_not_allowed(method, target)
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         key = await self.keys.check(
             _presented_key(headers), scope.get("client"), scope.get("headers")
@@ -146,8 +156,6 @@ class Gateway:
         # Per minute and in flight, the key's and its user's; released when __call__ ends.
         outcome.admitted = (key, await self.limits.admit(key))
         if target.kind == "models":
-            if scope["method"] != "GET":
-                raise GatewayError(405, "method_not_allowed", f"`{path}` answers GET only.")
             await self._models(send, key, target.name)
             outcome.status = 200
             return
@@ -562,6 +570,8 @@ class Gateway:
                     # A sized answer (not a stream): read it, then pass it on with its
                     # length in one write, instead of chunk, chunk and end-of-chunks.
                     whole = await upstream.read()
+                    if upstream.status >= 400:  # an engine's advice, said as CapyCTL takes it
+                        whole = with_capyctl_hint(whole, outcome.model)
                     tap.feed(whole)
                     out.append((b"content-length", str(len(whole)).encode()))
                     await send(
@@ -762,11 +772,12 @@ class _Outcome:
     """What one request came to, for the metrics and its trace."""
 
     __slots__ = ("admitted", "code", "completion_tokens", "headers_at", "model", "overhead",
-                 "prompt_tokens", "queued_ms", "status", "stream", "switch")  # fmt: skip
+                 "path", "prompt_tokens", "queued_ms", "status", "stream", "switch")  # fmt: skip
 
     def __init__(self) -> None:
         self.admitted: tuple[KeyInfo, str | None] | None = None  # a key and its in-flight token
         self.model = "-"  # no model label for requests refused before one was resolved
+        self.path = ""  # the route's own path, once the path was found to be one
         self.status = 500
         self.code: str | None = None  # an error answer's code
         self.stream = False  # the body asked for a stream
