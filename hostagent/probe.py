@@ -500,17 +500,28 @@ class NvmlProbe:
         return ProcessUsage(gpu=gpu, host_bytes=host)
 
 
+_said: set[str] = set()  # why this host counts as CPU-only, said once per process
+
+
+def _say_cpu_only(why: str) -> None:
+    """Log ``why`` the first time only: a start asks for a probe more than once, and the
+    answer does not change."""
+    if why not in _said:
+        _said.add(why)
+        logger.info("%s", why)
+
+
 def open_nvml_probe() -> NvmlProbe | None:
     """An NVML probe, or ``None`` (logged once) when NVML or its library is missing."""
     try:
         import pynvml  # noqa: PLC0415 - optional: pynvml only where a GPU is
     except ImportError:
-        logger.info("nvidia-ml-py is not installed: treating this host as CPU-only")
+        _say_cpu_only("nvidia-ml-py is not installed: treating this host as CPU-only")
         return None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
-        logger.info("NVML is not available (%s): treating this host as CPU-only", exc)
+        _say_cpu_only(f"NVML is not available ({exc}): treating this host as CPU-only")
         return None
     return NvmlProbe(pynvml)
 

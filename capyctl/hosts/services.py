@@ -45,6 +45,15 @@ def ensure_local_host(inventory: Inventory) -> Host:
     return host
 
 
+def local_host_beat() -> None:
+    """The process that drives the local host is alive, and so the host is seen: its
+    heartbeat (whether a server runs, see ``server_alive``) and when it was last seen (what
+    the dashboard and ``/api/hosts/`` show), together. Its state is not this function's:
+    the scheduler's transitions write it."""
+    now = timezone.now()
+    Host.objects.filter(name=LOCAL_HOST_NAME).update(heartbeat_at=now, last_seen_at=now)
+
+
 def note_measures(host: Host, inventory: dict[str, Any], *, store: bool = False) -> None:
     """Say, with an event, when ``inventory`` (the host's report now) measures engines' GPU
     memory otherwise than the report stored for ``host``. ``store``: write the new way into

@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from capyctl.hosts.agents import AgentUnreachableError, poll_hosts
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
+from capyctl.hosts.services import local_host_beat
 from capyctl.scheduler import operations
 from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error
 from capyctl.scheduler.models import Operation
@@ -107,7 +108,7 @@ class SchedulerLoop(threading.Thread):
                     self._pool.submit(run_operation, operation_id)
                 if time.monotonic() - last_reconcile >= self.reconcile_every:
                     last_reconcile = time.monotonic()
-                    Host.objects.filter(name=LOCAL_HOST_NAME).update(heartbeat_at=timezone.now())
+                    local_host_beat()
                     if self._reconciling.acquire(blocking=False):
                         self._pool.submit(self._reconcile)
             except Exception:  # the loop must outlive any one failure

@@ -37,6 +37,29 @@
     return el("time", { datetime: iso, className: className, title: iso, text: shortTime(iso) });
   }
 
+  // How long ago, by this browser's clock ("3 s ago", "4 min ago"; older: the time itself).
+  function agoText(iso) {
+    const when = new Date(iso).getTime();
+    if (Number.isNaN(when)) return shortTime(iso);
+    const seconds = Math.max(0, Math.round((Date.now() - when) / 1000));
+    if (seconds < 60) return seconds + " s ago";
+    if (seconds < 3600) return Math.floor(seconds / 60) + " min ago";
+    return shortTime(iso);
+  }
+
+  // A time shown as how long ago, kept current every second (see start).
+  function agoNode(iso) {
+    const node = el("time", { datetime: iso, title: shortTime(iso), text: agoText(iso) });
+    node.dataset.ago = "";
+    return node;
+  }
+
+  function refreshAgo() {
+    for (const node of document.querySelectorAll("time[data-ago]")) {
+      node.textContent = agoText(node.getAttribute("datetime"));
+    }
+  }
+
   // --- hosts and their pools ---------------------------------------------------------
 
   function segmentTitle(seg) {
@@ -82,7 +105,7 @@
     if (host.probe) meta.push("probe " + host.probe);
     if (host.measures) meta.push("measures " + host.measures);
     const metaNode = el("span", { className: "muted host-meta", text: meta.join(" · ") });
-    if (host.last_seen_at) metaNode.append(" · last seen ", timeNode(host.last_seen_at));
+    if (host.last_seen_at) metaNode.append(" · last seen ", agoNode(host.last_seen_at));
     const card = el(
       "article",
       { className: "card host", "data-host": host.name },
@@ -424,6 +447,7 @@
     const initial = document.getElementById("dashboard-data");
     if (initial) draw(JSON.parse(initial.textContent));
     window.setInterval(() => drawTimeline(null), 2000); // the window moves with the clock
+    window.setInterval(refreshAgo, 1000);
     for (const button of document.querySelectorAll("[data-window]")) {
       button.addEventListener("click", () => {
         zoom = button.dataset.window;
