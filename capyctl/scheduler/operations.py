@@ -222,12 +222,15 @@ def _until_ready(
             raise ModelStoppedError(f"{deployment.name} was stopped meanwhile")
         if flight.acquire(timeout=0.05):
             try:
-                waited_before = no_room is not None
                 deployment, no_room = _try_once(deployment, actor)
                 tries = tries + 1 if no_room is not None else 0
                 if deployment.observed_state == S.READY:
                     return deployment
-                if no_room is not None and not waited_before:
+                # Told once the wait lasts past its first try again: a first refusal often
+                # passes a moment later (the holder's last request had just ended), and
+                # "waits for room" beside the park that came at once promised a wait that
+                # never happened.
+                if tries == 2:
                     record(deployment, "deployment.waiting", f"{no_room}", actor=actor)
             finally:
                 flight.release()
