@@ -27,6 +27,7 @@ import uuid
 from typing import Any
 
 Event = dict[str, Any]
+LLAMA_COMPLETED = ("id", "object", "created_at", "status", "model", "output", "usage")
 
 
 def final_status(kind: str, cut_off: bool) -> str:
@@ -124,6 +125,8 @@ class ResponseStream:
 
     def closing(self) -> list[Event]:
         final = self.done
+        if self.kind == "llamacpp":  # the fields llama-server's completed Response has
+            final = {key: final[key] for key in LLAMA_COMPLETED}
         if self.kind == "sglang":
             return [self._event("response.completed", response=final)]
         logprobs: dict[str, Any] = {} if self.kind == "llamacpp" else {"logprobs": []}
