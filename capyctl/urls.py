@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from capyctl.web import keys, login, views
+from capyctl.web import apidocs, keys, login, views
 from capyctl.web.dashboard import dashboard
 
 admin.autodiscover()  # not at start-up: see capyctl.adminapp
@@ -18,6 +18,7 @@ handler500 = "capyctl.web.views.server_error"
 urlpatterns = [
     path("", dashboard, name="dashboard"),
     path("admin/", admin.site.urls),
+    path("api/docs/", apidocs.api_docs),  # a logged-out browser is sent to log in first
     path("api/", include("capyctl.api.urls")),
     path("keys/", keys.keys_page, name="keys"),
     path("keys/<str:key_id>/revoke/", keys.revoke_key, name="revoke-key"),

@@ -100,9 +100,7 @@ def test_admin_keys_and_a_live_dashboard_in_a_browser(server_env, browser, tmp_p
         expect(segment).to_have_count(1)
         expect(segment).to_be_visible()
         expect(segment).to_have_attribute("data-status", "held")
-        shots = os.environ.get("CAPYCTL_SCREENSHOT_DIR")
-        if shots:  # how docs/images/dashboard.png is made
-            alice.screenshot(path=str(Path(shots) / "dashboard.png"), full_page=True)
+        # (docs/images/dashboard.png is made by tests/test_screens.py, at two widths.)
 
         # Bob, an ordinary user, makes himself a key and uses it on /v1.
         bob = browser.new_context().new_page()

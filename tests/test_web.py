@@ -1,13 +1,15 @@
 """Liveness, readiness, the admin and static assets, through the ASGI application."""
 
 import json
+import re
 
 import httpx
 import pytest
-from django.test import override_settings
+from django.test import Client, override_settings
 
 from capyctl.asgi import application
 from capyctl.deployments.models import Deployment
+from capyctl.deployments.services import DeploymentSpec, add_deployment
 from capyctl.engines.services import add_engine
 from capyctl.events.models import Event
 
@@ -155,3 +157,74 @@ def test_a_database_that_does_not_answer_is_a_503_page_not_a_bare_500(rf):
     assert api.status_code == 503
     assert json.loads(api.content)["code"] == "control_plane_unavailable"
     assert answer("/admin/", ValueError("a bug")).status_code == 500
+
+
+async def test_the_favicon_is_served_without_django(asgi_client):
+    """Every page's browser asked /favicon.ico and got 404."""
+    async with asgi_client as client:
+        icon = await client.get("/favicon.ico")
+        assert icon.status_code == 200
+        assert icon.headers["content-type"] == "image/vnd.microsoft.icon"
+        assert icon.content[:4] == b"\0\0\1\0"  # an ICO file
+        assert icon.headers["cache-control"] == "public, max-age=3600"
+        svg = await client.get("/static/capyctl/favicon.svg")
+        assert svg.status_code == 200
+        assert svg.headers["content-type"] == "image/svg+xml"
+        assert (await client.get("/favicon.png")).status_code == 404
+
+
+@pytest.mark.django_db
+def test_pages_link_the_favicon(client, alice):
+    link = b'<link rel="icon" href="/static/capyctl/favicon.svg" type="image/svg+xml">'
+    assert link in client.get("/login/").content
+    assert link in client.get("/admin/login/").content
+    client.force_login(alice)
+    for path in ("/", "/keys/", "/admin/"):
+        assert link in client.get(path).content, path
+
+
+@pytest.mark.django_db
+def test_the_api_link_sends_a_logged_out_browser_to_log_in_and_back(client, alice, bob):
+    """The start banner's ``api:`` link is /api/docs/: a logged-out browser got a bare 401
+    there. It now gets the login page, which sends it back; other clients get 401 as before."""
+    browser = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    sent = client.get("/api/docs/", headers=browser)
+    assert (sent.status_code, sent["Location"]) == (302, "/login/?next=/api/docs/")
+    asked = client.get("/api/docs/?tag=keys", headers=browser)
+    assert asked["Location"] == "/login/?next=/api/docs/%3Ftag%3Dkeys"
+    refused = client.get("/api/docs/", headers={"Accept": "*/*"})  # curl, httpx: as before
+    assert refused.status_code == 401
+    assert refused["WWW-Authenticate"].startswith("Bearer")
+    keyed = client.get("/api/docs/", headers={**browser, "Authorization": "Bearer capy_x_y"})
+    assert keyed.status_code == 401  # a key that is wrong is told so, not sent to log in
+    back = client.post(
+        "/login/",
+        {"username": "alice", "password": "alice-password-1", "next": "/api/docs/"},
+    )
+    assert (back.status_code, back["Location"]) == (302, "/api/docs/")
+    assert client.get("/api/docs/", headers=browser).status_code == 200
+    away = Client().post(
+        "/login/",
+        {"username": "alice", "password": "alice-password-1", "next": "https://evil.example/"},
+    )
+    assert (away.status_code, away["Location"]) == (302, "/")  # not off the site
+    bob_client = Client()
+    bob_client.force_login(bob)
+    assert bob_client.get("/api/docs/", headers=browser).status_code == 403  # not staff
+
+
+@pytest.mark.django_db
+def test_the_admins_pinned_column_shows_no_red_cross(client, alice):
+    """The deployments list showed the admin's red ✖ for every model not pinned: it read
+    as an error. Pinned or not is now a word or a dash."""
+    alice.is_superuser = True
+    alice.save()
+    client.force_login(alice)
+    add_engine("sim", kind="vllm", command="python -m hostagent.sim vllm")
+    add_deployment(DeploymentSpec(name="chat", engine="sim", source="/m/chat", pinned=True))
+    add_deployment(DeploymentSpec(name="code", engine="sim", source="/m/code"))
+    page = client.get("/admin/deployments/deployment/").content.decode()
+    assert "icon-no.svg" not in page
+    assert "icon-yes.svg" not in page
+    cells = re.findall(r'<td class="field-pinned_mark">([^<]*)</td>', page)
+    assert sorted(cells) == ["yes", "—"]

@@ -117,7 +117,7 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "desired_state",
         "observed_state",
         "parked_mode",
-        "pinned",
+        "pinned_mark",
         "priority",
     )
     list_filter = ("desired_state", "observed_state", "engine", "host", "pinned")
@@ -166,6 +166,12 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     )
 
     actions = ("start", "stop", "park_ram", "park_deep", "wake")
+
+    @admin.display(description="pinned", ordering="pinned")
+    def pinned_mark(self, deployment: Deployment) -> str:
+        """In words: the admin's boolean icons put a red cross on every model that is
+        simply not pinned, which reads as an error."""
+        return "yes" if deployment.pinned else "—"
 
     def _ask(
         self, request: HttpRequest, queryset: QuerySet[Deployment], verb: str, mode: str = ""

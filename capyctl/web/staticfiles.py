@@ -2,6 +2,8 @@
 
 It sits in front of Django so asset requests never take Django's synchronous view path,
 and it needs no ``collectstatic``: files are found with Django's staticfiles finders.
+``/favicon.ico``, which browsers ask for on every site whatever a page links, is served
+the same way from ``capyctl/favicon.ico``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ Scope = dict[str, Any]
 Receive = Any
 Send = Any
 
+# Paths outside ``STATIC_URL`` that are static files all the same: path -> the file's name
+# under the static directories.
+FIXED_PATHS = {"/favicon.ico": "capyctl/favicon.ico"}
+
 
 class StaticFilesApp:
     """Serve ``GET``/``HEAD`` for files under ``STATIC_URL`` with validators and caching."""
@@ -28,7 +34,11 @@ class StaticFilesApp:
         self._found: dict[str, Path | None] = {}
 
     def handles(self, scope: Scope) -> bool:
-        return scope["type"] == "http" and str(scope["path"]).startswith(self.prefix)
+        path = str(scope["path"])
+        return scope["type"] == "http" and (path.startswith(self.prefix) or path in FIXED_PATHS)
+
+    def _relative(self, path: str) -> str:
+        return FIXED_PATHS.get(path) or path[len(self.prefix) :]
 
     def _find(self, relative: str) -> Path | None:
         if relative not in self._found:
@@ -44,7 +54,7 @@ class StaticFilesApp:
         if method not in ("GET", "HEAD"):
             await _respond(send, 405, b"method not allowed\n", [(b"allow", b"GET, HEAD")])
             return
-        path = self._find(str(scope["path"])[len(self.prefix) :])
+        path = self._find(self._relative(str(scope["path"])))
         if path is None or not path.is_file():
             await _respond(send, 404, b"not found\n")
             return
