@@ -76,9 +76,8 @@ def test_a_start_records_the_real_share_and_a_park_is_confirmed_by_the_device(hi
     # The host says how it measures: status, its JSON, the host list and the dashboard.
     local = Host.objects.get(name="local")
     reconcile(local.pk)
-    assert "host local (online; probe simulated; measures device before/after)" in (
-        cli("status").out
-    )
+    # (No server runs in this test: status shows the host's state as last known.)
+    assert "(online); probe simulated; measures device before/after)" in cli("status").out
     (host,) = json.loads(cli("status", "--json").out)["hosts"]
     assert host["measures"] == DEVICE
     assert "lists no process of a" in host["measures_reason"] or (

@@ -66,6 +66,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         refused = demo_environment(args)
         if refused is not None:
             return _fail(refused, EXIT_USAGE)
+    missing = _missing_data_dir(args)
+    if missing is not None:
+        return _fail(missing, EXIT_USAGE)
     if getattr(args, "data_dir", None):
         os.environ["CAPYCTL_DATA_DIR"] = str(Path(args.data_dir).expanduser().resolve())
     if getattr(args, "run_mode", None):
@@ -77,6 +80,27 @@ def run(argv: Sequence[str] | None = None) -> int:
     return _run_with_django(args)
 
 
+def _missing_data_dir(args: argparse.Namespace) -> str | None:
+    """Why a command may not run here: it would make a new data dir (with a new admin
+    account, and none of the models) where none exists, only because it was typed in
+    another directory. The start commands and ``capyctl init`` make one, as asked; so does
+    any command given a data dir by name (``--data-dir``, ``CAPYCTL_DATA_DIR``)."""
+    if getattr(args, "run_mode", None) or getattr(args, "no_django", False):
+        return None
+    if getattr(args, "makes_data_dir", False):
+        return None
+    if getattr(args, "data_dir", None) or os.environ.get("CAPYCTL_DATA_DIR", "").strip():
+        return None
+    path = Path.cwd() / ".capyctl"
+    if path.is_dir():
+        return None
+    return (
+        f"no data dir here ({path} does not exist): run capyctl where the server's data dir "
+        "is, name it with --data-dir DIR or CAPYCTL_DATA_DIR, or make a new one with "
+        "`capyctl init`"
+    )
+
+
 def _run_with_django(args: argparse.Namespace) -> int:
     from capyctl.conf import ConfigError
 
@@ -85,6 +109,10 @@ def _run_with_django(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE)
     _collect_garbage_again()
+    if getattr(args, "run_mode", None) and os.environ.get("CAPYCTL_LOG_LEVEL") != "DEBUG":
+        # httpx logs each call at INFO: the engines' health checks and state polls, every
+        # few seconds each, would bury the access lines (capyctl.access) of the requests.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     if not getattr(args, "run_mode", None) and "CAPYCTL_LOG_LEVEL" not in os.environ:
         # Management commands print their own results; routine log lines would be noise.
         logging.getLogger().setLevel(logging.WARNING)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from django.conf import settings
 
@@ -16,9 +16,13 @@ from capyctl.cli.output import print_json, print_table
 from capyctl.errors import UserError
 from hostagent.units import format_size
 
+if TYPE_CHECKING:
+    from capyctl.bootstrap import AdminAccount
 
-def prepare() -> None:
-    """Bring the database up to date and make sure the standalone host and admin exist."""
+
+def prepare(*, announce: bool = True) -> AdminAccount:
+    """Bring the database up to date and make sure the standalone host and admin exist
+    (``announce``: say so when the admin account is made now); returns the admin."""
     from capyctl.bootstrap import ensure_first_admin, migrate_database
     from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 
@@ -31,9 +35,29 @@ def prepare() -> None:
             read_inventory(settings.CAPYCTL["SIM_GPUS"], settings.CAPYCTL["SIM_STATE_DIR"])
         )
     admin = ensure_first_admin()
-    if admin.created:
+    if admin.created and announce:
         where = f" (password in {admin.password_file})" if admin.password_file else ""
         print(f"capyctl: created the first admin account 'admin'{where}", file=sys.stderr)
+    return admin
+
+
+def init(args: argparse.Namespace) -> int:
+    """Make the data dir, its database and the first admin account, as a first start does,
+    and say where; a data dir made already is left as it is."""
+    from capyctl.cli.start import _describe_database
+
+    admin = prepare(announce=False)
+    if not admin.created:
+        print(f"the data dir {settings.DATA_DIR} is made already (admin account "
+              f"'{admin.username}'): nothing changed")  # fmt: skip
+        return 0
+    print(f"made the data dir {settings.DATA_DIR}")
+    print(f"  database:  {_describe_database()}")
+    if admin.password_file is not None:
+        print(f"  log in as: {admin.username} / {admin.password} (also in {admin.password_file})")
+    else:
+        print(f"  log in as: {admin.username} (password from CAPYCTL_ADMIN_PASSWORD)")
+    return 0
 
 
 def _actor() -> str:
@@ -290,10 +314,16 @@ def status(args: argparse.Namespace) -> int:
 
     prepare()
     data = status_data()
+    server, server_line = _server_serving()
+    data["server"] = server
+    if not server["running"]:
+        for host in data["hosts"]:  # nobody drives them now: what was seen, and when
+            host["last_known_state"], host["state"] = host["state"], "unknown"
     if args.json:
         print_json(data)
         return 0
     print(f"mode: {data['mode']}")
+    print(f"server: {server_line}")
     plane = data["control_plane"]
     if plane["redis"] == "down":
         since = f" since {plane['since']}" if plane["since"] else ""
@@ -303,7 +333,7 @@ def status(args: argparse.Namespace) -> int:
     for host in data["hosts"]:
         gpus = ", ".join(f"{g['name']} {format_size(g['total_bytes'])}" for g in host["gpus"])
         print(
-            f"\nhost {host['name']} ({host['state']}; probe {host['probe']}; measures "
+            f"\nhost {host['name']} ({_host_state_text(host)}; probe {host['probe']}; measures "
             f"{host['measures'] or '-'}): {gpus or 'no GPUs'}"
         )
         rows = [
@@ -347,6 +377,43 @@ def status(args: argparse.Namespace) -> int:
     active = sum(1 for k in data["keys"] if k["active"])
     print(f"\nengines: {len(data['engines'])}   keys: {active} active of {len(data['keys'])}")
     return 0
+
+
+def _server_serving() -> tuple[dict[str, Any], str]:
+    """Whether a server serves this data dir now (its ``server.pid``), and since when, as
+    data and as a line; in server mode, an api and workers started apart beat in Redis."""
+    from pathlib import Path
+
+    from capyctl.cli.serving import serving
+
+    found = serving(Path(settings.DATA_DIR))
+    if found is not None:
+        line = f"serving this data dir since {found.since_text()} (pid {found.pid})"
+        return found.as_dict(), line
+    if settings.MODE == "server":
+        from capyctl.scheduler.errors import ControlPlaneUnavailableError
+        from capyctl.scheduler.executor import server_alive
+
+        try:
+            if server_alive():
+                data = {"running": True, "pid": None, "since": None, "mode": "server", "url": ""}
+                return data, "running (its supervisor beats in Redis)"
+        except ControlPlaneUnavailableError:
+            pass  # Redis is down: the redis line says so
+    data = {"running": False, "pid": None, "since": None, "mode": None, "url": ""}
+    return data, "not running (the hosts show their last known state)"
+
+
+def _host_state_text(host: dict[str, Any]) -> str:
+    """``online``; or, with no server running, ``state unknown, last seen … (online)``."""
+    if "last_known_state" not in host:
+        return str(host["state"])
+    if not host["last_seen_at"]:
+        return "state unknown, never seen"
+    from datetime import datetime
+
+    seen = datetime.fromisoformat(host["last_seen_at"]).astimezone()
+    return f"state unknown, last seen {seen:%Y-%m-%d %H:%M:%S} ({host['last_known_state']})"
 
 
 # --- intents ------------------------------------------------------------------------------

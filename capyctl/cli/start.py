@@ -14,6 +14,7 @@ from typing import Any
 
 from django.conf import settings
 
+from capyctl.cli import serving
 from capyctl.cli.listening import check_port_free as _check_port_free
 from capyctl.cli.listening import parse_listen
 from capyctl.cli.listening import warn_if_open as _warn_if_open
@@ -133,6 +134,7 @@ def start_standalone(args: argparse.Namespace) -> int:
     gpus = inventory.get("gpus") or []
     gpu_text = ", ".join(f"{g['name']} ({format_size(g['total_bytes'])})" for g in gpus)
     base = _url(host, port)
+    serving.claim(Path(settings.DATA_DIR), mode="standalone", url=base)  # for `capyctl status`
 
     ram = format_size(inventory.get("ram_total_bytes"))
     lines = [
@@ -264,6 +266,7 @@ def start_server(args: argparse.Namespace) -> int:
     upgrade = migrate_database(at_start=True, migrate=args.migrate)
     admin = ensure_first_admin()
     base = _url(host, port)
+    serving.claim(Path(settings.DATA_DIR), mode="server", url=base)  # for `capyctl status`
     print(f"CapyCTL {_version()} server, serving on {base}", flush=True)
     print(f"  database:  {_describe_database()}", flush=True)
     for line in _upgrade_lines(upgrade):
