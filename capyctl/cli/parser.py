@@ -219,6 +219,7 @@ def _build_backup(commands: Any) -> None:
                         help="where (default: <data dir>/backups/, the newest 5 kept)")  # fmt: skip
     restore = _sub(commands, "restore", "bring a backup back (with no server running)",
                    "restore")  # fmt: skip
+    restore.set_defaults(makes_data_dir=True)  # a backup may be brought back into a new one
     restore.add_argument("file", metavar="FILE")
 
 
