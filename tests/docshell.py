@@ -5,7 +5,8 @@ Sybil collects the fenced blocks of ``README.md`` and ``docs/*.md`` (see the roo
 
 - A block that shows commands (lines starting with ``$ ``) is a ``console`` block, and the
   tests run it: each command, in page order, in ``bash`` from a fresh copy of the checkout's
-  layout (``/srv/capyctl`` on a page is that directory; its data dir ``.capyctl`` is new for
+  layout (``/srv/capyctl`` on a page, in commands and in output, is that directory, and ``~``
+  the one above it; its data dir ``.capyctl`` is new for
   each page, as after ``git clone``), with its ``.venv/bin`` on ``PATH`` as the README's
   setup has it. Shell variables, ``export``, ``cd`` and ``$?`` carry
   from one command to the next, as in one terminal.
@@ -340,6 +341,7 @@ class Page:
         self._tmp = tempfile.TemporaryDirectory(prefix="capyctl-docs-")
         self.root = Path(self._tmp.name)
         self.cwd = self.root / "capyctl"
+        self.checkout = self.cwd  # what the page shows as /srv/capyctl, wherever it cd's
         self.cwd.mkdir()
         shutil.copytree(REPO, self.cwd, symlinks=True, ignore=_not_copied, dirs_exist_ok=True)
         (self.cwd / ".venv").symlink_to(REPO / ".venv")
@@ -387,6 +389,7 @@ class Page:
     def _real_command(self, command: str) -> str:
         command = self.bindings.command(command)
         command = re.sub(r"redis://127\.0\.0\.1:6379/\d+", self.redis_url, command)
+        command = command.replace(DOC_ROOT, str(self.checkout))
         if (
             re.match(r"^(?:[A-Z_]+=\S+\s+)*make\s+(?:run|demo)\b", command)
             and "ARGS=" not in command
@@ -396,7 +399,7 @@ class Page:
 
     def _as_page(self, text: str) -> str:
         """Real output in the page's terms: the checkout directory and the Redis database."""
-        text = text.replace(str(self.cwd), DOC_ROOT).replace(str(self.root), "/srv")
+        text = text.replace(str(self.checkout), DOC_ROOT).replace(str(self.root), "/srv")
         return text.replace(self.redis_url, "redis://127.0.0.1:6379/11")
 
     def _script(self, command: str) -> str:
