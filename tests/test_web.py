@@ -7,7 +7,7 @@ import httpx
 import pytest
 from django.test import Client, override_settings
 
-from capyctl.asgi import application
+from capyctl.asgi import application, static_application
 from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import DeploymentSpec, add_deployment
 from capyctl.engines.services import add_engine
@@ -161,6 +161,7 @@ def test_a_database_that_does_not_answer_is_a_503_page_not_a_bare_500(rf):
 
 async def test_the_favicon_is_served_without_django(asgi_client):
     """Every page's browser asked /favicon.ico and got 404."""
+    assert static_application.handles({"type": "http", "path": "/favicon.ico"})  # not Django
     async with asgi_client as client:
         icon = await client.get("/favicon.ico")
         assert icon.status_code == 200
