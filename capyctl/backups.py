@@ -80,6 +80,11 @@ def copy_database(source: Path, target: Path) -> Backup:
         target.chmod(0o600)  # the umask of a caller outside capyctl aside
         with target.open("rb") as handle:
             os.fsync(handle.fileno())
+    except sqlite3.Error as exc:  # a disk full, a source that is not a database
+        target.unlink(missing_ok=True)
+        raise UserError(
+            f"could not copy {source} to {target} ({exc}): nothing was written"
+        ) from None
     except BaseException:
         target.unlink(missing_ok=True)
         raise
@@ -220,6 +225,9 @@ def replace_database(source: Path, database: Path) -> None:
         contextlib.closing(sqlite3.connect(uri, uri=True, timeout=20)) as src,
         contextlib.closing(sqlite3.connect(database, timeout=20)) as dst,
     ):
+        # Out of WAL first: a WAL database cannot take the pages of one whose page size
+        # differs (an older SQLite's 1024 bytes), and the backup would fail.
+        dst.execute("PRAGMA journal_mode=DELETE")
         src.backup(dst)
         dst.execute("PRAGMA journal_mode=WAL")
         dst.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -16,7 +16,7 @@ import pytest
 from django.conf import settings as django_settings
 from django.db import connection
 
-from tests.conftest import table_counts
+from tests.conftest import run_program, run_programs, table_counts
 from tests.live_server import CAPYCTL, LiveServer, sim_engine
 
 
@@ -221,3 +221,19 @@ def test_on_postgresql_backup_and_restore_name_pg_dump_and_pg_restore(cli, monke
     assert restore.code == 2
     assert "use `pg_restore --clean --if-exists --dbname=NAME FILE`" in restore.err
     assert "s3cret" not in backup.err + restore.err
+
+
+@pytest.mark.e2e
+def test_restore_brings_back_a_backup_of_another_page_size(program_env, tmp_path):
+    made = run_programs(program_env, ["user", "add", "bob"], ["backup", str(tmp_path / "b.db")])
+    assert [r.code for r in made] == [0, 0], made
+    with sqlite3.connect(tmp_path / "b.db") as conn:  # as an older SQLite made it
+        conn.execute("PRAGMA page_size=1024")
+        conn.execute("VACUUM")
+    assert run_programs(program_env, ["user", "add", "carol"])[0].code == 0
+
+    restored = run_program(program_env, "restore", str(tmp_path / "b.db"))
+    assert restored.code == 0, restored.err
+    users = run_program(program_env, "user", "list")
+    assert "bob" in users.out
+    assert "carol" not in users.out

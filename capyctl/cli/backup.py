@@ -9,6 +9,7 @@ with ``pg_restore`` (docs/upgrades.md); both commands say so there.
 from __future__ import annotations
 
 import argparse
+import sqlite3
 from pathlib import Path
 
 from django.conf import settings
@@ -67,7 +68,11 @@ def restore(args: argparse.Namespace) -> int:
         kept = None
         if database.is_file():
             kept = backups.back_up_into_data_dir(database, data_dir, "before-restore")
-        backups.replace_database(source, database)
+        try:
+            backups.replace_database(source, database)
+        except sqlite3.Error as exc:
+            kept_note = f"; the database as it was is in {kept.path}" if kept else ""
+            raise UserError(f"could not restore {source} ({exc}){kept_note}") from None
     print(f"restored {database} from {source} (schema {len(checked.applied)})")
     if kept is not None:
         print(f"  the database it replaced is in {kept.path}")
