@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from playwright.sync_api import expect, sync_playwright
 
 from hostagent.routes import FORWARDED
 from tests.conftest import (
@@ -34,6 +35,8 @@ from tests.conftest import (
 pytestmark = pytest.mark.e2e
 
 SIM = f"{sys.executable} -m hostagent.sim vllm"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu"]
 
 # llama-server's own answer to /v1/embeddings when it was started without --embeddings.
 LLAMA_NO_EMBEDDINGS = {
@@ -197,6 +200,28 @@ def test_the_local_host_is_seen_while_the_server_runs(served):
     second = last_seen()
     assert second > first
     assert (datetime.now(second.tzinfo) - second).total_seconds() < 5
+
+
+def test_the_dashboard_says_how_long_ago_the_host_was_seen(served):
+    """The dashboard's host card said "last seen 11:18:21", a clock time that never moved,
+    beside a green "live" badge."""
+    password = (Path(served.env["CAPYCTL_DATA_DIR"]) / "initial-admin-password").read_text()
+    base = served.server.base_url
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(f"{base}/login/")
+            page.fill("input[name=username]", "admin")
+            page.fill("input[name=password]", password.strip())
+            page.click("button[type=submit]")
+            expect(page).to_have_url(f"{base}/")
+            seen = page.locator('[data-host="local"] .host-meta time')
+            expect(seen).to_have_text(re.compile(r"^\d s ago$"))
+            time.sleep(5)  # the server keeps seeing its host, and the page keeps up
+            expect(seen).to_have_text(re.compile(r"^[0-4] s ago$"))
+        finally:
+            browser.close()
 
 
 def test_wrong_methods_are_405_with_allow(served):
