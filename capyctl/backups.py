@@ -225,9 +225,11 @@ def replace_database(source: Path, database: Path) -> None:
         contextlib.closing(sqlite3.connect(uri, uri=True, timeout=20)) as src,
         contextlib.closing(sqlite3.connect(database, timeout=20)) as dst,
     ):
-        # Out of WAL first: a WAL database cannot take the pages of one whose page size
-        # differs (an older SQLite's 1024 bytes), and the backup would fail.
-        dst.execute("PRAGMA journal_mode=DELETE")
+        page_size = "PRAGMA page_size"
+        if src.execute(page_size).fetchone() != dst.execute(page_size).fetchone():
+            # A WAL database cannot take the pages of one whose page size differs (an
+            # older SQLite's 1024 bytes): out of WAL for the copy, then back.
+            dst.execute("PRAGMA journal_mode=DELETE")
         src.backup(dst)
         dst.execute("PRAGMA journal_mode=WAL")
         dst.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -3,6 +3,7 @@ whole; a file that is not a CapyCTL database of a schema this version knows is r
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import stat
 import subprocess
@@ -21,7 +22,7 @@ from tests.live_server import CAPYCTL, LiveServer, sim_engine
 
 
 def _rows(database: Path, sql: str) -> list[tuple[Any, ...]]:
-    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as conn:
+    with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as conn:
         return conn.execute(sql).fetchall()
 
 
@@ -227,7 +228,7 @@ def test_on_postgresql_backup_and_restore_name_pg_dump_and_pg_restore(cli, monke
 def test_restore_brings_back_a_backup_of_another_page_size(program_env, tmp_path):
     made = run_programs(program_env, ["user", "add", "bob"], ["backup", str(tmp_path / "b.db")])
     assert [r.code for r in made] == [0, 0], made
-    with sqlite3.connect(tmp_path / "b.db") as conn:  # as an older SQLite made it
+    with contextlib.closing(sqlite3.connect(tmp_path / "b.db")) as conn:  # an older SQLite's
         conn.execute("PRAGMA page_size=1024")
         conn.execute("VACUUM")
     assert run_programs(program_env, ["user", "add", "carol"])[0].code == 0
