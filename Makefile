@@ -26,11 +26,15 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 # capyctl/__init__.py holds the version the package metadata is made from.
+# setuptools prints a notice box on every editable install ("Editable installation ... be
+# careful with folders ... of the same name"): noise to someone who came to run CapyCTL, so
+# it is silenced here. The wheels' build (make dist, release/build.py) shows every warning,
+# and refuses to finish with one.
 # The checkout's own modules are compiled once here: where Python may not write bytecode
 # (PYTHONDONTWRITEBYTECODE, a read-only checkout) every command would compile them again.
 $(VENV)/.runtime-installed: $(BIN)/python requirements.txt pyproject.toml capyctl/__init__.py
 	$(BIN)/pip install -q -r requirements.txt
-	$(BIN)/pip install -q --no-deps -e .
+	PYTHONWARNINGS=ignore $(BIN)/pip install -q --no-deps -e .
 	$(BIN)/python -m compileall -q capyctl hostagent >/dev/null
 	touch $@
 

@@ -11,6 +11,7 @@ environment, as pip builds them)."""
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = ROOT / "release" / "host"
+# How `build` shows the backend's warnings ("WARNING Package 'x' is absent ..."), and how
+# Python does ("SetuptoolsDeprecationWarning: ...").
+WARNING = re.compile(r"(?m)^\s*WARNING .*$|\b\w+Warning\b")
 _SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
 
 
@@ -32,6 +36,10 @@ def build(source: Path, out: Path) -> None:
     if done.returncode != 0:
         sys.stderr.write(done.stdout + done.stderr)
         raise SystemExit(f"building {source} failed (exit {done.returncode})")
+    warned = sorted(set(WARNING.findall(done.stdout + done.stderr)))
+    if warned:  # setuptools' warnings are about the package's configuration: fix, not ship
+        sys.stderr.write(done.stdout + done.stderr)
+        raise SystemExit(f"building {source}: {len(warned)} warning(s), shown above; fix them")
 
 
 def build_host(out: Path) -> None:

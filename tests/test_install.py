@@ -38,10 +38,19 @@ class Installed:
     home: Path  # an empty directory outside the checkout, where the user starts
 
 
-def _run(argv: list[str | Path], env: dict[str, str], cwd: Path, timeout: float = 600) -> str:
+def _run(
+    argv: list[str | Path],
+    env: dict[str, str],
+    cwd: Path,
+    timeout: float = 600,
+    *,
+    both: bool = False,
+) -> str:
+    """Run ``argv``; return its stdout (with ``both``: stdout and stderr as a terminal shows
+    them, interleaved)."""
     done = subprocess.run(
-        [str(a) for a in argv], env=env, cwd=cwd, capture_output=True, text=True,
-        timeout=timeout, check=False,
+        [str(a) for a in argv], env=env, cwd=cwd, stdout=subprocess.PIPE, text=True,
+        stderr=subprocess.STDOUT if both else subprocess.PIPE, timeout=timeout, check=False,
     )  # fmt: skip
     assert done.returncode == 0, f"{argv}: exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done.stdout
@@ -152,6 +161,26 @@ def test_the_wheel_from_pipx_serves_the_demo_v1_and_the_pages_with_their_styles(
             served = browser.get(asset)
             assert served.status_code == 200, asset
             assert served.content, asset
+
+
+def test_make_venv_on_a_fresh_checkout_says_only_what_it_does(tmp_path: Path) -> None:
+    """`make run`'s set-up, as after `git clone`: every line it prints is a command it ran,
+    no build tool's notice box; the program it made runs."""
+    checkout = tmp_path / "capyctl"
+    tracked = _run(["git", "ls-files", "-z"], dict(os.environ), ROOT).split("\0")
+    for name in filter(None, tracked):
+        if (ROOT / name).is_file():
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            (checkout / name).write_bytes((ROOT / name).read_bytes())
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CAPYCTL_", "VIRTUAL_ENV", "MAKE"))}  # fmt: skip
+    printed = _run(["make", "venv", f"PYTHON={sys.executable}"], env, checkout, both=True)
+    lines = [line for line in printed.splitlines() if not line.startswith("WARNING: Location")]
+    commands = ("/", ".venv/bin/", "PYTHONWARNINGS=ignore .venv/bin/", "touch ")
+    assert all(line.startswith(commands) for line in lines), printed
+    assert _run([checkout / ".venv" / "bin" / "capyctl", "--version"], env, checkout).startswith(
+        "capyctl "
+    )
 
 
 def test_the_slim_host_install_has_no_server_packages_and_joins_over_mutual_tls(
