@@ -16,6 +16,7 @@ from django.conf import settings
 
 from capyctl import backups
 from capyctl.bootstrap import known_migrations, own_app_labels, pg_dump_command, sqlite_database
+from capyctl.cli.serving import serving
 from capyctl.errors import UserError
 from hostagent.units import format_size
 
@@ -63,6 +64,12 @@ def restore(args: argparse.Namespace) -> int:
     database = _database("restore")
     source = Path(args.file).expanduser().absolute()
     data_dir = Path(settings.DATA_DIR)
+    running = serving(data_dir)  # which server, to say so; the lock below is the guard
+    if running is not None:
+        raise UserError(
+            f"a CapyCTL server is serving {data_dir} (pid {running.pid}, since "
+            f"{running.since_text()}): stop it, then restore; nothing was changed"
+        )
     with backups.nobody_serving(data_dir):
         checked = backups.check_backup(source, known_migrations(), own_app_labels())
         kept = None
