@@ -104,12 +104,17 @@ def demo(installed: Installed) -> Iterator[tuple[str, str, Path, int]]:
         wait_until(lambda: _answers(f"{base}/readyz"), "the server ready", timeout=60)
         yield base, key, installed.home / ".capyctl-demo", enrol
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        _stop(server)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, as systemd or Ctrl-C would; killed if it has not ended in 20 s."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _answers(url: str) -> bool:
@@ -239,9 +244,4 @@ def test_the_slim_host_install_has_no_server_packages_and_joins_over_mutual_tls(
         # The engine ran under the slim agent: its log is in the agent's data dir.
         assert list((installed.home / "agent" / "logs").glob("*.log"))
     finally:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            agent.wait()
+        _stop(agent)
