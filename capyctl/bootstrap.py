@@ -72,7 +72,12 @@ class SchemaUpgrade:
         if self.created:
             return None
         kept = f"; the database as it was is in {self.backup}" if self.backup else ""
-        return f"  upgraded:  {self.applied} migrations applied{kept}"
+        return f"  upgraded:  {migrations_text(self.applied)} applied{kept}"
+
+
+def migrations_text(count: int) -> str:
+    """``1 migration``, ``3 migrations``."""
+    return f"{count} migration{'' if count == 1 else 's'}"
 
 
 def known_migrations() -> set[tuple[str, str]]:
@@ -114,7 +119,9 @@ def _start_command() -> str:
 def _outdated(pending: int) -> UserError:
     """Why an outdated database is not migrated here, and what to run."""
     where = connection.settings_dict["NAME"]
-    what = f"the database {where} was made by an earlier CapyCTL ({pending} migrations to apply)"
+    what = (
+        f"the database {where} was made by an earlier CapyCTL ({migrations_text(pending)} to apply)"
+    )
     if sqlite_database() is not None:
         return UserError(
             f"{what}: run `{_start_command()}` once; it takes a backup, then upgrades it"

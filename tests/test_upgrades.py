@@ -147,7 +147,7 @@ def test_an_outdated_database_is_upgraded_only_by_a_start(migrator, data_dir, mo
 
     with pytest.raises(UserError) as refused:  # a command does not upgrade it
         bootstrap.migrate_database()
-    assert "was made by an earlier CapyCTL (1 migrations to apply)" in str(refused.value)
+    assert "was made by an earlier CapyCTL (1 migration to apply)" in str(refused.value)
     if connection.vendor == "sqlite":
         assert "run `capyctl start standalone` once; it takes a backup" in str(refused.value)
         upgrade = bootstrap.migrate_database(at_start=True)
@@ -171,7 +171,7 @@ def test_an_outdated_database_is_upgraded_only_by_a_start(migrator, data_dir, mo
         assert upgrade.backup is None
     assert (upgrade.applied, upgrade.created) == (1, False)
     assert upgrade.line() is not None
-    assert upgrade.line().startswith("  upgraded:  1 migrations applied")  # type: ignore[union-attr]
+    assert upgrade.line().startswith("  upgraded:  1 migration applied")  # type: ignore[union-attr]
     assert bootstrap.migrate_database(at_start=True) is None  # up to date now
 
 

@@ -15,7 +15,13 @@ from pathlib import Path
 from django.conf import settings
 
 from capyctl import backups
-from capyctl.bootstrap import known_migrations, own_app_labels, pg_dump_command, sqlite_database
+from capyctl.bootstrap import (
+    known_migrations,
+    migrations_text,
+    own_app_labels,
+    pg_dump_command,
+    sqlite_database,
+)
 from capyctl.cli.serving import serving
 from capyctl.errors import UserError
 from hostagent.units import format_size
@@ -85,7 +91,7 @@ def restore(args: argparse.Namespace) -> int:
         print(f"  the database it replaced is in {kept.path}")
     if checked.pending:
         print(
-            f"  its schema is older than this version's ({checked.pending} migrations to "
-            "apply): the next `capyctl start standalone` takes a backup, then upgrades it"
+            f"  its schema is older than this version's ({migrations_text(checked.pending)} "
+            "to apply): the next `capyctl start standalone` takes a backup, then upgrades it"
         )
     return 0
