@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from capyctl.cli.start import parse_listen
+from capyctl.cli.listening import parse_listen
 from tests.conftest import run_program, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
