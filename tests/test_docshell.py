@@ -147,7 +147,7 @@ def test_a_renamed_column_fails_the_page_naming_its_line(page_file, redis_run):
     print, and the failure names the page's file and the command's line."""
     page_file.write_text(
         "# A page\n\n```console\n"
-        "$ capyctl engine add sim --kind vllm"
+        "$ capyctl init >/dev/null && capyctl engine add sim --kind vllm"
         ' --command "python -m hostagent.sim vllm" >/dev/null 2>&1\n'
         "$ capyctl deployment add chat --engine sim --source chat --gpus 0\n...\n"
         "$ capyctl deployment list\nNAME  ALIASES  ENGINE  HOST  WANTED  STATE  GPU MEMORY  PARK\n"
