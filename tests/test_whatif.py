@@ -13,8 +13,9 @@ import pytest
 from capyctl.errors import UserError
 from capyctl.scheduler import policy
 from capyctl.whatif import report, scenario
-from capyctl.whatif.engine import Outcome, replay
+from capyctl.whatif.engine import replay
 from capyctl.whatif.model import GIB, Request, Scenario, SimHost, SimModel, Timings
+from capyctl.whatif.outcome import Outcome
 from capyctl.whatif.trace import parse_lines
 
 FAST = {"start": 0.5, "park_ram": 0.2, "park_deep": 0.1, "wake_ram": 0.5, "wake_deep": 0.8,

@@ -6,7 +6,13 @@ virtual clock, with the scheduler's own decisions.
 - :mod:`capyctl.whatif.trace`: a trace file, read and checked;
 - :mod:`capyctl.whatif.engine`: the replay: requests, queues, starts, parks and wakes on a
   virtual clock; placement, victims, park modes and turns come from
-  :func:`capyctl.scheduler.policy.plan`, as in production;
+  :func:`capyctl.scheduler.policy.plan`, as in production. Its parts:
+  :mod:`~capyctl.whatif.clock` (the virtual clock and its processes),
+  :mod:`~capyctl.whatif.state` (models and hosts as the ledger sees them),
+  :mod:`~capyctl.whatif.ledger` (memory, state changes, snapshots and plans),
+  :mod:`~capyctl.whatif.serving` (requests served, refused and queued),
+  :mod:`~capyctl.whatif.ensure_ready` (a wake, and the parks and stops that make room) and
+  :mod:`~capyctl.whatif.outcome` (what a replay yields);
 - :mod:`capyctl.whatif.report`: the answer (per model and overall), a comparison, and a
   timeline picture.
 """

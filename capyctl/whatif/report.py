@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from capyctl.whatif.engine import Hold, Outcome, Served, Switch
+from capyctl.whatif.outcome import Hold, Outcome, Served, Switch
 
 SWITCH_KINDS = ("start", "wake ram", "wake deep", "park ram", "park deep", "stop")
 

@@ -1,0 +1,209 @@
+"""The ledger as the replay keeps it: memory per pool, each model's state and its changes
+(recorded as switches and holds), and the snapshots and plans built from it, as
+:mod:`capyctl.scheduler.snapshots` builds them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from capyctl.scheduler.policy import (
+    RAM,
+    Contender,
+    HostSnapshot,
+    Need,
+    NoCapacity,
+    Placement,
+    Pool,
+    Resident,
+    plan,
+    turn_left,
+)
+from capyctl.whatif.clock import Clock
+from capyctl.whatif.outcome import Hold, Outcome, Switch
+from capyctl.whatif.state import _constant, _Host, _Model, _phase, _ram
+
+
+class Ledger(Clock):
+    """The replay's hosts and models (set up by :class:`~capyctl.whatif.engine.Replay`) and
+    what the ledger reads and writes of them."""
+
+    every_try: bool
+    hosts: list[_Host]
+    models: list[_Model]
+    out: Outcome
+    _host_by_name: dict[str, _Host]
+    _memo: dict[tuple[int, int, bool], tuple[tuple[Any, ...], Placement | NoCapacity]]
+    _engine_ram: int
+
+    def _used(self, host: _Host) -> dict[str, int]:
+        used = dict.fromkeys(host.capacity, 0)
+        for pool, num in host.spec.foreign.items():
+            if pool in used:
+                used[pool] += num
+        for model in host.models.values():
+            for pool, num in model.entries.items():
+                used[pool] = used.get(pool, 0) + num
+        return used
+
+    def _busy(self, model: _Model) -> bool:
+        if model.in_flight > 0:
+            return True
+        return model.last_end is not None and self.now - model.last_end < _constant("busy_grace")
+
+    def _snapshot(self, host: _Host, leave_out: int | None = None) -> HostSnapshot:
+        used = self._used(host)
+        pools = {p: Pool(p, cap, used[p], host.spec.foreign.get(p, 0))
+                 for p, cap in host.capacity.items()}  # fmt: skip
+        residents = []
+        for model in host.models.values():
+            if model.id == leave_out:
+                continue
+            spec = model.spec
+            gpu = {p: b for p, b in model.entries.items() if p not in ("ram",)}
+            if host.spec.unified:
+                gpu = dict(model.entries)
+            residents.append(
+                Resident(
+                    deployment_id=model.id,
+                    name=model.name,
+                    host_id=host.id,
+                    state=model.state,
+                    gpu_bytes=gpu,
+                    weights_bytes=spec.weights_bytes,
+                    residual_bytes=None,
+                    park_policy=spec.park,
+                    can_park_ram=spec.can_park_ram,
+                    can_park_deep=spec.can_park_deep,
+                    pinned=spec.pinned,
+                    priority=spec.priority,
+                    last_used=model.last_used or model.changed_at,
+                    ready_for_seconds=self.now - model.changed_at,
+                    min_ready_seconds=spec.min_ready_seconds,
+                    ram_bytes=model.entries.get("ram", 0),
+                    busy=model.state == "ready" and self._busy(model),
+                    max_turn_seconds=spec.max_turn_seconds,
+                )
+            )
+        contenders = tuple(
+            Contender(m.id, m.name, self.now - m.wait_since, m.spec.priority, m.wait_pools)
+            for m in host.waiters.values()
+            if m.wait_since is not None
+        )
+        return HostSnapshot(host.id, host.name, host.spec.unified, pools, residents,
+                            host.spec.online, contenders)  # fmt: skip
+
+    def _plan(self, snapshots: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
+        began = time.perf_counter()
+        try:
+            return plan(snapshots, need)
+        finally:
+            self.out.plans += 1
+            self.out.plan_seconds += time.perf_counter() - began
+
+    def _plan_on(
+        self, host: _Host, model: _Model, need: Need, *, waking: bool = False
+    ) -> Placement | NoCapacity:
+        """:func:`plan` for ``model`` on ``host``, or its answer of the last try when
+        nothing it decides on has changed since: the ledger and the states on the host
+        (its version), the order of its residents, and what time changes of them (a
+        model's min_ready_seconds over, a busy model's turn over, a model no longer busy).
+        A wait for room tries four times a second; most tries find the same host."""
+        key = self._decides_on(host, model, need)
+        memo = self._memo.get((model.id, host.id, waking))
+        if memo is not None and memo[0] == key and not self.every_try:
+            self.out.plans_saved += 1
+            return memo[1]
+        if waking:
+            snap = self._snapshot(host, leave_out=model.id)
+            pools = model.pools
+            snap = HostSnapshot(snap.host_id, snap.name, snap.unified,
+                                {p: snap.pools[p] for p in (*pools, _ram(host)) if p in snap.pools},
+                                snap.residents, contenders=snap.contenders)  # fmt: skip
+        else:
+            snap = self._snapshot(host)
+        result = self._plan([snap], need)
+        self._memo[(model.id, host.id, waking)] = (key, result)
+        return result
+
+    def _decides_on(self, host: _Host, model: _Model, need: Need) -> tuple[Any, ...]:
+        residents = []
+        for other in host.models.values():
+            if other is model:
+                continue
+            busy = other.state == "ready" and self._busy(other)
+            ready_for = self.now - other.changed_at
+            spec = other.spec
+            residents.append((
+                spec.priority, other.last_used or other.changed_at, other.id, busy,
+                ready_for >= spec.min_ready_seconds,
+                turn_left(busy, spec.max_turn_seconds, need.waited_seconds, ready_for) > 0,
+            ))  # fmt: skip
+        residents.sort()
+        order = tuple(r[2:] for r in residents)
+        return (host.version, need.claim_per_gpu_bytes, order)
+
+    def _need(self, model: _Model, host: _Host, claim: int | None = None) -> Need:
+        return Need(model.id, model.name, model.spec.gpus,
+                    model.spec.claim_bytes if claim is None else claim,
+                    self._engine_ram if claim is None else 0, (host.id,),
+                    self.now - model.wait_since if model.wait_since is not None else 0.0,
+                    model.spec.priority)  # fmt: skip
+
+    # -- state changes ----------------------------------------------------------------------
+
+    def _move(self, model: _Model, state: str) -> None:
+        if model.host is not None:
+            self._bump(model.host)
+        self._fire(model.changed)
+        if _phase(model.state) != _phase(state):
+            self._end_hold(model)  # the time it spent in its phase so far, on its pools
+            model.phase_since = self.now
+        model.state = state
+        model.changed_at = self.now
+
+    def _bump(self, host: _Host) -> None:
+        host.version += 1
+        self._fire(host.changed)
+
+    def _end_hold(self, model: _Model) -> None:
+        phase = _phase(model.state)
+        if phase is None or model.host is None or self.now <= model.phase_since:
+            return
+        for pool in model.pools or ():
+            self.out.holds.append(
+                Hold(model.name, model.host.name, pool, model.phase_since, self.now, phase)
+            )
+        model.phase_since = self.now
+
+    def _switch(self, model: _Model, kind: str, mode: str, seconds: float, cause: str) -> None:
+        host = model.host.name if model.host else ""
+        self.out.switches.append(
+            Switch(self.now, seconds, kind, mode, model.name, host, tuple(model.pools), cause)
+        )
+
+    def _place_initial(self) -> None:
+        """Models that hold memory when the replay begins (ready or parked), on their pools."""
+        for model in self.models:
+            host = self._host_by_name.get(model.spec.host or "")
+            if model.state not in ("ready", "parked") or host is None:
+                model.state, model.sleep_mode, model.pools = "stopped", "", ()
+                if host is not None:
+                    model.host = host
+                continue
+            pools = tuple(p for p in model.pools if p in host.capacity)
+            if not pools and model.spec.gpus:
+                model.state, model.pools = "stopped", ()
+                model.host = host
+                continue
+            model.host, model.pools = host, pools
+            host.models[model.id] = model
+            claim = model.spec.claim_bytes
+            if model.state == "ready":
+                model.entries = {**dict.fromkeys(pools, claim), "ram": self._engine_ram}
+            else:
+                copy = model.spec.weights_bytes if model.sleep_mode == RAM else 0
+                model.entries = {**{p: model.residual(claim) for p in pools},
+                                 "ram": self._engine_ram + copy}  # fmt: skip
+            model.changed_at = -max(model.spec.min_ready_seconds, 0.0) - 1.0
+            model.phase_since = 0.0

@@ -1,0 +1,65 @@
+"""What a replay yields: each request's outcome, each switch, each model's time on a pool,
+the queue's length over time, and the simulator's own figures (events, plans, time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Switch:
+    """One step that moved memory: ``start``, ``wake``, ``park`` or ``stop``."""
+
+    at: float  # when it began
+    seconds: float
+    kind: str
+    mode: str  # ram | deep for parks and wakes
+    model: str
+    host: str
+    pools: tuple[str, ...]
+    cause: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.mode}" if self.mode else self.kind
+
+
+@dataclass
+class Served:
+    """One request's outcome."""
+
+    at: float
+    model: str
+    status: int
+    code: str | None
+    waited: float  # seconds queued before the engine had it (for a refusal: until refused)
+    ended: float = 0.0
+
+
+@dataclass
+class Hold:
+    """A model's time on a pool: ``phase`` ``load`` (starting, waking), ``serve`` (ready,
+    draining) or ``park`` (parking)."""
+
+    model: str
+    host: str
+    pool: str
+    begin: float
+    end: float
+    phase: str
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    requests: list[Served] = field(default_factory=list)
+    switches: list[Switch] = field(default_factory=list)
+    holds: list[Hold] = field(default_factory=list)
+    waiting: list[tuple[float, int]] = field(default_factory=list)  # (time, requests queued)
+    duration: float = 0.0  # virtual seconds replayed
+    pools: dict[tuple[str, str], int] = field(default_factory=dict)  # (host, pool) -> capacity
+    events: int = 0  # clock events handled
+    plans: int = 0  # calls of the policy
+    plans_saved: int = 0  # tries that found nothing changed since the last plan
+    plan_seconds: float = 0.0  # wall time spent in them
+    wall_seconds: float = 0.0
