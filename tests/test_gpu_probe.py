@@ -152,6 +152,7 @@ def test_no_nvml_library_is_a_cpu_only_host(monkeypatch, caplog):
         raise pynvml.NVMLError_LibraryNotFound()
 
     monkeypatch.setattr(pynvml, "nvmlInit", missing)
+    monkeypatch.setattr(probe_module, "_said", set())  # said once a process: not yet here
     caplog.set_level("INFO", logger="hostagent.probe")
     assert open_nvml_probe() is None
     probe = make_probe(None)
