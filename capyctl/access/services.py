@@ -7,8 +7,6 @@ key costs microseconds (no slow password hasher on the request path).
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import hmac
 import re
 import secrets
@@ -17,7 +15,6 @@ import time
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
@@ -28,6 +25,7 @@ from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import get_deployment
 from capyctl.errors import NotFoundError, UserError
 from capyctl.events.services import record_event
+from capyctl.secret_hashing import hash_secret
 from capyctl.validation import validate_name
 
 KEY_PREFIX = "capy_"
@@ -41,17 +39,6 @@ _KEY_FORM = re.compile(r"capy_([a-z0-9]{10})_([A-Za-z0-9_-]{43})")
 NO_KEY_HMAC = secrets.token_hex(32)
 MAX_RATE = 2**31 - 1  # requests per minute; the column is 32-bit
 MAX_LIFETIME = timedelta(days=100 * 365)
-
-
-@functools.lru_cache(maxsize=4)
-def _hmac_key(server_secret: str) -> bytes:
-    # A key of its own, derived from the server secret, so the HMAC cannot be confused
-    # with any other use of SECRET_KEY. Derived once: every /v1 request checks a key.
-    return hmac.new(server_secret.encode(), b"capyctl api key v1", hashlib.sha256).digest()
-
-
-def hash_secret(secret: str) -> str:
-    return hmac.new(_hmac_key(settings.SECRET_KEY), secret.encode(), hashlib.sha256).hexdigest()
 
 
 def split_key(full_key: str) -> tuple[str, str] | None:

@@ -13,6 +13,7 @@ from django.utils import timezone
 from capyctl.errors import NotFoundError, UserError
 from capyctl.events.services import record_event
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
+from capyctl.secret_hashing import hash_secret
 from capyctl.validation import MAX_SIZE_BYTES, validate_name
 from hostagent.units import format_size
 
@@ -116,7 +117,6 @@ def add_host(name: str, address: str) -> tuple[Host, str]:
 
 def new_join_token(host: Host) -> str:
     """A fresh one-time token for ``host`` (any earlier one stops working)."""
-    from capyctl.access.services import hash_secret  # noqa: PLC0415 - breaks the cycle access.services -> deployments.services -> here
     from capyctl.hosts.pki import pki  # noqa: PLC0415 - certificates (cryptography) kept off the listings' start-up
     from hostagent.tls import JoinToken  # noqa: PLC0415 - certificates (cryptography) kept off the listings' start-up
 
@@ -135,7 +135,6 @@ def enrol(host_name: str, secret: str, csr_pem: bytes) -> tuple[bytes, bytes]:
     certificate). A token works once, before it expires; a refused try changes nothing."""
     from cryptography import x509  # noqa: PLC0415 - certificates (cryptography) kept off the listings' start-up
 
-    from capyctl.access.services import hash_secret  # noqa: PLC0415 - breaks the cycle access.services -> deployments.services -> here
     from capyctl.hosts.pki import pki, sign_request  # noqa: PLC0415 - certificates (cryptography) kept off the listings' start-up
     from hostagent import tls  # noqa: PLC0415 - certificates (cryptography) kept off the listings' start-up
 
