@@ -7,10 +7,11 @@ import pytest
 from django.utils import timezone
 
 from capyctl.access.models import ApiKey
-from capyctl.access.services import find_api_key, hash_secret, issue_api_key, revoke_api_key
+from capyctl.access.services import find_api_key, issue_api_key, revoke_api_key
 from capyctl.deployments.services import DeploymentSpec, add_deployment
 from capyctl.engines.services import add_engine
 from capyctl.errors import UserError
+from capyctl.secret_hashing import hash_secret
 
 
 @pytest.fixture

@@ -21,10 +21,11 @@ from django.db import OperationalError
 from django.db.backends import utils as db_utils
 
 from capyctl.access import guessing
-from capyctl.access.services import hash_secret, issue_api_key, set_user_limits
+from capyctl.access.services import issue_api_key, set_user_limits
 from capyctl.gateway import keys as gateway_keys
 from capyctl.gateway.app import Gateway
 from capyctl.gateway.cache import CHUNK
+from capyctl.secret_hashing import hash_secret
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

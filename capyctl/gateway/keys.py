@@ -35,9 +35,10 @@ from django.conf import settings
 
 from capyctl.access.guessing import MISS_SECONDS, FailureThrottle, address_key, client_ip
 from capyctl.access.models import ApiKey
-from capyctl.access.services import NO_KEY_HMAC, expires_at, hash_secret, split_key
+from capyctl.access.services import NO_KEY_HMAC, expires_at, split_key
 from capyctl.gateway.cache import WarmCache
 from capyctl.gateway.errors import GatewayError
+from capyctl.secret_hashing import hash_secret
 
 # Keys in use are re-read every SOFT seconds in the background; one older than HARD is
 # never trusted (so a revoked key stops working within a second).
