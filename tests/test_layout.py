@@ -191,7 +191,16 @@ STATE_FIELDS = {
     "desired_state",
 }
 WRITES = {"update", "create", "get_or_create", "update_or_create", "bulk_create", "delete"}
-LEDGER_WRITES = {"admit", "set_measured", "release", "mark_unconfirmed", "set_foreign"}
+LEDGER_WRITES = {
+    "admit",
+    "set_measured",
+    "release",
+    "mark_unconfirmed",
+    "mark_host_unconfirmed",
+    "held_again",
+    "host_held_again",
+    "set_foreign",
+}
 
 
 def _keywords(node: ast.Call) -> set[str]:
@@ -305,3 +314,162 @@ PLANTED = [
 def test_the_one_writer_check_finds_each_write_it_once_missed(name, source):
     """Each write the check once let through, planted back into a module, is found."""
     assert len(state_writers(name, source)) == 1, state_writers(name, source)
+
+
+# --- a ledger entry's status changes only in capyctl/ledger ----------------------------
+
+LEDGER_PACKAGE = "capyctl/ledger/"
+# How code reaches ledger entries: the model, or the related managers of a host and a
+# deployment.
+LEDGER_ROWS = ("LedgerEntry", ".ledger.", ".ledger_entries")
+ROW_WRITES = {"update", "bulk_update", "create", "get_or_create", "update_or_create", "bulk_create"}
+
+
+def _reaches_ledger(node: ast.AST, bound: set[str]) -> bool:
+    """Whether ``node`` is (or is built from) ledger entries: it names the model or a
+    ledger manager, or starts from a name bound to one."""
+    text = ast.unparse(node) + "."
+    if any(mark in text for mark in LEDGER_ROWS):
+        return True
+    return any(isinstance(leaf, ast.Name) and leaf.id in bound for leaf in ast.walk(node))
+
+
+def _ledger_names(tree: ast.AST) -> set[str]:
+    """Names bound to ledger entries: assigned a query of them, or looping over one."""
+    bound: set[str] = set()
+    for _ in range(3):  # names bound from names bound from the model
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if _reaches_ledger(node.value, bound):
+                    bound |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            if isinstance(node, ast.For | ast.comprehension) and _reaches_ledger(node.iter, bound):
+                bound |= {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+    return bound
+
+
+def _names_status(node: ast.Call) -> bool:
+    """Whether a write names the ``status`` field (a keyword, or a ``bulk_update`` field)."""
+    if "status" in _keywords(node):
+        return True
+    return any(
+        isinstance(leaf, ast.Constant) and leaf.value == "status"
+        for arg in [*node.args, *(k.value for k in node.keywords)]
+        for leaf in ast.walk(arg)
+    )
+
+
+def ledger_status_writers(name: str, source: str) -> list[str]:
+    """Where ``source`` (the module ``name``) changes a ledger entry's status other than
+    through :mod:`capyctl.ledger.services`: an ORM write that names ``status`` on ledger
+    entries, an assignment to an entry's ``status``, or SQL on the ledger's table."""
+    tree = ast.parse(source)
+    bound = _ledger_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        where = f"{name}:{getattr(node, 'lineno', 0)}"
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ROW_WRITES
+            and _names_status(node)
+            and _reaches_ledger(node.func.value, bound)
+        ):
+            found.append(f"{where}: changes a ledger entry's status ({ast.unparse(node.func)})")
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for leaf in (leaf for target in targets for leaf in ast.walk(target)):
+                if (
+                    isinstance(leaf, ast.Attribute)
+                    and leaf.attr == "status"
+                    and _reaches_ledger(leaf.value, bound)
+                ):
+                    found.append(f"{where}: assigns a ledger entry's status")
+        if isinstance(node, ast.Attribute) and ast.unparse(node) == "LedgerEntry._meta.db_table":
+            found.append(f"{where}: names the ledger's table (SQL of its own)")
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and "ledger_ledgerentry" in node.value.lower()
+        ):
+            found.append(f"{where}: names the ledger's table (SQL of its own)")
+    return found
+
+
+def test_a_ledger_entrys_status_changes_only_through_the_ledgers_functions():
+    """Outside ``capyctl/ledger`` (the transitions included), no module changes a ledger
+    entry's status through the ORM or SQL of its own: the transitions call the ledger's
+    functions (``mark_unconfirmed``, ``held_again``...), which alone write entries."""
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for file in sorted((root / "capyctl").rglob("*.py")):
+        name = file.relative_to(root).as_posix()
+        if name.startswith(LEDGER_PACKAGE) or "/migrations/" in name:
+            continue
+        found += ledger_status_writers(name, file.read_text())
+    assert found == []
+
+
+# Status changes the transitions once made through the ORM, each as it stood there, and
+# other ways the check must see.
+PLANTED_STATUS_WRITES = [
+    (
+        "unconfirmed = LedgerEntry.objects.filter(\n"
+        "    host=locked, deployment=deployment, status=Status.UNCONFIRMED\n)\n"
+        "set_measured(locked, deployment.pk, figures)\n"
+        "unconfirmed.update(status=Status.HELD)\n"
+    ),
+    (
+        "LedgerEntry.objects.filter(\n"
+        "    host=locked, deployment__isnull=False, status__in=[Status.HELD, Status.PROMISED]\n"
+        ").update(status=Status.UNCONFIRMED, note=UNREACHABLE_NOTE)\n"
+    ),
+    (
+        "LedgerEntry.objects.filter(\n"
+        "    host=locked, status=Status.UNCONFIRMED, note=UNREACHABLE_NOTE\n"
+        ").update(status=Status.HELD, note='')\n"
+    ),
+    "locked.ledger.filter(deployment=None).update(status=Status.FOREIGN)\n",
+    "deployment.ledger_entries.update(status='held')\n",
+    ("for entry in LedgerEntry.objects.filter(host=host):\n    entry.status = Status.HELD\n"),
+    "rows = list(host.ledger.all())\nLedgerEntry.objects.bulk_update(rows, ['status'])\n",
+    (
+        "table = LedgerEntry._meta.db_table\n"
+        "cursor.execute(f'UPDATE {table} SET bytes = 0 WHERE host_id = %s', [host.pk])\n"
+    ),
+]
+
+
+@pytest.mark.parametrize("source", PLANTED_STATUS_WRITES)
+def test_the_ledger_status_check_finds_each_planted_write(source):
+    """Each status change, planted into the writer, is found exactly once."""
+    found = ledger_status_writers(WRITER, source)
+    assert len(found) == 1, found
+
+
+def test_the_ledger_status_check_leaves_other_statuses_and_reads_alone():
+    """An operation's status is not a ledger entry's, and reading entries changes nothing."""
+    source = (
+        "Operation.objects.filter(pk=operation_id).update(status=Operation.Status.DONE)\n"
+        "unconfirmed = LedgerEntry.objects.filter(status=Status.UNCONFIRMED).exists()\n"
+        "held_again(locked, deployment.pk)\n"
+        "operation.status = 'done'\n"
+    )
+    assert ledger_status_writers(WRITER, source) == []
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("model", ["Host", "Deployment"])
+def test_a_host_and_a_deployment_refuse_a_full_save(model, gpu24):
+    """A full save would write back the state as it was read, undoing what the writer did
+    meanwhile: an existing host or deployment saves only the fields it names."""
+    from capyctl.hosts.models import Host
+    from tests.scheduling import deployment, vllm_engine
+
+    vllm_engine()
+    row = Host.objects.get() if model == "Host" else deployment("alpha")
+    with pytest.raises(
+        TypeError, match=rf"{model}\.save\(\) of an existing row needs update_fields"
+    ):
+        row.save()
+    row.save(update_fields=["updated_at"])

@@ -150,6 +150,30 @@ def mark_unconfirmed(host: Host, deployment_id: int, note: str) -> None:
     )
 
 
+def mark_host_unconfirmed(host: Host, note: str) -> None:
+    """Keep counting what every deployment on the host holds or was promised, as memory
+    nobody can confirm now (``note`` says why; :func:`host_held_again` undoes it)."""
+    LedgerEntry.objects.filter(
+        host=host, deployment__isnull=False, status__in=[Status.HELD, Status.PROMISED]
+    ).update(status=Status.UNCONFIRMED, note=note)
+
+
+def host_held_again(host: Host, note: str) -> None:
+    """The host's entries made unconfirmed for ``note`` count as held again (their note
+    cleared): the host answers again."""
+    LedgerEntry.objects.filter(host=host, status=Status.UNCONFIRMED, note=note).update(
+        status=Status.HELD, note=""
+    )
+
+
+def held_again(host: Host, deployment_id: int) -> None:
+    """A deployment's entries still unconfirmed count as held again (their notes kept):
+    the probe has shown its released memory free."""
+    LedgerEntry.objects.filter(
+        host=host, deployment_id=deployment_id, status=Status.UNCONFIRMED
+    ).update(status=Status.HELD)
+
+
 def set_foreign(host: Host, figures: Mapping[str, int]) -> None:
     """Record memory used by processes CapyCTL did not start (0 removes the entry)."""
     for pool, num_bytes in figures.items():

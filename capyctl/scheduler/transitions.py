@@ -8,7 +8,9 @@ it is now. Two callers can never both make the same change.
 
 Nothing else writes ``observed_state``, an instance's state or a ledger entry
 (``tests/test_layout.py`` holds the code to that): :mod:`operations` decides what to do,
-:mod:`reconcile` finds out what is true, and both change state only through here.
+:mod:`reconcile` finds out what is true, and both change state only through here. A ledger
+entry itself is written only by :mod:`capyctl.ledger.services`' functions, which the
+transitions call; they never change an entry through the ORM.
 
 =================  ==========================================  ============================
 transition         from                                        ledger
@@ -62,7 +64,10 @@ from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import (
     InsufficientMemoryError,
     admit,
+    held_again,
+    host_held_again,
     host_lock,
+    mark_host_unconfirmed,
     mark_unconfirmed,
     release,
     set_foreign,
@@ -461,15 +466,15 @@ def release_confirmed(deployment: Deployment, host: Host, figures: Mapping[str, 
     with host_lock(host.pk) as locked:
         unconfirmed = LedgerEntry.objects.filter(
             host=locked, deployment=deployment, status=Status.UNCONFIRMED
-        )
-        if not unconfirmed.exists():
+        ).exists()
+        if not unconfirmed:
             return False
         if not Deployment.objects.filter(pk=deployment.pk, observed_state=S.PARKED).update(
             state_reason=""
         ):
             return False
         set_measured(locked, deployment.pk, figures)
-        unconfirmed.update(status=Status.HELD)
+        held_again(locked, deployment.pk)
     record(
         deployment,
         "deployment.released",
@@ -704,11 +709,7 @@ def host_unreachable(host: Host) -> bool:
         rows = Host.objects.filter(pk=locked.pk).exclude(state=Host.State.UNREACHABLE)
         if not rows.update(state=Host.State.UNREACHABLE):
             return False
-        LedgerEntry.objects.filter(
-            host=locked,
-            deployment__isnull=False,
-            status__in=[Status.HELD, Status.PROMISED],
-        ).update(status=Status.UNCONFIRMED, note=UNREACHABLE_NOTE)
+        mark_host_unconfirmed(locked, UNREACHABLE_NOTE)
     return True
 
 
@@ -725,9 +726,7 @@ def host_answers(host: Host, inventory: Mapping[str, Any], *, pin: str) -> str |
         ):
             return None
         if locked.state == Host.State.UNREACHABLE:
-            LedgerEntry.objects.filter(
-                host=locked, status=Status.UNCONFIRMED, note=UNREACHABLE_NOTE
-            ).update(status=Status.HELD, note="")
+            host_held_again(locked, UNREACHABLE_NOTE)
     return str(locked.state)
 
 
