@@ -11,14 +11,12 @@ from django.contrib.auth import get_user_model
 from django.core.exceptions import ObjectDoesNotExist
 from django.db.models import Count, QuerySet
 
-from capyctl import controlplane
 from capyctl.access.models import ApiKey, UserLimits
 from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
 from capyctl.events.models import Event
-from capyctl.hosts.models import Host
+from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.ledger.pools import pool_usage
 from hostagent.kinds import KindError, get_kind
 
 
@@ -125,6 +123,8 @@ def key_data(key: ApiKey) -> dict[str, Any]:
 
 
 def host_data(host: Host) -> dict[str, Any]:
+    from capyctl.ledger.pools import pool_usage  # noqa: PLC0415 - kept off the other listings' start-up
+
     inventory = host.inventory or {}
     return {
         "name": host.name,
@@ -211,28 +211,73 @@ def all_users() -> list[Any]:
     return list(users_query())
 
 
+# The listings below are read here once, for ``capyctl ... list`` and REST's lists alike,
+# so the two show the same rows in the same order.
+
+
+def engines_query() -> QuerySet[Engine]:
+    """Engines by name, with their host."""
+    return Engine.objects.select_related("host").order_by("name")
+
+
 def all_engines() -> list[Engine]:
-    return list(Engine.objects.select_related("host"))
+    return list(engines_query())
+
+
+def deployments_query() -> QuerySet[Deployment]:
+    """Deployments by name, with their engine, host and aliases."""
+    return (
+        Deployment.objects.select_related("engine", "host")
+        .prefetch_related("aliases")
+        .order_by("name")
+    )
 
 
 def all_deployments() -> list[Deployment]:
-    return list(Deployment.objects.select_related("engine", "host").prefetch_related("aliases"))
+    return list(deployments_query())
 
 
-def all_keys() -> list[ApiKey]:
-    return list(ApiKey.objects.select_related("user").prefetch_related("allowed_models"))
+def keys_query() -> QuerySet[ApiKey]:
+    """API keys, newest first, with their user and allowed models."""
+    return (
+        ApiKey.objects.select_related("user")
+        .prefetch_related("allowed_models")
+        .order_by("-created_at", "key_id")
+    )
+
+
+def all_keys(*, user: str | None = None) -> list[ApiKey]:
+    """Every key, or ``user``'s keys."""
+    keys = keys_query()
+    return list(keys.filter(user__username=user) if user else keys)
+
+
+def hosts_query() -> QuerySet[Host]:
+    """Hosts by name."""
+    return Host.objects.order_by("name")
+
+
+def all_hosts() -> list[Host]:
+    return list(hosts_query())
+
+
+def local_host_registered() -> bool:
+    """Whether the in-process host ``local`` is registered (a standalone data dir's first
+    command registers it)."""
+    return Host.objects.filter(name=LOCAL_HOST_NAME).exists()
 
 
 def status_data() -> dict[str, Any]:
     """Hosts with their pools, engines, deployments, keys and the ledger, at a glance.
     A deployment's ``problem``: what keeps it from ever starting, where that can be told."""
+    from capyctl import controlplane  # noqa: PLC0415 - kept off the other listings' start-up
     from capyctl.deployments import problems  # noqa: PLC0415 - kept off the other listings' start-up
 
     ledger = LedgerEntry.objects.select_related("host", "deployment")
     return {
         "mode": settings.MODE,
         "control_plane": controlplane.state(),
-        "hosts": [host_data(host) for host in Host.objects.all()],
+        "hosts": [host_data(host) for host in all_hosts()],
         "engines": [engine_data(e) for e in all_engines()],
         "deployments": [
             {**deployment_data(d), "problem": problems.problem(d)} for d in all_deployments()

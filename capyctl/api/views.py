@@ -32,7 +32,6 @@ from capyctl.engines.models import Engine
 from capyctl.errors import NotFoundError, UserError
 from capyctl.events.models import Event
 from capyctl.hosts import services as hosts
-from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.scheduler import actions
 from capyctl.scheduler.errors import ControlPlaneUnavailableError
@@ -100,7 +99,7 @@ class EngineFilter(filters.FilterSet):
 )
 class EngineViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
     permission_classes = (IsAdmin,)
-    queryset = Engine.objects.select_related("host").order_by("name")
+    queryset = reports.engines_query()  # as `capyctl engine list` reads them
     lookup_field = "name"
     lookup_value_regex = "[^/]+"
     filterset_class = EngineFilter
@@ -186,11 +185,7 @@ def _spec(
 )
 class DeploymentViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
     permission_classes = (IsAdmin,)
-    queryset = (
-        Deployment.objects.select_related("engine", "host")
-        .prefetch_related("aliases")
-        .order_by("name")
-    )
+    queryset = reports.deployments_query()  # as `capyctl deployment list` reads them
     lookup_field = "name"
     lookup_value_regex = "[^/]+"
     filterset_class = DeploymentFilter
@@ -277,7 +272,7 @@ class DeploymentViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type
 )
 class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
     permission_classes = (IsAdmin,)
-    queryset = Host.objects.order_by("name")
+    queryset = reports.hosts_query()  # as `capyctl host list` reads them
     lookup_field = "name"
     lookup_value_regex = "[^/]+"
     filterset_fields = ("state",)
@@ -354,12 +349,12 @@ class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignor
     http_method_names = ("get", "post", "patch", "delete", "head", "options")
 
     def get_queryset(self) -> QuerySet[ApiKey]:
-        keys = ApiKey.objects.select_related("user").prefetch_related("allowed_models")
+        keys = reports.keys_query()  # as `capyctl key list` reads them
         if getattr(self, "swagger_fake_view", False):  # the schema generator's pass
             return keys.none()
         if not is_admin(self.request):
             keys = keys.filter(user_id=self.request.user.pk or 0)
-        return keys.order_by("-created_at", "key_id")
+        return keys
 
     def _mine(self, key_id: str) -> ApiKey:
         key = self.get_queryset().filter(key_id=key_id).first()

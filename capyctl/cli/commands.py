@@ -24,10 +24,10 @@ def prepare(*, announce: bool = True) -> AdminAccount:
     """Bring the database up to date and make sure the standalone host and admin exist
     (``announce``: say so when the admin account is made now); returns the admin."""
     from capyctl.bootstrap import ensure_first_admin, migrate_database
-    from capyctl.hosts.models import LOCAL_HOST_NAME, Host
+    from capyctl.reports import local_host_registered
 
     migrate_database()
-    if settings.MODE == "standalone" and not Host.objects.filter(name=LOCAL_HOST_NAME).exists():
+    if settings.MODE == "standalone" and not local_host_registered():
         from capyctl.hosts.services import ensure_local_host
         from hostagent.probe import read_inventory
 
@@ -423,7 +423,6 @@ def deployment_action(args: argparse.Namespace) -> int:
     """start/stop/park/wake: saved as an operation, carried out by the running server."""
     from capyctl.deployments.services import get_deployment
     from capyctl.scheduler.actions import default_timeout, request_action, seconds_taken
-    from capyctl.scheduler.models import Operation
 
     prepare()
     deployment = get_deployment(args.name)
@@ -439,10 +438,10 @@ def deployment_action(args: argparse.Namespace) -> int:
         return 0
     timeout = args.timeout or default_timeout(deployment)
     op = _wait_showing_downloads(op, deployment.pk, timeout)
-    if op.status == Operation.Status.DONE:
+    if op.status == "done":
         print(f"{op.message} ({seconds_taken(op):.1f}s)")
         return 0
-    if op.status == Operation.Status.FAILED:
+    if op.status == "failed":
         print(f"capyctl: error: {op.message}", file=sys.stderr)
         return 1
     print(
@@ -459,7 +458,7 @@ def _wait_showing_downloads(op: Any, deployment_id: int, timeout: float) -> Any:
     against the timeout."""
     import time
 
-    from capyctl.deployments.models import Deployment
+    from capyctl.deployments.services import download_state
     from capyctl.scheduler.actions import wait_for
     from capyctl.scheduler.fetching import describe
     from hostagent.sources import FetchStatus
@@ -471,12 +470,11 @@ def _wait_showing_downloads(op: Any, deployment_id: int, timeout: float) -> Any:
         op = wait_for(op, min(0.5, max(deadline - time.monotonic(), 0)))
         if op.status in ("done", "failed") or time.monotonic() >= deadline:
             break
-        row = Deployment.objects.filter(pk=deployment_id).values("observed_state", "download")
-        current: dict[str, Any] = dict(row.first() or {})
-        if current.get("observed_state") != "downloading" or not current.get("download"):
+        state, download = download_state(deployment_id)
+        if state != "downloading" or not download:
             continue
         deadline = time.monotonic() + timeout  # downloading: the clock waits
-        status = FetchStatus.from_dict(current["download"])
+        status = FetchStatus.from_dict(download)
         if not status.done_bytes and not status.total_bytes:
             continue  # not started yet: nothing to draw
         share = status.done_bytes / status.total_bytes if status.total_bytes else 0.0
@@ -489,8 +487,7 @@ def _wait_showing_downloads(op: Any, deployment_id: int, timeout: float) -> Any:
             quarter = int(share * 4)
             print(f"downloading: {describe(status)}", file=sys.stderr, flush=True)
     if shown or quarter >= 0:
-        final = Deployment.objects.filter(pk=deployment_id).values_list("download", flat=True)
-        data = final.first()
+        _, data = download_state(deployment_id)
         if data and data.get("state") == "done":
             done = FetchStatus.from_dict(data)
             prefix = "\rdownloading [" + "#" * 30 + "] 100% " if tty else ""
@@ -498,14 +495,6 @@ def _wait_showing_downloads(op: Any, deployment_id: int, timeout: float) -> Any:
         elif shown:
             print(file=sys.stderr)
     return op
-
-
-def _event_row(event: object) -> dict[str, object]:
-    from capyctl.events.models import Event
-    from capyctl.reports import event_data
-
-    assert isinstance(event, Event)  # noqa: S101 - narrowing for the type checker
-    return event_data(event)
 
 
 def _print_event(row: dict[str, object], as_json: bool) -> None:
@@ -522,14 +511,12 @@ def _print_event(row: dict[str, object], as_json: bool) -> None:
 def events(args: argparse.Namespace) -> int:
     import time
 
-    from capyctl.events.models import Event
+    from capyctl.events.services import events_after, latest_events
+    from capyctl.reports import event_data
 
     prepare()
-    query = Event.objects.all()
-    if args.model:
-        query = query.filter(subject=args.model)
-    newest = list(query.order_by("-id")[: args.limit])[::-1]
-    rows = [_event_row(e) for e in newest]
+    newest = latest_events(args.limit, subject=args.model)
+    rows = [event_data(e) for e in newest]
     if args.json and not args.follow:
         print_json(rows)
         return 0
@@ -538,8 +525,8 @@ def events(args: argparse.Namespace) -> int:
     last_id = newest[-1].pk if newest else 0
     while args.follow:
         time.sleep(0.5)
-        for event in query.filter(pk__gt=last_id).order_by("id"):
-            _print_event(_event_row(event), args.json)
+        for event in events_after(last_id, subject=args.model):
+            _print_event(event_data(event), args.json)
             last_id = event.pk
     return 0
 
@@ -569,7 +556,7 @@ def host_token(args: argparse.Namespace) -> int:
 
 
 def host_list(args: argparse.Namespace) -> int:
-    from capyctl.hosts.models import Host
+    from capyctl.reports import all_hosts
 
     prepare()
     hosts = [
@@ -583,7 +570,7 @@ def host_list(args: argparse.Namespace) -> int:
             "last_seen_at": h.last_seen_at.isoformat() if h.last_seen_at else None,
             "cert_expires_at": h.cert_expires_at.isoformat() if h.cert_expires_at else None,
         }
-        for h in Host.objects.order_by("name")
+        for h in all_hosts()
     ]
     if args.json:
         print_json(hosts)
@@ -621,12 +608,12 @@ def host_revoke(args: argparse.Namespace) -> int:
 
 
 def _cache_hosts(name: str | None) -> list[Any]:
-    from capyctl.hosts.models import Host
     from capyctl.hosts.services import get_host
+    from capyctl.reports import all_hosts
 
     if name:
         return [get_host(name)]
-    return list(Host.objects.order_by("name"))
+    return all_hosts()
 
 
 def _cache_call(host: Any, call: str, *args: Any) -> list[dict[str, object]]:
@@ -663,15 +650,10 @@ def cache_list(args: argparse.Namespace) -> int:
 
 def cache_prune(args: argparse.Namespace) -> int:
     """Remove downloads that no deployment names; a local path is never a download."""
-    from capyctl.deployments.models import Deployment
-    from hostagent.sources import engine_source
+    from capyctl.deployments.services import fetched_sources
 
     prepare()
-    # What each deployment is fetched as: a bare Hugging Face id keeps its hf:// download.
-    keep = [
-        engine_source(d.source, d.engine.kind, d.engine.options or {})
-        for d in Deployment.objects.select_related("engine")
-    ]
+    keep = fetched_sources()
     rows: list[dict[str, object]] = []
     for host in _cache_hosts(args.host):
         rows += [{"host": host.name, **d} for d in _cache_call(host, "prune", keep, args.dry_run)]

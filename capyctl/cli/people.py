@@ -17,6 +17,7 @@ from capyctl.errors import UserError
 
 def key_create(args: argparse.Namespace) -> int:
     from capyctl.access.services import issue_api_key
+    from capyctl.reports import key_data
     from capyctl.validation import parse_duration
 
     expires = parse_duration(args.expires, field="expires") if args.expires else None
@@ -34,8 +35,8 @@ def key_create(args: argparse.Namespace) -> int:
     )
     print(full_key)
     details = [f"id {key.key_id}", f"user {args.user}"]
-    if key.limit_models:
-        details.append(f"models {','.join(d.name for d in key.allowed_models.all()) or '(none)'}")
+    if key.limit_models:  # the models as REST's answer names them
+        details.append(f"models {','.join(key_data(key)['models']) or '(none)'}")
     if key.expires_at:
         details.append(f"expires {key.expires_at:%Y-%m-%d %H:%M} UTC")
     if key.requests_per_minute:
@@ -52,7 +53,7 @@ def key_list(args: argparse.Namespace) -> int:
     from capyctl.reports import all_keys, key_data
 
     prepare()
-    keys = [key_data(k) for k in all_keys() if not args.user or k.user.username == args.user]
+    keys = [key_data(k) for k in all_keys(user=args.user)]
     if args.json:
         print_json(keys)
         return 0

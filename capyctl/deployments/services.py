@@ -8,6 +8,7 @@ makes its whole change, with an Event, or raises :class:`UserError` and changes 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.db import transaction
 from django.db.models import Q
@@ -28,7 +29,7 @@ from capyctl.hosts.models import Host
 from capyctl.hosts.services import get_host
 from capyctl.validation import validate_alias, validate_name
 from hostagent.kinds import KindError, get_kind
-from hostagent.sources import SourceError, check_syntax
+from hostagent.sources import SourceError, check_syntax, engine_source
 from hostagent.units import format_size
 
 MAX_GPUS = 64
@@ -79,6 +80,26 @@ def get_deployment(name: str) -> Deployment:
     if found is None:
         raise NotFoundError(f"no deployment named {name!r}", field="name")
     return found
+
+
+def download_state(deployment_id: int) -> tuple[str | None, dict[str, Any] | None]:
+    """The deployment's observed state and its download's progress as last written (a
+    :class:`hostagent.sources.FetchStatus` as a dict; None before any); (None, None) once
+    the deployment is gone."""
+    row = Deployment.objects.filter(pk=deployment_id).values("observed_state", "download")
+    found = row.first()
+    if found is None:
+        return None, None
+    return found["observed_state"], found["download"] or None
+
+
+def fetched_sources() -> list[str]:
+    """What each deployment is fetched as (a bare Hugging Face id keeps its ``hf://``
+    download): the downloads a prune of the model cache keeps."""
+    return [
+        engine_source(d.source, d.engine.kind, d.engine.options or {})
+        for d in Deployment.objects.select_related("engine")
+    ]
 
 
 def _check_names(spec: DeploymentSpec, *, exclude_pk: int | None = None) -> None:

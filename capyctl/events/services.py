@@ -1,4 +1,4 @@
-"""Writing events. Every state change records one, inside the same transaction.
+"""Writing and reading events. Every state change records one, inside the same transaction.
 
 Once an event is committed, open dashboards are told (the ``capyctl-dashboard`` group on
 the Channels layer), so a change shows at once rather than at their next poll.
@@ -13,6 +13,7 @@ from typing import Any
 from asgiref.sync import async_to_sync
 from channels.layers import InMemoryChannelLayer, get_channel_layer
 from django.db import transaction
+from django.db.models import QuerySet
 
 from capyctl.events.models import Event
 
@@ -55,6 +56,21 @@ def record_event(
     logger.log(_LOG_LEVELS.get(level, logging.INFO), "%s: %s", kind, message)
     transaction.on_commit(tell_dashboards)
     return event
+
+
+def latest_events(limit: int, *, subject: str | None = None) -> list[Event]:
+    """The ``limit`` events written last (about ``subject``, where given), oldest first:
+    by id, the order they were written in, which :func:`events_after` goes on from."""
+    return list(_about(subject).order_by("-id")[:limit])[::-1]
+
+
+def events_after(event_id: int, *, subject: str | None = None) -> list[Event]:
+    """The events written after the event ``event_id`` (about ``subject``), oldest first."""
+    return list(_about(subject).filter(pk__gt=event_id).order_by("id"))
+
+
+def _about(subject: str | None) -> QuerySet[Event]:
+    return Event.objects.filter(subject=subject) if subject else Event.objects.all()
 
 
 def dashboards_listen_on(loop: asyncio.AbstractEventLoop) -> None:
