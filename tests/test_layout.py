@@ -473,3 +473,154 @@ def test_a_host_and_a_deployment_refuse_a_full_save(model, gpu24):
     ):
         row.save()
     row.save(update_fields=["updated_at"])
+
+
+# --- the CLI reads and writes through the services ------------------------------------
+
+CLI_PACKAGE = "capyctl/cli"
+# Queryset and model calls no other object here makes; ``filter``, ``exclude`` and ``get``
+# count when they take keywords (``dict.get`` takes none), ``all`` when it takes nothing.
+ORM_CALLS = {
+    "select_related",
+    "prefetch_related",
+    "values_list",
+    "annotate",
+    "aggregate",
+    "order_by",
+    "get_or_create",
+    "update_or_create",
+    "bulk_create",
+    "bulk_update",
+    "refresh_from_db",
+}
+ORM_LOOKUPS = {"filter", "exclude", "get"}
+# Uses that stay, each with why, as ``(module, expression)``. These two modules are next:
+# a start and the demo set-up read the models themselves still.
+CLI_ORM_ALLOWED = {
+    ("capyctl/cli/start.py", "from capyctl.deployments.models import Deployment"),
+    ("capyctl/cli/start.py", "from capyctl.hosts.models import LOCAL_HOST_NAME, Host"),
+    ("capyctl/cli/start.py", "Host.objects"),
+    ("capyctl/cli/start.py", "Host.objects.get(name=LOCAL_HOST_NAME)"),
+    ("capyctl/cli/start.py", "Deployment.objects"),
+    ("capyctl/cli/start.py", "from capyctl.scheduler.models import Operation"),
+    ("capyctl/cli/start.py", "Operation.objects"),
+    (
+        "capyctl/cli/start.py",
+        "Operation.objects.filter(status=Operation.Status.PENDING, created_at__lt=stale)",
+    ),
+    (
+        "capyctl/cli/start.py",
+        (
+            "Operation.objects.filter(status=Operation.Status.PENDING, created_at__lt=stale)"
+            ".values_list('pk', flat=True)"
+        ),
+    ),
+    ("capyctl/cli/demo.py", "from capyctl.access.models import ApiKey"),
+    ("capyctl/cli/demo.py", "from capyctl.deployments.models import Deployment"),
+    ("capyctl/cli/demo.py", "from capyctl.engines.models import Engine"),
+    ("capyctl/cli/demo.py", "Deployment.objects"),
+    ("capyctl/cli/demo.py", "Deployment.objects.filter(name=REAL_MODEL)"),
+    ("capyctl/cli/demo.py", "Deployment.objects.filter(name=name)"),
+    ("capyctl/cli/demo.py", "ApiKey.objects"),
+    (
+        "capyctl/cli/demo.py",
+        "ApiKey.objects.filter(user__username=username, name=KEY_NAME, revoked_at=None)",
+    ),
+    ("capyctl/cli/demo.py", "earlier.values_list('key_id', flat=True)"),
+    ("capyctl/cli/demo.py", "Engine.objects"),
+    ("capyctl/cli/demo.py", "Engine.objects.filter(name=name)"),
+}
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:``: imports for annotations, not run."""
+    return {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If)
+        and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for statement in node.body
+        for inner in ast.walk(statement)
+    }
+
+
+def cli_orm_uses(source: str) -> list[str]:
+    """Where ``source`` (a module of the CLI) uses the ORM itself: it imports a models module
+    (or Django's ``transaction`` or ``get_user_model``), reaches a manager (``.objects``),
+    or calls a queryset's or a related manager's methods."""
+    tree = ast.parse(source)
+    annotations_only = _type_checking_only(tree)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in annotations_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            module, names = node.module or "", {alias.name for alias in node.names}
+            if (
+                module.endswith(".models")
+                or module == "django.db.models"
+                or (
+                    module in ("django.db", "django.contrib.auth")
+                    and names & {"models", "transaction", "get_user_model"}
+                )
+            ):
+                found.append(ast.unparse(node))
+        elif isinstance(node, ast.Import):
+            found += [ast.unparse(node) for alias in node.names if alias.name.endswith(".models")]
+        elif isinstance(node, ast.Attribute) and node.attr in ("objects", "_default_manager"):
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            call = node.func.attr
+            if (
+                call in ORM_CALLS
+                or (call in ORM_LOOKUPS and node.keywords)
+                or (call == "all" and not node.args and not node.keywords)
+            ):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_the_cli_uses_no_orm_of_its_own():
+    """The CLI's commands read and change things through the service and report functions
+    that REST's views use (``capyctl.reports``, each app's ``services``), so the two cannot
+    list or accept different things: no module of ``capyctl/cli`` imports a models module
+    or queries a model itself, beyond :data:`CLI_ORM_ALLOWED`."""
+    root = Path(__file__).resolve().parent.parent
+    found = set()
+    for file in sorted((root / CLI_PACKAGE).rglob("*.py")):
+        name = file.relative_to(root).as_posix()
+        found |= {(name, use) for use in cli_orm_uses(file.read_text())}
+    assert sorted(found - CLI_ORM_ALLOWED) == []
+    assert sorted(CLI_ORM_ALLOWED - found) == [], "allowed uses gone: take them off the list"
+
+
+# The CLI's own uses of the ORM before its commands went through the services, as they stood.
+PLANTED_CLI_ORM = [
+    "from capyctl.hosts.models import LOCAL_HOST_NAME, Host\n",
+    "Host.objects.filter(name=LOCAL_HOST_NAME).exists()\n",
+    "row = Deployment.objects.filter(pk=deployment_id).values('observed_state', 'download')\n",
+    "query = query.filter(subject=args.model)\n",
+    "hosts = [h.name for h in Host.objects.order_by('name')]\n",
+    "keep = [d.source for d in Deployment.objects.select_related('engine')]\n",
+    "names = ','.join(d.name for d in key.allowed_models.all())\n",
+    "import capyctl.events.models\n",
+    "from django.db import transaction\n",
+    "if op.status == Operation.Status.DONE:\n    from capyctl.scheduler.models import Operation\n",
+    "op.refresh_from_db()\n",
+]
+
+
+@pytest.mark.parametrize("source", PLANTED_CLI_ORM)
+def test_the_cli_orm_check_finds_each_planted_use(source):
+    assert len(cli_orm_uses(source)) >= 1, source
+
+
+def test_the_cli_orm_check_leaves_plain_python_alone():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from capyctl.hosts.models import Host\n"
+        "from django.db import DatabaseError\n"
+        "limit = data.get('limit')\nvalues = sorted(data.values())\n"
+        "scenario.save(data, path)\nitems = filter(None, rows)\n"
+    )
+    assert cli_orm_uses(source) == []
