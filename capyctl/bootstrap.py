@@ -216,7 +216,7 @@ def prepare_standalone(*, migrate: bool = False) -> SchemaUpgrade | None:
     """Everything standalone needs before serving: the serving lock (a restore refuses
     while it is held), the schema (see :func:`migrate_database`) and the local host."""
     from capyctl.backups import hold_serving_lock
-    from capyctl.hosts.services import ensure_local_host
+    from capyctl.scheduler.host_states import ensure_local_host
     from hostagent.probe import read_inventory
 
     hold_serving_lock(Path(settings.DATA_DIR))

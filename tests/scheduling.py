@@ -5,9 +5,9 @@ import sys
 from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import DeploymentSpec, add_deployment
 from capyctl.engines.services import add_engine
-from capyctl.hosts.services import ensure_local_host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.scheduler.drivers import LocalHostDriver, set_local_driver
+from capyctl.scheduler.host_states import ensure_local_host
 from hostagent.probe import SimulatedProbe
 
 GIB = 1024**3

@@ -14,7 +14,7 @@ from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
-from capyctl.hosts.services import ensure_local_host
+from capyctl.scheduler.host_states import ensure_local_host
 from hostagent.probe import Inventory
 from tests.conftest import table_counts
 

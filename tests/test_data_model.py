@@ -7,9 +7,9 @@ from capyctl.deployments.models import Deployment, DeploymentAlias, Instance
 from capyctl.deployments.services import DeploymentSpec, add_deployment
 from capyctl.engines.services import add_engine
 from capyctl.hosts.models import Host
-from capyctl.hosts.services import ensure_local_host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
+from capyctl.scheduler.host_states import ensure_local_host
 from hostagent.probe import SimulatedProbe, read_inventory
 from hostagent.simgpu import SimSpec
 

@@ -146,9 +146,9 @@ def test_a_poll_answered_while_the_host_was_revoked_leaves_it_unreachable(monkey
     online (seen under load in the revoke test above)."""
     from django.utils import timezone
 
-    from capyctl.hosts import agents
     from capyctl.hosts.models import Host
-    from capyctl.hosts.services import revoke_host
+    from capyctl.scheduler import remote_hosts
+    from capyctl.scheduler.host_states import revoke_host
 
     Host.objects.create(
         name="gpu9", address="127.0.0.1:7443", is_local=False, state=Host.State.ONLINE,
@@ -160,6 +160,6 @@ def test_a_poll_answered_while_the_host_was_revoked_leaves_it_unreachable(monkey
         revoke_host(host.name)  # committed while the agent's answer was on its way
         return {"probe": "simulated", "ram_total_bytes": 2**34, "gpus": []}
 
-    monkeypatch.setattr(agents, "agent_call", answered_while_revoked)
-    agents.poll_hosts()
+    monkeypatch.setattr(remote_hosts, "agent_call", answered_while_revoked)
+    remote_hosts.poll_hosts()
     assert Host.objects.get(name="gpu9").state == Host.State.UNREACHABLE

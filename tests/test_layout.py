@@ -64,6 +64,142 @@ def test_the_v1_routes_are_listed_in_one_place():
     assert found == []
 
 
+# --- boundaries between the apps: who imports whom -------------------------------------------
+
+GATEWAY_FACADE = "capyctl.scheduler.gateway_api"
+
+
+def _sources(package: str) -> dict[str, str]:
+    """Module name → source, for every module of ``package`` (migrations left out)."""
+    root = Path(__file__).resolve().parent.parent
+    found = {}
+    for file in sorted((root / package.replace(".", "/")).rglob("*.py")):
+        parts = list(file.relative_to(root).with_suffix("").parts)
+        if "migrations" in parts:
+            continue
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = file.read_text()
+    return found
+
+
+def _imports(source: str, modules: set[str]) -> tuple[set[str], list[tuple[int, str]]]:
+    """What ``source`` imports of ``modules``: (at module level, [(line, module)] inside
+    functions). ``from p import m`` names the module ``p.m`` when there is one; imports
+    under ``if TYPE_CHECKING`` never run and are left out."""
+    top: set[str] = set()
+    inner: list[tuple[int, str]] = []
+
+    def named(node: ast.Import | ast.ImportFrom) -> list[str]:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif node.module and not node.level:
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                for a in node.names
+            ]
+        else:
+            names = []
+        return [name for name in names if name in modules]
+
+    def walk(nodes: list[ast.stmt], in_function: bool) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                if in_function:
+                    inner.extend((node.lineno, name) for name in named(node))
+                else:
+                    top.update(named(node))
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                walk(node.body, True)
+            else:
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    walk(getattr(node, field, None) or [], in_function)
+
+    walk(ast.parse(source).body, False)
+    return top, inner
+
+
+def hidden_circles(sources: dict[str, str]) -> list[str]:
+    """Imports inside functions whose module imports the importer back (through
+    module-level imports): a circle that the function-level import only hides."""
+    modules = set(sources)
+    graph = {}
+    inner = {}
+    for name, source in sources.items():
+        graph[name], inner[name] = _imports(source, modules)
+
+    def reaches(start: str, goal: str) -> bool:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            name = todo.pop()
+            if name == goal:
+                return True
+            if name not in seen:
+                seen.add(name)
+                todo.extend(graph.get(name, ()))
+        return False
+
+    return [
+        f"{name}:{line}: imports {target}, which imports {name} back"
+        for name in sorted(inner)
+        for line, target in inner[name]
+        if target != name and reaches(target, name)
+    ]
+
+
+def test_the_gateway_uses_the_scheduler_only_through_its_facade():
+    """The gateway holds no scheduling logic (DESIGN §3, rule 5): of the scheduler it
+    imports ``capyctl.scheduler.gateway_api`` and nothing else, anywhere in a module."""
+    scheduler = set(_sources("capyctl.scheduler"))
+    assert GATEWAY_FACADE in scheduler
+    found = []
+    for name, source in _sources("capyctl.gateway").items():
+        top, inner = _imports(source, scheduler)
+        used = top | {module for _, module in inner}
+        found += [f"{name} imports {module}" for module in sorted(used - {GATEWAY_FACADE})]
+    assert found == []
+
+
+def test_hosts_import_nothing_from_the_scheduler():
+    """Hosts (models, enrolment, certificates, registration) come before the scheduler: the
+    scheduler drives them (the remote host driver, host polling and the host changes that
+    move a host's state live in ``capyctl.scheduler``), never the other way round. The
+    admin, like every view, asks the scheduler's verbs for what people want, and nothing
+    imports an admin module, so it closes no circle."""
+    scheduler = set(_sources("capyctl.scheduler"))
+    found = []
+    for name, source in _sources("capyctl.hosts").items():
+        if name == "capyctl.hosts.admin":
+            continue
+        top, inner = _imports(source, scheduler | {"capyctl.scheduler"})
+        used = top | {module for _, module in inner}
+        found += [f"{name} imports {module}" for module in sorted(used)]
+    assert found == []
+
+
+def test_no_function_level_import_hides_a_circle():
+    """An import inside a function is for a module this one need not load up front (Celery,
+    Redis, certificates kept off the listings' start-up), never to break a circle: the
+    module imported never imports the importer back."""
+    assert hidden_circles(_sources("capyctl")) == []
+
+
+def test_the_circle_check_finds_a_hidden_circle():
+    """The check sees a circle through a third module, and only when the import is hidden
+    in a function; one under ``TYPE_CHECKING`` never runs and is no circle."""
+    sources = {
+        "a": "import b\n",
+        "b": "from c import thing\n",
+        "c": "def thing():\n    from a import x  # noqa: PLC0415\n    return x\n",
+    }
+    assert hidden_circles(sources) == ["c:2: imports a, which imports c back"]
+    sources["b"] = "if TYPE_CHECKING:\n    from c import thing\n"
+    assert hidden_circles(sources) == []
+
+
 def _run_cli_code(code: str, data_dir: Path) -> str:
     env = {**os.environ, "CAPYCTL_DATA_DIR": str(data_dir)}
     env.pop("CAPYCTL_DATABASE_URL", None)
@@ -104,7 +240,7 @@ LISTING_NEVER_IMPORTS = (
     "pynvml",
     "hostagent.tls",
     "hostagent.probe",
-    "capyctl.hosts.agents",
+    "capyctl.scheduler.remote_hosts",
     "capyctl.cli.start",
     "django.db.migrations.executor",
     "django.core.management.commands.migrate",
@@ -292,11 +428,11 @@ PLANTED = [
     ),
     ("capyctl/hosts/services.py", "host.state = Host.State.ONLINE\n"),
     (
-        "capyctl/hosts/agents.py",
+        "capyctl/scheduler/remote_hosts.py",
         "Host.objects.filter(pk=host.pk).update(state=Host.State.UNREACHABLE)\n",
     ),
     (
-        "capyctl/hosts/agents.py",
+        "capyctl/scheduler/remote_hosts.py",
         "answered.update(state=Host.State.ONLINE, inventory=inventory)\n",
     ),
     (

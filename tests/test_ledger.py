@@ -10,7 +10,6 @@ from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import DeploymentSpec, add_deployment
 from capyctl.engines.services import add_engine
 from capyctl.hosts.models import Host
-from capyctl.hosts.services import ensure_local_host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import (
@@ -23,6 +22,7 @@ from capyctl.ledger.services import (
     set_foreign,
     set_measured,
 )
+from capyctl.scheduler.host_states import ensure_local_host
 from hostagent.probe import SimulatedProbe
 from hostagent.simgpu import SimSpec
 from tests.ledger_hammer import hammer, process_main

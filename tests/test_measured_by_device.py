@@ -112,19 +112,19 @@ def test_a_park_that_keeps_its_memory_is_still_found_out(hidden_pids):
 def test_a_remote_host_says_how_it_measures_in_its_inventory(monkeypatch, cli):
     from django.utils import timezone
 
-    from capyctl.hosts import agents
+    from capyctl.scheduler import remote_hosts
 
     reported = {"probe": "nvml", "ram_total_bytes": 2**36, "gpus": [], "measures": "per process"}
     Host.objects.create(
         name="gpu-box", address="127.0.0.1:7443", is_local=False, state=Host.State.ONLINE,
         enrolled_at=timezone.now(), cert_fingerprint="ab" * 32, inventory=dict(reported),
     )  # fmt: skip
-    monkeypatch.setattr(agents, "agent_call", lambda host, method, path: dict(reported))
-    agents.poll_hosts()
+    monkeypatch.setattr(remote_hosts, "agent_call", lambda host, method, path: dict(reported))
+    remote_hosts.poll_hosts()
     assert not Event.objects.filter(kind="host.measures").exists()  # nothing changed
     reported |= {"measures": DEVICE, "measures_reason": "NVML lists pids (4194311) of which …"}
-    agents.poll_hosts()
-    agents.poll_hosts()  # said once, when it changed
+    remote_hosts.poll_hosts()
+    remote_hosts.poll_hosts()  # said once, when it changed
     (said,) = Event.objects.filter(kind="host.measures").values_list("message", flat=True)
     assert said.startswith(f"host gpu-box measures GPU memory by {DEVICE} (each GPU's use")
     assert said.endswith("): NVML lists pids (4194311) of which …")

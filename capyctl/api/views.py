@@ -33,7 +33,7 @@ from capyctl.errors import NotFoundError, UserError
 from capyctl.events.models import Event
 from capyctl.hosts import services as hosts
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import actions
+from capyctl.scheduler import actions, host_states
 from capyctl.scheduler.errors import ControlPlaneUnavailableError
 from capyctl.scheduler.models import Operation
 from capyctl.validation import parse_duration, parse_gpu_memory, parse_size_value
@@ -296,7 +296,7 @@ class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
         return Response(s.HostOut(host).data)
 
     def destroy(self, request: Request, name: str) -> Response:
-        hosts.remove_host(name)
+        host_states.remove_host(name)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(
@@ -318,7 +318,7 @@ class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
     )
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, name: str) -> Response:
-        host = hosts.revoke_host(name, actor=_actor(request))
+        host = host_states.revoke_host(name, actor=_actor(request))
         return Response(s.HostOut(host).data)
 
 

@@ -28,7 +28,7 @@ def prepare(*, announce: bool = True) -> AdminAccount:
 
     migrate_database()
     if settings.MODE == "standalone" and not local_host_registered():
-        from capyctl.hosts.services import ensure_local_host
+        from capyctl.scheduler.host_states import ensure_local_host
         from hostagent.probe import read_inventory
 
         ensure_local_host(
@@ -586,7 +586,7 @@ def host_list(args: argparse.Namespace) -> int:
 
 
 def host_remove(args: argparse.Namespace) -> int:
-    from capyctl.hosts.services import remove_host
+    from capyctl.scheduler.host_states import remove_host
 
     prepare()
     remove_host(args.name)
@@ -595,7 +595,7 @@ def host_remove(args: argparse.Namespace) -> int:
 
 
 def host_revoke(args: argparse.Namespace) -> int:
-    from capyctl.hosts.services import revoke_host
+    from capyctl.scheduler.host_states import revoke_host
 
     prepare()
     host = revoke_host(args.name, actor="cli")
@@ -626,7 +626,7 @@ def _cache_call(host: Any, call: str, *args: Any) -> list[dict[str, object]]:
 
         cache = SourceCache(Path(settings.DATA_DIR) / "models")
         return cache.listing() if call == "downloads" else cache.prune_listing(*args)
-    from capyctl.hosts.agents import AgentUnreachableError, RemoteHostDriver
+    from capyctl.scheduler.remote_hosts import AgentUnreachableError, RemoteHostDriver
 
     try:
         return list(getattr(RemoteHostDriver(host), call)(*args))

@@ -31,13 +31,12 @@ from capyctl.gateway.batches import BatchedWrites
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found
 from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.queues import Place, Queues
-from capyctl.gateway.routing import Route, RoutingTable, list_models
+from capyctl.gateway.routing import AGENT_PINS, Route, RoutingTable, list_models
 from capyctl.gateway.upstream import UpstreamError, UpstreamPool
 from capyctl.gateway.usage import UsageBook, UsageTap, make_limiter, write_usage
-from capyctl.hosts.agents import AGENT_PINS
 from capyctl.hosts.pki import pki
-from capyctl.scheduler import inflight, operations, turns, wakes
-from capyctl.scheduler.errors import (
+from capyctl.scheduler import gateway_api as scheduler
+from capyctl.scheduler.gateway_api import (
     ControlPlaneUnavailableError,
     EngineFailedError,
     ModelStoppedError,
@@ -240,7 +239,7 @@ class Gateway:
                 outcome=outcome,
             )
         finally:
-            await inflight.aend(route.deployment_id)
+            await scheduler.end_request(route.deployment_id)
             self._touch(route.deployment_id)  # idleness counts from a request's end
 
     def _model_named(
@@ -284,7 +283,7 @@ class Gateway:
                     raise
                 finally:  # served, refused or left: its trace says how long it waited
                     outcome.queued_ms += (time.perf_counter() - wait_started) * 1000
-            if await inflight.abegin(route.deployment_id):
+            if await scheduler.begin_request(route.deployment_id):
                 return route
             ready = False  # it began draining after our route was read: wait for the wake
         raise GatewayError(
@@ -402,14 +401,14 @@ class Gateway:
                 # One wake per model, however many requests wait for it.
                 wanted = lambda: self.queues.count(deployment_id) > 0  # noqa: E731
                 wake = asyncio.ensure_future(
-                    wakes.ready(deployment_id, route.max_queue_seconds, wanted)
+                    scheduler.ready(deployment_id, route.max_queue_seconds, wanted)
                 )
                 self._wakes[deployment_id] = wake
             try:
                 switch = await self._unless_stopping(
                     asyncio.wait_for(
                         asyncio.shield(wake),
-                        timeout=route.max_queue_seconds + wakes.OUTCOME_GRACE_SECONDS,
+                        timeout=route.max_queue_seconds + scheduler.OUTCOME_GRACE_SECONDS,
                     ),
                     place,
                 )
@@ -439,7 +438,7 @@ class Gateway:
                 for name, count in metrics.NOW.waiting.items()
                 if count > 0
             }
-            for wait in turns.local_waits():
+            for wait in scheduler.local_waits():
                 view.setdefault(wait.name, {"waiting": 0, "room_since": None})
                 view[wait.name].update(room_since=wait.since, host_id=wait.host_id,
                                        pools=list(wait.pools))  # fmt: skip
@@ -671,7 +670,7 @@ def _scheduler_error(exc: SchedulerError, route: Route) -> GatewayError:
 
 def _touch_sync(deployment_id: int) -> None:
     try:
-        operations.touch(deployment_id)
+        scheduler.note_asked_for(deployment_id)
     except Exception as exc:  # idleness only: the next request touches it again
         logger.debug("could not note a request's end on %s: %s", deployment_id, exc)
     finally:

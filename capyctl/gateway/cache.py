@@ -32,7 +32,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from capyctl.access.guessing import RecentMisses
-from capyctl.scheduler.errors import is_control_plane_error
+from capyctl.scheduler.gateway_api import is_control_plane_error
 
 logger = logging.getLogger("capyctl.gateway")
 T = TypeVar("T")

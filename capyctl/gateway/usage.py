@@ -18,7 +18,7 @@ from django.utils import timezone
 from capyctl.access.models import ApiKey
 from capyctl.gateway.errors import GatewayError
 from capyctl.gateway.keys import KeyInfo
-from capyctl.scheduler import redislink
+from capyctl.scheduler import gateway_api as scheduler
 
 logger = logging.getLogger("capyctl.gateway")
 
@@ -238,11 +238,11 @@ class RedisRateLimiter:
     def __init__(self, url: str) -> None:
         # On the request path: short timeouts, and no call for a while once one did not
         # answer (the scheduler's quiet period, shared by every Redis call of the process).
-        self._redis = redislink.async_client(url)
+        self._redis = scheduler.redis_async_client(url)
         self._script = self._redis.register_script(_LIMIT_SCRIPT)
         self._enter = self._redis.register_script(_ENTER_SCRIPT)
-        self._errors = redislink.errors()
-        self._link = redislink.link(url)
+        self._errors = scheduler.redis_errors()
+        self._link = scheduler.redis_link(url)
         self._local = LocalLimiter()
         self._entered_here: set[str] = set()  # members counted by this process alone
         self._leaves_owed: list[tuple[str, str]] = []  # (key, member) to remove when back

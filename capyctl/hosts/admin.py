@@ -14,13 +14,8 @@ from django.template.response import TemplateResponse
 from capyctl.admin_utils import attach_user_error
 from capyctl.errors import UserError
 from capyctl.hosts.models import Host
-from capyctl.hosts.services import (
-    add_host,
-    new_join_token,
-    parse_address,
-    remove_host,
-    revoke_host,
-)
+from capyctl.hosts.services import add_host, new_join_token, parse_address
+from capyctl.scheduler.host_states import remove_host, revoke_host
 from capyctl.validation import validate_name
 
 

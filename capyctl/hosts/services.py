@@ -1,10 +1,11 @@
-"""Host registration and the local host's inventory."""
+"""Host registration, join tokens and enrolment, the local host's heartbeat and measures
+(what changes a host's state is the scheduler's: :mod:`capyctl.scheduler.host_states`)."""
 
 from __future__ import annotations
 
 import secrets
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -15,10 +16,6 @@ from capyctl.events.services import record_event
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 from capyctl.secret_hashing import hash_secret
 from capyctl.validation import MAX_SIZE_BYTES, validate_name
-from hostagent.units import format_size
-
-if TYPE_CHECKING:  # the certificate code (cryptography) is imported by what needs it
-    from hostagent.probe import Inventory
 
 
 def get_host(name: str) -> Host:
@@ -26,24 +23,6 @@ def get_host(name: str) -> Host:
         return Host.objects.get(name=name)
     except Host.DoesNotExist:
         raise NotFoundError(f"no host named {name!r}", field="host") from None
-
-
-@transaction.atomic
-def ensure_local_host(inventory: Inventory) -> Host:
-    """Create or refresh the in-process host ``local`` with what the probe sees now."""
-    from capyctl.scheduler import transitions  # noqa: PLC0415 - the scheduler imports this module
-
-    host, created = transitions.local_host_seen(inventory.as_dict())
-    if created:
-        gpus = ", ".join(f"{g.name} ({format_size(g.total_bytes)})" for g in inventory.gpus)
-        record_event(
-            "host.added",
-            f"local host registered: {gpus or 'no GPUs'}, probe {inventory.probe}",
-            subject=host.name,
-            host_id=host.pk,
-            actor="system",
-        )
-    return host
 
 
 def local_host_beat() -> None:
@@ -193,55 +172,6 @@ def _refused_token(host_name: str) -> RefusedTokenError:
     if host.join_expires_at is not None and host.join_expires_at <= timezone.now():
         return RefusedTokenError("the token expired")
     return RefusedTokenError("not the host's current token")
-
-
-def revoke_host(name: str, *, actor: str = "") -> Host:
-    """Stop trusting a host's certificate at once: every call to its agent is refused
-    (the pin is cleared), so are its pending join tokens; it shows unreachable and what
-    its models hold stays counted as unconfirmed. It comes back by joining again with a
-    new token (``capyctl host token NAME``)."""
-    from capyctl.hosts.agents import mark_unreachable  # noqa: PLC0415 - httpx and certificates kept off the listings' start-up
-
-    host = get_host(name)
-    if host.is_local:
-        raise UserError(f"{name!r} is the in-process host; it has no certificate", field="name")
-    if not host.cert_fingerprint:
-        raise UserError(f"host {name} has no certificate to revoke", field="name")
-    with transaction.atomic():
-        Host.objects.filter(pk=host.pk).update(
-            cert_fingerprint="", cert_expires_at=None, join_secret_hmac="", join_expires_at=None
-        )
-        record_event(
-            "host.revoked",
-            f"host {name}: certificate {host.cert_fingerprint[:16]}… revoked; it must join "
-            f"again (capyctl host token {name})",
-            subject=name,
-            host_id=host.pk,
-            actor=actor,
-            level="warning",
-        )
-        mark_unreachable(host, f"host {name}: its certificate was revoked")
-    host.refresh_from_db()
-    return host
-
-
-def remove_host(name: str) -> None:
-    """Forget a host: refused while engines or deployments are placed on it."""
-    host = get_host(name)
-    if host.is_local:
-        raise UserError(f"{name!r} is the in-process host; it cannot be removed", field="name")
-    engines = list(host.engines.values_list("name", flat=True))
-    deployments = list(host.deployments.values_list("name", flat=True))
-    if engines or deployments:
-        using = ", ".join(
-            [*(f"engine {e}" for e in engines), *(f"deployment {d}" for d in deployments)]
-        )
-        raise UserError(f"host {name} is still used by {using}", field="name")
-    from capyctl.scheduler import transitions  # noqa: PLC0415 - the scheduler imports this module
-
-    with transaction.atomic():
-        transitions.host_removed(host)
-        record_event("host.removed", f"host {name} removed", subject=name)
 
 
 @transaction.atomic

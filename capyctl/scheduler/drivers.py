@@ -14,8 +14,8 @@ from typing import Protocol
 from django.conf import settings
 
 from capyctl.errors import UserError
-from capyctl.hosts.agents import RemoteHostDriver
 from capyctl.hosts.models import Host
+from capyctl.scheduler.remote_hosts import RemoteHostDriver
 from hostagent.host import HostRuntime, Launched
 from hostagent.probe import DeviceReading, Inventory, ProcessUsage, make_probe
 from hostagent.runtime import InstanceRequest

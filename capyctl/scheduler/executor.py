@@ -17,62 +17,17 @@ from django.conf import settings
 from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
-from capyctl.hosts.agents import AgentUnreachableError, poll_hosts
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 from capyctl.hosts.services import local_host_beat
-from capyctl.scheduler import operations
 from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error
 from capyctl.scheduler.models import Operation
+from capyctl.scheduler.operation_runs import run_operation
 from capyctl.scheduler.reconcile import reconcile
+from capyctl.scheduler.remote_hosts import AgentUnreachableError, poll_hosts
 
 logger = logging.getLogger("capyctl.scheduler")
 
 ALIVE_WITHIN = timedelta(seconds=15)
-
-
-def run_operation(operation_id: int) -> None:
-    """Carry out one requested operation (idempotent: only a pending row is taken)."""
-    close_old_connections()
-    try:
-        taken = Operation.objects.filter(pk=operation_id, status=Operation.Status.PENDING).update(
-            status=Operation.Status.RUNNING, started_at=timezone.now()
-        )
-        if not taken:
-            return
-        op = Operation.objects.select_related("deployment").get(pk=operation_id)
-        actor = op.actor or "system"
-        try:
-            if op.action == Operation.Action.START:
-                result = operations.start(op.deployment_id, actor)
-            elif op.action == Operation.Action.STOP:
-                result = operations.stop(op.deployment_id, actor)
-            elif op.action == Operation.Action.PARK:
-                result = operations.park(op.deployment_id, op.mode or None, actor=actor)
-            else:
-                result = operations.ensure_ready(op.deployment_id, actor)
-        except operations.SchedulerError as exc:
-            Operation.objects.filter(pk=op.pk).update(
-                status=Operation.Status.FAILED, message=str(exc), finished_at=timezone.now()
-            )
-            return
-        except Exception as exc:  # an unexpected fault must still answer the requester
-            logger.exception("%s of %s failed", op.action, op.deployment.name)
-            Operation.objects.filter(pk=op.pk).update(
-                status=Operation.Status.FAILED,
-                message=f"internal error: {type(exc).__name__}: {exc}",
-                finished_at=timezone.now(),
-            )
-            return
-        state = result.observed_state + (f" ({result.parked_mode})" if result.parked_mode else "")
-        message = f"{result.name} is {state}"
-        if op.action == Operation.Action.PARK and result.observed_state != "parked":
-            # Stopped instead (its engine cannot park, its policy says stop...): say why.
-            message += ", not parked" + (f": {result.state_reason}" if result.state_reason else "")
-        Operation.objects.filter(pk=op.pk).update(
-            status=Operation.Status.DONE, message=message, finished_at=timezone.now()
-        )
-    finally:
-        connection.close()
 
 
 # How often standalone's loop reconciles its hosts (idle parks, engines gone, parks to confirm).

@@ -16,18 +16,17 @@ from django.conf import settings
 # library default. It is imported here, not at start-up: commands that send no task never
 # load Celery.
 from capyctl import celery as _celery  # noqa: F401
-from capyctl.hosts import agents
-from capyctl.hosts.agents import AgentUnreachableError
 from capyctl.hosts.models import Host
-from capyctl.scheduler import executor, notify, operations, reconcile, switches
+from capyctl.scheduler import notify, operation_runs, operations, reconcile, remote_hosts, switches
 from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error, outage
+from capyctl.scheduler.remote_hosts import AgentUnreachableError
 
 logger = logging.getLogger(__name__)
 
 
 @shared_task(acks_late=True, ignore_result=True)
 def run_operation(operation_id: int) -> None:
-    executor.run_operation(operation_id)
+    operation_runs.run_operation(operation_id)
 
 
 @shared_task(acks_late=True, ignore_result=True)
@@ -105,7 +104,7 @@ def reconcile_host(host_id: int) -> None:
 def poll_hosts() -> None:
     """The periodic pass of server mode: ask every host how it is, then reconcile the
     online ones (sent every few seconds by `capyctl start server`)."""
-    agents.poll_hosts()
+    remote_hosts.poll_hosts()
     hosts = Host.objects.filter(state=Host.State.ONLINE)
     if settings.MODE == "server":  # engines run under agents only; no in-process host
         hosts = hosts.filter(is_local=False)

@@ -1,4 +1,5 @@
-"""Calls from the server to host agents, over mutual TLS.
+"""The remote host driver and host polling: calls from the server to host agents, over
+mutual TLS.
 
 The server presents its own certificate (the only one the CA makes for client
 authentication) and trusts an agent only if its certificate chains to the CA, carries the
@@ -33,9 +34,6 @@ from hostagent.sources import FetchStatus
 logger = logging.getLogger("capyctl.hosts")
 _clients: dict[tuple[str, str], tuple[str, httpx.Client]] = {}
 _clients_lock = threading.Lock()
-# Host name → pinned certificate fingerprint, for connections that the gateway makes to
-# agents' relays (its route reads refresh it); "" or absent: no certificate is trusted.
-AGENT_PINS: dict[str, str] = {}
 
 
 class AgentUnreachableError(EngineCallError):

@@ -1,0 +1,97 @@
+"""What the ``/v1`` gateway may use of the scheduler, and all of it (``tests/test_layout.py``
+holds the gateway to this one module): make a model ready and wait for it, count a request
+in flight, note that a model was asked for, the waits this process runs, the short Redis
+calls of the request path, and the failures the gateway turns into answers.
+
+Each function hands over to the module that does the work, looked up when called, so that
+the work stays in one place (and a test that replaces it there replaces it here too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from capyctl.scheduler import inflight, operations, redislink, turns, wakes
+from capyctl.scheduler.errors import (
+    ControlPlaneUnavailableError,
+    EngineFailedError,
+    ModelStoppedError,
+    NoCapacityError,
+    SchedulerError,
+    SourceError,
+    WakeTimeoutError,
+    is_control_plane_error,
+    outage,
+)
+from capyctl.scheduler.redislink import Link
+from capyctl.scheduler.turns import Wait
+
+__all__ = [
+    "OUTCOME_GRACE_SECONDS",
+    "ControlPlaneUnavailableError",
+    "EngineFailedError",
+    "Link",
+    "ModelStoppedError",
+    "NoCapacityError",
+    "SchedulerError",
+    "SourceError",
+    "Wait",
+    "WakeTimeoutError",
+    "begin_request",
+    "end_request",
+    "is_control_plane_error",
+    "local_waits",
+    "note_asked_for",
+    "outage",
+    "ready",
+    "redis_async_client",
+    "redis_errors",
+    "redis_link",
+]
+
+# How much longer than the wake timeout a waiter listens, so that its answer carries the
+# scheduler's reason rather than a bare timeout.
+OUTCOME_GRACE_SECONDS = wakes.OUTCOME_GRACE_SECONDS
+
+
+async def ready(
+    deployment_id: int, timeout: float, wanted: Callable[[], bool] | None = None
+) -> str:
+    """Return once the deployment is ready; see :func:`capyctl.scheduler.wakes.ready`."""
+    return await wakes.ready(deployment_id, timeout, wanted)
+
+
+async def begin_request(deployment_id: int) -> bool:
+    """Count a request in flight for the deployment, unless it drains (then ``False``)."""
+    return await inflight.abegin(deployment_id)
+
+
+async def end_request(deployment_id: int) -> None:
+    """The request counted by :func:`begin_request` is over (its last byte sent)."""
+    await inflight.aend(deployment_id)
+
+
+def note_asked_for(deployment_id: int) -> None:
+    """Note a request for the deployment (least-recently-used order), at most once a second."""
+    operations.touch(deployment_id)
+
+
+def local_waits() -> list[Wait]:
+    """The waits this process runs itself (standalone: all of them)."""
+    return turns.local_waits()
+
+
+def redis_link(url: str) -> Link:
+    """The quiet period of the Redis server at ``url`` (shared by the whole process)."""
+    return redislink.link(url)
+
+
+def redis_async_client(url: str) -> Any:
+    """An asyncio Redis client with the request path's short timeouts."""
+    return redislink.async_client(url)
+
+
+def redis_errors() -> tuple[type[BaseException], ...]:
+    """What a Redis call raises when Redis does not answer."""
+    return redislink.errors()
