@@ -230,8 +230,8 @@ def _promised_start(a: Deployment, key: str):
 def test_a_late_failure_of_an_old_worker_leaves_a_newer_start_alone(gpu24):
     """A worker's start was repaired as stuck (its lease lost in a Redis restart) and
     failed; a newer start then promised the claim. The old worker's engine call fails at
-    last and it calls ``fail()``: it released the newer start's promise and marked it
-    failed (any state but failed, stopped or stopping was its to fail)."""
+    last and it calls ``end_engine_and_fail()``: it released the newer start's promise and
+    marked it failed (any state but failed, stopped or stopping was its to fail)."""
     from capyctl.events.models import Event
     from capyctl.scheduler import transitions
 
@@ -246,7 +246,9 @@ def test_a_late_failure_of_an_old_worker_leaves_a_newer_start_alone(gpu24):
     assert promised == {"gpu0": ("promised", 16 * GIB), "ram": ("promised", GIB)}
 
     stale = Deployment.objects.get(pk=a.pk)
-    operations.fail(stale, gpu24, old, "the engine failed to start: it exited", "system")
+    operations.end_engine_and_fail(
+        stale, gpu24, old, "the engine failed to start: it exited", "system"
+    )
 
     assert state("a") == ("starting", "")
     assert entries("a") == promised
@@ -342,8 +344,8 @@ def test_a_host_marked_unreachable_changes_state_and_ledger_together(gpu24):
     """A host was marked unreachable in one transaction and its models' entries made
     unconfirmed in another: a failure between them left the host unreachable with its
     memory counted as held and confirmed."""
+    from capyctl.hosts.agents import mark_unreachable
     from capyctl.hosts.services import add_host
-    from capyctl.scheduler.remote_hosts import mark_unreachable
     from tests.refusals import refused
 
     vllm_engine()

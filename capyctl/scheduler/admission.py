@@ -19,8 +19,6 @@ from capyctl.scheduler import snapshots, transitions, turns
 from capyctl.scheduler.errors import NoCapacityError
 from capyctl.scheduler.policy import HostSnapshot, Need, NoCapacity, Placement, Victim, plan
 
-S = ObservedState
-
 
 @dataclass(frozen=True)
 class Admitted:
@@ -87,12 +85,12 @@ def admit_wake(
     and promise it (returns ``()``); else name who must make room. ``None``: it is no
     longer a parked model that should run (another caller woke or stopped it)."""
     with host_lock(host.pk) as locked:
-        now = (
+        current = (
             Deployment.objects.filter(pk=deployment.pk)
             .values_list("observed_state", "desired_state")
             .first()
         )
-        if now != (S.PARKED, "running"):
+        if current != (ObservedState.PARKED, "running"):
             return None
         # Its own entries (held residual, or unconfirmed: they still count the whole claim)
         # are replaced by the promise, so they count as room for it.

@@ -20,7 +20,6 @@ from capyctl.scheduler.drivers import driver_for
 from hostagent.sources import FetchStatus, classify, engine_source
 from hostagent.units import format_size
 
-S = ObservedState
 POLL_SECONDS = 0.5
 
 
@@ -82,7 +81,7 @@ def fetch_source(deployment: Deployment, host: Host, actor: str) -> str | None:
                 .values_list("observed_state", flat=True)
                 .first()
             )
-            if state != S.DOWNLOADING:
+            if state != ObservedState.DOWNLOADING:
                 return None
             announced = announced or _announce(deployment, host, status, actor)
             _save_progress(deployment, status)

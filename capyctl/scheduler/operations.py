@@ -63,7 +63,6 @@ from hostagent.runtime import InstanceRequest
 from hostagent.units import format_size
 
 logger = logging.getLogger("capyctl.scheduler")
-S = ObservedState
 
 MAX_SWITCH_ROUNDS = 4
 # While what is in the way of a start or wake will pass (a model inside its
@@ -113,14 +112,14 @@ def _evict(victim: Victim, actor: str, *, for_name: str) -> None:
     next round plans again on what it became)."""
     deployment = _load(victim.deployment_id)
     reason = f"to make room for {for_name}" + (", its turn over" if victim.turn_over else "")
-    if deployment.observed_state == S.PARKED and victim.mode == STOP:
+    if deployment.observed_state == ObservedState.PARKED and victim.mode == STOP:
         # A parked copy in host RAM that another engine needs: no request is in flight on
         # a parked model, so there is nothing to drain.
         message = f"stopped {deployment.name} (parked): {victim.reason} ({for_name})"
         logger.info(message)
         _stop(deployment, actor, reason=message)
         return
-    if deployment.observed_state != S.READY:
+    if deployment.observed_state != ObservedState.READY:
         return
     if victim.mode != STOP:
         _park(deployment, victim.mode, actor=actor, reason=reason)
@@ -187,7 +186,7 @@ def ensure_ready(
     deployment = _load(deployment_id)
     if deployment.desired_state == "stopped":
         raise ModelStoppedError(f"{deployment.name} is stopped; start it first")
-    if deployment.observed_state == S.READY:
+    if deployment.observed_state == ObservedState.READY:
         return deployment
     deadline = time.monotonic() + (timeout or deployment.setting("max_queue_seconds"))
     try:
@@ -216,7 +215,7 @@ def _until_ready(
             or (None, None)
         )
         first = False
-        if observed == S.READY:
+        if observed == ObservedState.READY:
             return _load(deployment_id)
         if desired == "stopped":
             raise ModelStoppedError(f"{deployment.name} was stopped meanwhile")
@@ -224,7 +223,7 @@ def _until_ready(
             try:
                 deployment, no_room = _try_once(deployment, actor)
                 tries = tries + 1 if no_room is not None else 0
-                if deployment.observed_state == S.READY:
+                if deployment.observed_state == ObservedState.READY:
                     return deployment
                 # Told once the wait lasts past its first try again: a first refusal often
                 # passes a moment later (the holder's last request had just ended), and
@@ -252,14 +251,14 @@ def _try_once(deployment: Deployment, actor: str) -> tuple[Deployment, NoCapacit
     """Under the deployment's flight: act on its state as it is now. The refusal for want
     of room is returned when what is in the way will pass (the caller tries again), and
     raised when it will not."""
-    now_state = (
+    current = (
         Deployment.objects.filter(pk=deployment.pk)
         .values_list("observed_state", "parked_mode")
         .first()
     )
-    if now_state is None:
+    if current is None:
         raise SchedulerError(f"deployment {deployment.pk} no longer exists")
-    if now_state != (deployment.observed_state, deployment.parked_mode):
+    if current != (deployment.observed_state, deployment.parked_mode):
         deployment = _load(deployment.pk)
     try:
         return _act(deployment, actor), None
@@ -271,11 +270,15 @@ def _try_once(deployment: Deployment, actor: str) -> tuple[Deployment, NoCapacit
 
 def _act(deployment: Deployment, actor: str) -> Deployment:
     """Start a stopped or failed deployment, wake a parked one; others are left alone."""
-    if deployment.observed_state in (S.STOPPED, S.FAILED, S.DOWNLOADING):
+    if deployment.observed_state in (
+        ObservedState.STOPPED,
+        ObservedState.FAILED,
+        ObservedState.DOWNLOADING,
+    ):
         # DOWNLOADING: join the fetch on its host (one per source there), or pick up one
         # whose asker is gone (a restart); only one caller gets to place it.
         return _start(deployment, actor)
-    if deployment.observed_state == S.PARKED:
+    if deployment.observed_state == ObservedState.PARKED:
         return _wake(deployment, actor)
     return deployment
 
@@ -310,7 +313,7 @@ def _source_path(deployment: Deployment, source_host: Host, actor: str) -> str |
             deployment,
             str(exc),
             actor=actor,
-            expected=[S.STOPPED, S.FAILED, S.DOWNLOADING],
+            expected=[ObservedState.STOPPED, ObservedState.FAILED, ObservedState.DOWNLOADING],
             code=SourceError.code,
         )
         raise SourceError(f"{deployment.name}: {exc}") from exc
@@ -375,10 +378,14 @@ def _start(deployment: Deployment, actor: str) -> Deployment:
         driver.wait_ready(instance_id, deployment.setting("start_timeout_seconds"))
         usage = driver.usage(instance_id)
     except EngineError as exc:
-        fail(deployment, driver, instance, f"the engine failed to start: {exc}", actor)
+        end_engine_and_fail(
+            deployment, driver, instance, f"the engine failed to start: {exc}", actor
+        )
         raise EngineFailedError(f"{deployment.name}: the engine failed to start: {exc}") from exc
     except Exception as exc:
-        fail(deployment, driver, instance, f"the start failed: {type(exc).__name__}: {exc}", actor)
+        end_engine_and_fail(
+            deployment, driver, instance, f"the start failed: {type(exc).__name__}: {exc}", actor
+        )
         raise
     pools = snapshots.gpu_pools(host, placement.gpu_indices)
     figures = snapshots.measured(host, pools, usage, claim)
@@ -404,12 +411,16 @@ def _fetch_ended(deployment: Deployment, exc: Exception, when: str, actor: str) 
         reason = f"the start failed {when}: {type(exc).__name__}: {said}"
         code = UnavailableError.code
     try:
-        if not Deployment.objects.filter(pk=deployment.pk, observed_state=S.DOWNLOADING).exists():
+        if not Deployment.objects.filter(
+            pk=deployment.pk, observed_state=ObservedState.DOWNLOADING
+        ).exists():
             return  # a local source, or it moved on meanwhile
         if isinstance(exc, NoCapacityError) and not exc.lasting:
             transitions.fetched_waits_for_room(deployment, reason)
             return
-        transitions.failed(deployment, reason, actor=actor, expected=[S.DOWNLOADING], code=code)
+        transitions.failed(
+            deployment, reason, actor=actor, expected=[ObservedState.DOWNLOADING], code=code
+        )
     except Exception as also:
         if not is_control_plane_error(also):
             raise
@@ -437,7 +448,7 @@ def _check_claim(
     if deployment.over_claim == "raise":
         return claim, max(over.values())
     reason = _over_claim_reason(over, claim)
-    fail(deployment, driver, instance, reason, actor)
+    end_engine_and_fail(deployment, driver, instance, reason, actor)
     raise EngineFailedError(f"{deployment.name}: {reason}")
 
 
@@ -451,16 +462,18 @@ def _over_claim_reason(over: dict[str, int], claim: int) -> str:
     )
 
 
-def fail(
+def end_engine_and_fail(
     deployment: Deployment,
     driver: HostDriver,
     instance: Instance | None,
     reason: str,
     actor: str,
 ) -> None:
-    """End the engine, then mark it failed: its memory is released with the process gone
-    (or, if the process outlived SIGKILL, kept counted). A newer start or wake of it (an
-    engine process other than ``instance``) is left alone."""
+    """End the deployment's engine process, then fail the deployment: a step on a live
+    engine went wrong, so the engine goes first. :func:`transitions.failed` then moves the
+    state (its memory released with the process gone, or, if the process outlived SIGKILL,
+    kept counted); a newer start or wake of it (an engine process other than ``instance``)
+    is left alone. Where no engine needs ending, call :func:`transitions.failed` itself."""
     mine = instance.pk if instance is not None else None
     if instance is not None:
         try:
@@ -484,15 +497,20 @@ def park(
     """Give back the deployment's GPU memory in ``mode`` (None: the best mode it allows)."""
     deployment = _load(deployment_id)
     if not _park(deployment, mode, actor=actor, reason=reason):
-        now = _load(deployment_id)
+        current = _load(deployment_id)
         raise SchedulerError(
-            f"{now.name} is {now.observed_state}; only a ready model can be parked"
+            f"{current.name} is {current.observed_state}; only a ready model can be parked"
         )
     return _load(deployment_id)
 
 
 def _park(  # noqa: PLR0911 - one operation, read top to bottom
-    deployment: Deployment, mode: str | None, *, actor: str, reason: str, testing: bool = False
+    deployment: Deployment,
+    mode: str | None,
+    *,
+    actor: str,
+    reason: str,
+    checking_park: bool = False,
 ) -> bool:
     """Park (or, where it cannot park, stop) a ready deployment, draining it first. False:
     it was not ready when this call had it alone, and nothing was done.
@@ -500,13 +518,14 @@ def _park(  # noqa: PLR0911 - one operation, read top to bottom
     A park the engine answers but whose memory the probe does not see freed within the
     runtime's bound goes one step further: the model is stopped (an ended process's memory
     is surely back) and its engine is marked, so its models are stopped rather than parked
-    until a park of it frees memory again. ``testing``: that check (:func:`check_park`); a
-    park that still keeps its memory is woken again instead of stopped."""
+    until a park of it frees memory again. ``checking_park``: this park is that check
+    (:func:`check_park`); a park that still keeps its memory is woken again instead of
+    stopped."""
     with flights.operating(deployment.pk, deployment.name):
         deployment = _load(deployment.pk)  # decide on the row as it is now
         host = deployment.host
         instance = _live_instance(deployment)
-        if host is None or instance is None or deployment.observed_state != S.READY:
+        if host is None or instance is None or deployment.observed_state != ObservedState.READY:
             return False
         evicting = reason.startswith("to make room")
         if mode is None:
@@ -548,10 +567,12 @@ def _park(  # noqa: PLR0911 - one operation, read top to bottom
             transitions.parked(
                 deployment, host, mode, None, reason=str(exc), started=started, actor=actor
             )
-            _kept_memory(deployment, mode, str(exc), actor=actor, reason=reason, testing=testing)
+            _kept_memory(
+                deployment, mode, str(exc), actor=actor, reason=reason, checking_park=checking_park
+            )
             return True
         except EngineError as exc:
-            fail(deployment, driver, instance, f"park failed: {exc}", actor)
+            end_engine_and_fail(deployment, driver, instance, f"park failed: {exc}", actor)
             raise EngineFailedError(f"{deployment.name}: park failed: {exc}") from exc
         pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
         figures = snapshots.measured(host, pools, residual, 0)
@@ -594,12 +615,12 @@ def _best_mode(deployment: Deployment, host: Host, *, checking: bool = False) ->
 
 
 def _kept_memory(
-    deployment: Deployment, mode: str, found: str, *, actor: str, reason: str, testing: bool
+    deployment: Deployment, mode: str, found: str, *, actor: str, reason: str, checking_park: bool
 ) -> None:
     """After a park that left its memory held (``found``, the probe's figures): the engine
     is marked, and the model stopped (or, in a check, woken again)."""
     engines.mark_park_unverified(deployment.engine_id, found, actor=actor)
-    if testing:  # back as it was: its memory never left
+    if checking_park:  # back as it was: its memory never left
         _wake(_load(deployment.pk), actor)
         return
     because = f"its {mode} park did not free its GPU memory"
@@ -615,13 +636,13 @@ def check_park(deployment_id: int, actor: str = "system") -> bool:
     the park freed its memory, and the engine's models park again."""
     deployment = _load(deployment_id)
     host = deployment.host
-    if host is None or deployment.observed_state != S.READY:
+    if host is None or deployment.observed_state != ObservedState.READY:
         return False
     mode, _ = _best_mode(deployment, host, checking=True)
     if mode == STOP:
         return False
     reason = f"to test whether engine {deployment.engine.name}'s parks free memory again"
-    if not _park(deployment, mode, actor=actor, reason=reason, testing=True):
+    if not _park(deployment, mode, actor=actor, reason=reason, checking_park=True):
         return False
     freed = not _engine_marked(deployment.engine_id)
     if freed:
@@ -660,10 +681,12 @@ def _wake(deployment: Deployment, actor: str) -> Deployment:
         driver.wake(key, mode, deployment.setting("wake_timeout_seconds"))
         usage = driver.usage(key)
     except EngineError as exc:
-        fail(deployment, driver, instance, f"wake failed: {exc}", actor)
+        end_engine_and_fail(deployment, driver, instance, f"wake failed: {exc}", actor)
         raise EngineFailedError(f"{deployment.name}: wake failed: {exc}") from exc
     except Exception as exc:
-        fail(deployment, driver, instance, f"wake failed: {type(exc).__name__}: {exc}", actor)
+        end_engine_and_fail(
+            deployment, driver, instance, f"wake failed: {type(exc).__name__}: {exc}", actor
+        )
         raise
     figures = snapshots.measured(host, pools, usage, claim)
     transitions.woke(deployment, host, figures, mode, started=started, actor=actor)
@@ -675,7 +698,7 @@ def stop(deployment_id: int, actor: str = "system") -> Deployment:
     transitions.desired(deployment_id, "stopped")
     deployment = _load(deployment_id)
     # A download holds its start's lock for as long as it takes: the stop does not wait.
-    if deployment.observed_state == S.DOWNLOADING and transitions.download_stopped(
+    if deployment.observed_state == ObservedState.DOWNLOADING and transitions.download_stopped(
         deployment, actor=actor
     ):
         return _load(deployment_id)
@@ -695,7 +718,7 @@ def _stop(
             )
             if current is None:
                 raise SchedulerError(f"deployment {deployment.pk} no longer exists")
-            if current == S.STOPPED:
+            if current == ObservedState.STOPPED:
                 return _load(deployment.pk)
             if transitions.stopping(deployment.pk, current):
                 break
@@ -708,7 +731,11 @@ def _stop(
                 driver_for(deployment.host).stop(instance_key(instance), STOP_GRACE_SECONDS)
             except EngineStuckError as exc:
                 transitions.failed(
-                    deployment, str(exc), actor=actor, expected=[S.STOPPING], engine_gone=False
+                    deployment,
+                    str(exc),
+                    actor=actor,
+                    expected=[ObservedState.STOPPING],
+                    engine_gone=False,
                 )
                 raise EngineFailedError(f"{deployment.name}: {exc}") from exc
             transitions.instance_exited(instance.pk)
@@ -732,8 +759,8 @@ __all__ = [
     "NoCapacityError",
     "SchedulerError",
     "SourceError",
+    "end_engine_and_fail",
     "ensure_ready",
-    "fail",
     "flight_free",
     "instance_key",
     "park",

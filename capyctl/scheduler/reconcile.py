@@ -32,7 +32,6 @@ from hostagent.errors import EngineCallError
 from hostagent.measure import RELEASED_SHARE
 
 logger = logging.getLogger("capyctl.scheduler")
-S = ObservedState
 LIVE = list(transitions.LIVE)
 
 
@@ -61,7 +60,9 @@ def recover_local(host: Host, *, shutting_down: bool = False) -> int:
     """End what is left of engines not driven by this process, so states and the ledger
     are true: at start-up (an earlier run's) and at shutdown (after stopping ours)."""
     recovered = 0
-    for deployment in Deployment.objects.filter(host=host, observed_state__in=[*LIVE, S.FAILED]):
+    for deployment in Deployment.objects.filter(
+        host=host, observed_state__in=[*LIVE, ObservedState.FAILED]
+    ):
         for instance in deployment.instances.exclude(state=Instance.State.EXITED):
             _end_orphan(instance)
             transitions.instance_exited(instance.pk)
@@ -74,11 +75,11 @@ def recover_local(host: Host, *, shutting_down: bool = False) -> int:
 # reconcile treats the deployment as stuck.
 STUCK_MARGIN_SECONDS = 30
 _STUCK_LIMITS: dict[str, str | None] = {
-    S.STARTING: "start_timeout_seconds",
-    S.WAKING: "wake_timeout_seconds",
-    S.DRAINING: "drain_timeout_seconds",
-    S.PARKING: "drain_timeout_seconds",
-    S.STOPPING: None,
+    ObservedState.STARTING: "start_timeout_seconds",
+    ObservedState.WAKING: "wake_timeout_seconds",
+    ObservedState.DRAINING: "drain_timeout_seconds",
+    ObservedState.PARKING: "drain_timeout_seconds",
+    ObservedState.STOPPING: None,
 }
 _PARK_CALL_SECONDS = 600  # a park call's own limit (see operations.park)
 
@@ -103,7 +104,7 @@ def _stuck_for(deployment: Deployment, now: datetime) -> float | None:
         return None
     setting = _STUCK_LIMITS[deployment.observed_state]
     limit = float(STUCK_MARGIN_SECONDS + (deployment.setting(setting) if setting else 60))
-    if deployment.observed_state == S.PARKING:
+    if deployment.observed_state == ObservedState.PARKING:
         limit += _PARK_CALL_SECONDS
     waited = (now - deployment.state_changed_at).total_seconds()
     return waited if waited > limit else None
@@ -141,14 +142,14 @@ def reconcile(host_id: int) -> None:
                 # An agent is the only owner of its host's engines: one it does not know
                 # is gone (the machine or the agent restarted without it).
                 reason = f"its engine is gone from host {host.name} (was the host restarted?)"
-                operations.fail(deployment, driver, instance, reason, "system")
+                operations.end_engine_and_fail(deployment, driver, instance, reason, "system")
             continue  # in-process: another worker of this installation owns it
         if not driver.alive(key):
             _engine_died(deployment, driver, instance)
             continue
-        if deployment.observed_state == S.PARKED:
+        if deployment.observed_state == ObservedState.PARKED:
             _confirm_release(deployment, driver, key, host)
-        if deployment.observed_state == S.READY and _parked_unasked(
+        if deployment.observed_state == ObservedState.READY and _parked_unasked(
             deployment, driver, instance, host
         ):
             continue
@@ -158,7 +159,7 @@ def reconcile(host_id: int) -> None:
                    default=None)  # fmt: skip
         if (
             idle > 0
-            and deployment.observed_state == S.READY
+            and deployment.observed_state == ObservedState.READY
             and not deployment.pinned
             and last is not None
             and now - last >= timedelta(seconds=idle)
@@ -182,7 +183,7 @@ def _check_parks(host: Host, now: datetime) -> None:
     no request for :data:`PARK_CHECK_IDLE_SECONDS`."""
     due = Deployment.objects.filter(
         host=host,
-        observed_state=S.READY,
+        observed_state=ObservedState.READY,
         pinned=False,
         engine__park_unverified_at__isnull=False,
         engine__park_check_after__lte=now,
@@ -209,7 +210,9 @@ def _release_orphaned_downloads(host: Host, now: datetime) -> None:
     """A deployment left ``downloading`` by a process that ended (a killed worker or a
     restarted server) is failed, so it does not look busy forever; the next request or
     start fetches again (the host's cache keeps what was already downloaded)."""
-    for deployment in Deployment.objects.filter(host=host, observed_state=S.DOWNLOADING):
+    for deployment in Deployment.objects.filter(
+        host=host, observed_state=ObservedState.DOWNLOADING
+    ):
         seen = _parse_time((deployment.download or {}).get("updated_at"))
         seen = seen or deployment.state_changed_at
         if seen is None or (now - seen).total_seconds() < DOWNLOAD_WATCH_SECONDS:
@@ -232,13 +235,13 @@ def _parse_time(value: object) -> datetime | None:
 
 def _should_run(deployment: Deployment, instance: Instance) -> bool:
     """Whether an engine must exist now for this deployment (not mid-launch or mid-step)."""
-    settled = (S.READY, S.DRAINING, S.PARKED)
+    settled = (ObservedState.READY, ObservedState.DRAINING, ObservedState.PARKED)
     return deployment.observed_state in settled and instance.state == Instance.State.RUNNING
 
 
 def _repair_stuck(deployment: Deployment, driver: HostDriver, stuck: float) -> None:
     """A passing state held past its timeout with no operation running on it here."""
-    if deployment.observed_state == S.DRAINING:
+    if deployment.observed_state == ObservedState.DRAINING:
         # A switch gave up on it (or its worker died): it is still a working model.
         if transitions.drain_abandoned(deployment):
             logger.info("%s was left draining for %.0fs; it is ready again", deployment.name, stuck)
@@ -253,7 +256,7 @@ def _repair_stuck(deployment: Deployment, driver: HostDriver, stuck: float) -> N
     if instance is not None:
         driver.stop(operations.instance_key(instance), 2.0)
         transitions.instance_exited(instance.pk)
-    transitions.failed(deployment, reason, expected=[S.STOPPING])
+    transitions.failed(deployment, reason, expected=[ObservedState.STOPPING])
 
 
 def _update_foreign(host: Host, driver: HostDriver) -> None:
@@ -287,7 +290,7 @@ def _end_orphans(host: Host, driver: HostDriver) -> None:
 def _engine_died(deployment: Deployment, driver: HostDriver, instance: Instance) -> None:
     code, tail = driver.exit_report(operations.instance_key(instance))
     reason = f"its engine exited with status {code}" + (f"; last lines:\n{tail}" if tail else "")
-    operations.fail(deployment, driver, instance, reason, "system")
+    operations.end_engine_and_fail(deployment, driver, instance, reason, "system")
 
 
 def _parked_unasked(
@@ -326,8 +329,8 @@ def _confirm_release(deployment: Deployment, driver: HostDriver, key: str, host:
     unified = bool((host.inventory or {}).get("unified"))
     for entry in unconfirmed:
         index = 0 if unified else int(entry.pool[3:])
-        now_held = usage.gpu.get(index)
-        if now_held is None or now_held > entry.bytes * RELEASED_SHARE:
+        held_bytes = usage.gpu.get(index)
+        if held_bytes is None or held_bytes > entry.bytes * RELEASED_SHARE:
             return  # still not free: keep counting it
-        figures[entry.pool] = now_held
+        figures[entry.pool] = held_bytes
     transitions.release_confirmed(deployment, host, figures)

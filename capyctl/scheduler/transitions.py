@@ -77,11 +77,18 @@ from capyctl.scheduler import inflight, notify, switches
 from hostagent.units import format_size
 
 logger = logging.getLogger("capyctl.scheduler")
-S = ObservedState
 Status = LedgerEntry.Status
 
 # States a deployment passes through, and those it rests in while its engine lives.
-LIVE = (S.STARTING, S.READY, S.DRAINING, S.PARKING, S.PARKED, S.WAKING, S.STOPPING)
+LIVE = (
+    ObservedState.STARTING,
+    ObservedState.READY,
+    ObservedState.DRAINING,
+    ObservedState.PARKING,
+    ObservedState.PARKED,
+    ObservedState.WAKING,
+    ObservedState.STOPPING,
+)
 UNREACHABLE_NOTE = "its host does not answer"
 
 
@@ -108,7 +115,7 @@ def _move(
         others = Instance.objects.filter(deployment_id=OuterRef("pk")).exclude(pk=instance_id)
         rows = rows.exclude(Exists(others.exclude(state=Instance.State.EXITED)))
     updated = rows.update(observed_state=new, state_changed_at=timezone.now(), **fields)
-    if updated == 1 and new == S.READY:
+    if updated == 1 and new == ObservedState.READY:
         inflight.reopen(deployment_id)  # the drain gate, closed while it drained
     return updated == 1
 
@@ -176,8 +183,8 @@ def downloading(deployment: Deployment, host: Host) -> bool:
     """STOPPED/FAILED -> DOWNLOADING on ``host``, while it should run."""
     return _move(
         deployment.pk,
-        [S.STOPPED, S.FAILED],
-        S.DOWNLOADING,
+        [ObservedState.STOPPED, ObservedState.FAILED],
+        ObservedState.DOWNLOADING,
         wanted=True,
         host=host,
         state_reason=f"downloading {deployment.source}",
@@ -199,8 +206,8 @@ def starting(
     back. ``None``: another caller started or stopped it meanwhile."""
     if not _move(
         deployment.pk,
-        [S.STOPPED, S.FAILED, S.DOWNLOADING],
-        S.STARTING,
+        [ObservedState.STOPPED, ObservedState.FAILED, ObservedState.DOWNLOADING],
+        ObservedState.STARTING,
         wanted=True,
         host=locked,
         state_reason="",
@@ -258,7 +265,7 @@ def _to_ready(
     the promise (with ``claim_bytes``, its live instance's claim changed too), waiters
     told; whether this call won."""
     with host_lock(host.pk) as locked:
-        won = _move(deployment.pk, [expected], S.READY, **fields)
+        won = _move(deployment.pk, [expected], ObservedState.READY, **fields)
         if won:
             if claim_bytes is not None:
                 Instance.objects.filter(deployment_id=deployment.pk).exclude(
@@ -279,26 +286,27 @@ def ready(
     actor: str,
     raised_claim: tuple[int, int] | None = None,
 ) -> bool:
-    """STARTING -> READY with the measured figures held. ``raised_claim`` (was, now): its
-    engine was measured past its claim and its ``over_claim`` setting is ``raise``: the
-    claim per GPU becomes ``now``, for the running instance (its wakes) and the deployment
+    """STARTING -> READY with the measured figures held. ``raised_claim`` (was, raised to):
+    its engine was measured past its claim and its ``over_claim`` setting is ``raise``: the
+    claim per GPU is raised, for the running instance (its wakes) and the deployment
     (its next starts), in the same update, and an event says so."""
     measured = max((figures[p] for p in pools), default=None)
     fields: dict[str, Any] = {"measured_gpu_bytes": measured}
     new_claim = raised_claim[1] if raised_claim is not None else None
     if new_claim is not None:
         fields.update(gpu_memory_bytes=new_claim, gpu_memory_fraction=None)
-    won = _to_ready(deployment, host, S.STARTING, figures, new_claim, **fields)
+    won = _to_ready(deployment, host, ObservedState.STARTING, figures, new_claim, **fields)
     if won and raised_claim is not None:
-        was, now = raised_claim
+        was_bytes, raised_bytes = raised_claim
         message = (
-            f"{deployment.name}'s engine holds {format_size(now)} per GPU, more than its "
-            f"claim of {format_size(was)}: its claim is raised to {format_size(now)} "
+            f"{deployment.name}'s engine holds {format_size(raised_bytes)} per GPU, more than "
+            f"its claim of {format_size(was_bytes)}: its claim is raised to "
+            f"{format_size(raised_bytes)} "
             "(over_claim raise)"
         )
         logger.warning(message)
         record(deployment, "deployment.claim_raised", message, level=Event.Level.WARNING,
-               actor=actor, data={"claim_bytes": now, "was_bytes": was})  # fmt: skip
+               actor=actor, data={"claim_bytes": raised_bytes, "was_bytes": was_bytes})  # fmt: skip
     if won:
         record(
             deployment,
@@ -317,12 +325,12 @@ def ready(
 def draining(deployment_id: int) -> bool:
     """READY -> DRAINING, and the gate closed: new requests wait for the next wake. False:
     it was not ready (someone else drains, parks or stops it), and nothing was closed."""
-    if not _move(deployment_id, [S.READY], S.DRAINING):
+    if not _move(deployment_id, [ObservedState.READY], ObservedState.DRAINING):
         return False
     try:
         inflight.close(deployment_id)
     except inflight.CountsUnknown:  # Redis does not answer: no drain, it stays ready
-        _move(deployment_id, [S.DRAINING], S.READY)
+        _move(deployment_id, [ObservedState.DRAINING], ObservedState.READY)
         raise
     return True
 
@@ -331,7 +339,7 @@ def drain_abandoned(
     deployment: Deployment, message: str = "", kind: str = "deployment.drain_timeout"
 ) -> bool:
     """DRAINING -> READY (its gate open again): a drain that timed out or was left."""
-    won = _move(deployment.pk, [S.DRAINING], S.READY)
+    won = _move(deployment.pk, [ObservedState.DRAINING], ObservedState.READY)
     if won and message:
         record(deployment, kind, message, level=Event.Level.WARNING)
     return won
@@ -341,7 +349,7 @@ def parking(locked: Host, deployment: Deployment, copy_bytes: int | None) -> boo
     """DRAINING -> PARKING, under the host lock. ``copy_bytes``: a RAM park's weights copy,
     promised in host RAM here; returns None when it no longer fits (park deep instead:
     the state is PARKING all the same). False: it was no longer draining."""
-    if not _move(deployment.pk, [S.DRAINING], S.PARKING):
+    if not _move(deployment.pk, [ObservedState.DRAINING], ObservedState.PARKING):
         return False
     if copy_bytes is None:
         return True
@@ -369,7 +377,7 @@ def parking(locked: Host, deployment: Deployment, copy_bytes: int | None) -> boo
 def park_refused(deployment: Deployment, host: Host, engine_ram: int) -> bool:
     """PARKING -> READY: the engine could not park; its RAM is what it held before."""
     with host_lock(host.pk) as locked:
-        won = _move(deployment.pk, [S.PARKING], S.READY)
+        won = _move(deployment.pk, [ObservedState.PARKING], ObservedState.READY)
         if won:
             set_measured(locked, deployment.pk, {"ram": engine_ram}, note="measured")
     return won
@@ -392,8 +400,8 @@ def parked(
     with host_lock(host.pk) as locked:
         won = _move(
             deployment.pk,
-            [S.PARKING],
-            S.PARKED,
+            [ObservedState.PARKING],
+            ObservedState.PARKED,
             parked_mode=mode,
             state_reason=reason,
             **remembered,
@@ -437,8 +445,8 @@ def parked_unasked(
     with host_lock(host.pk) as locked:
         won = _move(
             deployment.pk,
-            [S.READY],
-            S.PARKED,
+            [ObservedState.READY],
+            ObservedState.PARKED,
             since=deployment.state_changed_at,
             parked_mode="deep",
             state_reason=reason,
@@ -469,9 +477,9 @@ def release_confirmed(deployment: Deployment, host: Host, figures: Mapping[str, 
         ).exists()
         if not unconfirmed:
             return False
-        if not Deployment.objects.filter(pk=deployment.pk, observed_state=S.PARKED).update(
-            state_reason=""
-        ):
+        if not Deployment.objects.filter(
+            pk=deployment.pk, observed_state=ObservedState.PARKED
+        ).update(state_reason=""):
             return False
         set_measured(locked, deployment.pk, figures)
         held_again(locked, deployment.pk)
@@ -498,7 +506,7 @@ def waking(
     ``mine``: its entries, when the caller read them under this lock."""
     if mine is None:
         mine = entries(locked, deployment.pk)
-    if not _move(deployment.pk, [S.PARKED], S.WAKING, wanted=True):
+    if not _move(deployment.pk, [ObservedState.PARKED], ObservedState.WAKING, wanted=True):
         return False
     admit(locked, deployment.pk, claim, note="promised", held_now=mine)
     return True
@@ -514,7 +522,9 @@ def woke(
     actor: str,
 ) -> bool:
     """WAKING -> READY with the measured figures held."""
-    won = _to_ready(deployment, host, S.WAKING, figures, parked_mode="", state_reason="")
+    won = _to_ready(
+        deployment, host, ObservedState.WAKING, figures, parked_mode="", state_reason=""
+    )
     if won:
         record(
             deployment,
@@ -532,7 +542,7 @@ def woke(
 
 def stopping(deployment_id: int, current: str) -> bool:
     """``current`` -> STOPPING (a new start waits until its memory is released)."""
-    return _move(deployment_id, [current], S.STOPPING)
+    return _move(deployment_id, [current], ObservedState.STOPPING)
 
 
 def stuck(deployment: Deployment) -> bool:
@@ -541,7 +551,7 @@ def stuck(deployment: Deployment) -> bool:
     return _move(
         deployment.pk,
         [deployment.observed_state],
-        S.STOPPING,
+        ObservedState.STOPPING,
         since=deployment.state_changed_at,
     )
 
@@ -558,11 +568,23 @@ def stopped(
     stopping (repaired meanwhile, or failed), and nothing changed."""
     if deployment.host_id is not None:
         with host_lock(deployment.host_id) as locked:
-            won = _move(deployment.pk, [S.STOPPING], S.STOPPED, parked_mode="", state_reason=reason)
+            won = _move(
+                deployment.pk,
+                [ObservedState.STOPPING],
+                ObservedState.STOPPED,
+                parked_mode="",
+                state_reason=reason,
+            )
             if won:
                 release(locked, deployment.pk)
     else:
-        won = _move(deployment.pk, [S.STOPPING], S.STOPPED, parked_mode="", state_reason=reason)
+        won = _move(
+            deployment.pk,
+            [ObservedState.STOPPING],
+            ObservedState.STOPPED,
+            parked_mode="",
+            state_reason=reason,
+        )
     if not won:
         return False
     message = (
@@ -591,16 +613,23 @@ def failed(
     a newer start or wake alone). Its engine is gone (the caller ended it, or none ran), so
     whatever it held is released, if this call won. ``engine_gone=False``: its process
     could not be ended, so what it held stays counted, as unconfirmed. A call that lost
-    changes nothing."""
+    changes nothing. The state change only: it ends no engine
+    (:func:`operations.end_engine_and_fail` ends it first, then calls this)."""
     states = (
         list(expected)
         if expected is not None
-        else [s for s in S.values if s not in (S.FAILED, S.STOPPED, S.STOPPING)]
+        else [
+            s
+            for s in ObservedState.values
+            if s not in (ObservedState.FAILED, ObservedState.STOPPED, ObservedState.STOPPING)
+        ]
     )
     fields: dict[str, Any] = {"state_reason": reason[:2000], "parked_mode": ""}
     if deployment.host_id is not None:
         with host_lock(deployment.host_id) as locked:
-            won = _move(deployment.pk, states, S.FAILED, instance_id=instance_id, **fields)
+            won = _move(
+                deployment.pk, states, ObservedState.FAILED, instance_id=instance_id, **fields
+            )
             if won and engine_gone:
                 release(locked, deployment.pk)
             elif won:
@@ -609,7 +638,7 @@ def failed(
                 message = f"{deployment.name}: {reason}"
                 _announce(deployment.pk, ok=False, code=code, message=message)
     else:
-        won = _move(deployment.pk, states, S.FAILED, instance_id=instance_id, **fields)
+        won = _move(deployment.pk, states, ObservedState.FAILED, instance_id=instance_id, **fields)
     if won:
         record(deployment, "deployment.failed", f"{deployment.name} failed: {reason}",
                level=level, actor=actor)  # fmt: skip
@@ -621,7 +650,13 @@ def download_stopped(deployment: Deployment, *, actor: str) -> bool:
     goes on into the host's cache (the next start takes it from there); the start that
     waited for it gives up within half a second."""
     reason = f"stopped on request while downloading {deployment.source}"
-    if not _move(deployment.pk, [S.DOWNLOADING], S.STOPPED, parked_mode="", state_reason=reason):
+    if not _move(
+        deployment.pk,
+        [ObservedState.DOWNLOADING],
+        ObservedState.STOPPED,
+        parked_mode="",
+        state_reason=reason,
+    ):
         return False
     record(deployment, "deployment.stopped", f"stopped {deployment.name}: {reason}", actor=actor)
     return True
@@ -632,13 +667,23 @@ def fetched_waits_for_room(deployment: Deployment, why: str) -> bool:
     (what is in the way will pass); the start that fetched them tries again, and a state
     nobody drives between its tries is not left passing."""
     reason = f"its weights are fetched; it waits for room: {why}"
-    return _move(deployment.pk, [S.DOWNLOADING], S.STOPPED, parked_mode="", state_reason=reason)
+    return _move(
+        deployment.pk,
+        [ObservedState.DOWNLOADING],
+        ObservedState.STOPPED,
+        parked_mode="",
+        state_reason=reason,
+    )
 
 
 def download_abandoned(deployment: Deployment, reason: str) -> bool:
     """DOWNLOADING -> FAILED: the process that watched the download ended."""
     return failed(
-        deployment, reason, expected=[S.DOWNLOADING], level=Event.Level.WARNING, code="unavailable"
+        deployment,
+        reason,
+        expected=[ObservedState.DOWNLOADING],
+        level=Event.Level.WARNING,
+        code="unavailable",
     )
 
 
@@ -650,7 +695,7 @@ def recovered(deployment: Deployment, host: Host, *, shutting_down: bool) -> boo
         won = _move(
             deployment.pk,
             [previous],
-            S.STOPPED,
+            ObservedState.STOPPED,
             parked_mode="",
             state_reason=f"was {previous} when CapyCTL stopped; it starts again on demand",
         )
@@ -660,7 +705,7 @@ def recovered(deployment: Deployment, host: Host, *, shutting_down: bool) -> boo
         return False
     if shutting_down:
         record(deployment, "deployment.stopped", f"stopped {deployment.name}: CapyCTL stopped")
-    elif previous != S.FAILED:
+    elif previous != ObservedState.FAILED:
         record(
             deployment,
             "deployment.recovered",
@@ -677,13 +722,13 @@ def foreign_measured(host: Host, figures: Mapping[str, int]) -> None:
     """Memory used by processes CapyCTL did not start, per pool, as the probe reads it; a
     figure never takes a pool past what CapyCTL's own entries leave."""
     with host_lock(host.pk) as locked:
-        usage_now = {u.pool: u for u in pool_usage(locked)}
+        usage = {u.pool: u for u in pool_usage(locked)}
         allowed = {}
         for pool, foreign in figures.items():
-            if pool not in usage_now:
+            if pool not in usage:
                 continue
-            current = usage_now[pool]
-            room = current.capacity_bytes - (current.used_bytes - current.foreign_bytes)
+            counted = usage[pool]
+            room = counted.capacity_bytes - (counted.used_bytes - counted.foreign_bytes)
             allowed[pool] = min(foreign, max(room, 0))
         set_foreign(locked, allowed)
 
@@ -751,5 +796,5 @@ def desired(deployment_id: int, value: str) -> None:
 def download_progress(deployment: Deployment, data: Mapping[str, Any], line: str) -> bool:
     """While it downloads: the fetch's progress (``download``) and its line in
     ``state_reason``. False: it no longer downloads, and nothing changed."""
-    rows = Deployment.objects.filter(pk=deployment.pk, observed_state=S.DOWNLOADING)
+    rows = Deployment.objects.filter(pk=deployment.pk, observed_state=ObservedState.DOWNLOADING)
     return bool(rows.update(download=dict(data), state_reason=line))
