@@ -344,8 +344,8 @@ def test_a_host_marked_unreachable_changes_state_and_ledger_together(gpu24):
     """A host was marked unreachable in one transaction and its models' entries made
     unconfirmed in another: a failure between them left the host unreachable with its
     memory counted as held and confirmed."""
-    from capyctl.hosts.agents import mark_unreachable
     from capyctl.hosts.services import add_host
+    from capyctl.scheduler.remote_hosts import mark_unreachable
     from tests.refusals import refused
 
     vllm_engine()
