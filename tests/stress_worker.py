@@ -142,7 +142,7 @@ DRAINED_HOLD_SECONDS = 3.0
 
 def serving(seed: int, stopfile: Path, names: list[str]) -> dict[str, object]:
     from capyctl.deployments.models import Deployment
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
 
     ids = {Deployment.objects.get(name=name).pk: name for name in names}
     rng = random.Random(seed)  # noqa: S311 - a seeded, repeatable schedule
@@ -153,7 +153,7 @@ def serving(seed: int, stopfile: Path, names: list[str]) -> dict[str, object]:
     back_since: float | None = time.monotonic()  # Redis has answered since
     while not stopfile.exists():
         now = time.monotonic()
-        if inflight.down_since() is not None:
+        if requests_in_progress.down_since() is not None:
             back_since = None
         elif back_since is None:
             back_since, outages = now, outages + 1
@@ -170,16 +170,20 @@ def serving(seed: int, stopfile: Path, names: list[str]) -> dict[str, object]:
                 held[deployment_id] = until = max(until, now + DRAINED_HOLD_SECONDS)
                 stopfile.with_name("draining").touch()
             if observed not in ("ready", "draining") or (now >= until and settled):
-                inflight.end(deployment_id)  # served, or cut (a person's stop)
+                requests_in_progress.end(deployment_id)  # served, or cut (a person's stop)
                 del held[deployment_id]
                 drained.discard(deployment_id)
                 served += 1
         for deployment_id, observed in states.items():
-            if observed == "ready" and deployment_id not in held and inflight.begin(deployment_id):
+            if (
+                observed == "ready"
+                and deployment_id not in held
+                and requests_in_progress.begin(deployment_id)
+            ):
                 held[deployment_id] = now + rng.uniform(0.5, 2)
         time.sleep(0.05)
     for deployment_id in held:
-        inflight.end(deployment_id)
+        requests_in_progress.end(deployment_id)
     return {"served": served, "outages": outages, "drains_waited": waited, "errors": errors}
 
 

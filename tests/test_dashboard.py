@@ -21,7 +21,7 @@ from capyctl.events.models import Event
 from capyctl.events.services import DASHBOARD_GROUP, record_event, tell_dashboards
 from capyctl.hosts.models import Host
 from capyctl.ledger.services import admit, host_lock, set_foreign, set_measured
-from capyctl.scheduler import inflight
+from capyctl.scheduler import requests_in_progress
 from capyctl.web import metrics
 from capyctl.web.dashboard import dashboard_data, format_duration
 
@@ -142,11 +142,11 @@ def test_models_show_states_memory_queues_and_their_last_switch(two_models):
                  duration_ms=1850)  # fmt: skip
     record_event("deployment.changed", "chat changed", subject="chat", deployment_id=chat.pk)
     metrics.NOW.waiting["coder"] = 3
-    assert inflight.begin(chat.pk)
+    assert requests_in_progress.begin(chat.pk)
     try:
         data = dashboard_data()
     finally:
-        inflight.end(chat.pk)
+        requests_in_progress.end(chat.pk)
         del metrics.NOW.waiting["coder"]
 
     shown = _model(data, "chat")

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from capyctl.deployments.models import Deployment
 from capyctl.hosts.models import Host
-from capyctl.scheduler import flights, operations
+from capyctl.scheduler import deployment_locks, operations
 from capyctl.scheduler.reconcile import reconcile
 from tests.scheduling import deployment, state, vllm_engine
 
@@ -43,7 +43,9 @@ def just_renewed(url, deployment_id):
     away (so what a pass sees right after a restart does not depend on luck)."""
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + 10
-    while client.pttl(f"capyctl:flight:{deployment_id}") < flights.LEASE_SECONDS * 1000 - 100:
+    while (
+        client.pttl(f"capyctl:flight:{deployment_id}") < deployment_locks.LEASE_SECONDS * 1000 - 100
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
@@ -61,9 +63,9 @@ def test_a_redis_restart_does_not_get_a_start_under_way_repaired(gpu24, own_redi
     Deployment.objects.filter(pk=a.pk).update(
         observed_state="waking", state_changed_at=timezone.now() - timedelta(seconds=6)
     )
-    here = flights._RedisLeases(own_redis.url)  # the pass's process
-    worker = flights._RedisLeases(own_redis.url)  # the worker driving the wake
-    monkeypatch.setattr(flights, "_lease_keeper", here)
+    here = deployment_locks._RedisLeases(own_redis.url)  # the pass's process
+    worker = deployment_locks._RedisLeases(own_redis.url)  # the worker driving the wake
+    monkeypatch.setattr(deployment_locks, "_lease_keeper", here)
     try:
         drive_through_a_restart(own_redis, host, a, here, worker)
     finally:
@@ -81,7 +83,7 @@ def drive_through_a_restart(own_redis, host, a, here, worker):
     own_redis.start()  # empty: every lease is gone
     reconcile(host)
     assert state("a")[0] == "waking", Deployment.objects.get(pk=a.pk).state_reason
-    for _ in range(int(flights.SETTLE_SECONDS / 0.2) + 5):  # renewed since: still driven
+    for _ in range(int(deployment_locks.SETTLE_SECONDS / 0.2) + 5):  # renewed since: still driven
         assert here.held_elsewhere(a.pk)
         time.sleep(0.2)
     worker.drop(a.pk)  # the worker is gone from it: repaired once settled
@@ -98,14 +100,14 @@ def test_a_driver_that_runs_but_stopped_renewing_is_not_taken_for_gone(own_redis
     SIGSTOP) lost it after 6 s, and a pass repaired the start it was driving. Its process
     still runs on this machine, a sign that needs no Redis: it is left alone, until the
     process is really gone."""
-    monkeypatch.setattr(flights, "LEASE_SECONDS", 1)  # its lease lapses sooner
+    monkeypatch.setattr(deployment_locks, "LEASE_SECONDS", 1)  # its lease lapses sooner
     code = (
         "import time\n"
         "import django\n"
         "django.setup()\n"
-        "from capyctl.scheduler import flights\n"
-        "flights.LEASE_SECONDS = 1\n"
-        f"keeper = flights._RedisLeases({own_redis.url!r})\n"
+        "from capyctl.scheduler import deployment_locks\n"
+        "deployment_locks.LEASE_SECONDS = 1\n"
+        f"keeper = deployment_locks._RedisLeases({own_redis.url!r})\n"
         "keeper.take(9)\n"
         "print('driving', flush=True)\n"
         "time.sleep(120)\n"
@@ -113,14 +115,14 @@ def test_a_driver_that_runs_but_stopped_renewing_is_not_taken_for_gone(own_redis
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "capyctl.settings"}
     worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               env=env)  # fmt: skip
-    here = flights._RedisLeases(own_redis.url)
+    here = deployment_locks._RedisLeases(own_redis.url)
     try:
         assert worker.stdout is not None
         assert worker.stdout.readline().strip() == "driving"
         leased(own_redis.url, 9)
         settled(here)
         os.kill(worker.pid, signal.SIGSTOP)
-        time.sleep(flights.LEASE_SECONDS + 1.5)
+        time.sleep(deployment_locks.LEASE_SECONDS + 1.5)
         assert not redis.Redis.from_url(own_redis.url).exists("capyctl:flight:9")
         assert here.held_elsewhere(9)  # no lease, but its driver runs
         worker.kill()

@@ -19,7 +19,7 @@ from django.db import OperationalError, connection
 from capyctl.access.models import ApiKey
 from capyctl.access.services import issue_api_key
 from capyctl.gateway.app import Gateway
-from capyctl.scheduler import inflight, operations
+from capyctl.scheduler import operations, requests_in_progress
 from tests.conftest import table_counts
 from tests.scheduling import deployment, state, vllm_engine
 
@@ -41,7 +41,7 @@ def _plant(gateway: Gateway, step: str, exc: Exception, monkeypatch: pytest.Monk
     elif step == "route":
         monkeypatch.setattr(gateway.routes, "get", _raising(exc))
     elif step == "in flight":
-        monkeypatch.setattr(inflight, "abegin", _raising(exc))
+        monkeypatch.setattr(requests_in_progress, "abegin", _raising(exc))
     else:  # the engine call
         pool = gateway._client()
         monkeypatch.setattr(pool, "request", _raising(exc))

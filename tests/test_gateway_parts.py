@@ -69,10 +69,10 @@ async def test_limits_hold_in_this_process_while_redis_is_down(own_redis):
     Now the process counts alone until Redis is back: limits still hold, per process.
     (Once a call did not answer, none is made until the process's in-flight check-in,
     which keeps trying, finds Redis back.)"""
-    from capyctl.scheduler import inflight, redislink
+    from capyctl.scheduler import redislink, requests_in_progress
 
     limiter = RedisRateLimiter(own_redis.url)
-    checking_in = inflight.RedisInFlight(own_redis.url)  # as in every API process
+    checking_in = requests_in_progress.RedisInFlight(own_redis.url)  # as in every API process
     busy: list[tuple[tuple[str, int], int | None]] = [(("key", 43), 1)]
     try:
         assert await limiter.retry_after(43, 2) is None

@@ -3,9 +3,9 @@ database holding anybody else's keys is never touched."""
 
 import redis
 
-from capyctl.scheduler.inflight import RedisInFlight
+from capyctl.scheduler.requests_in_progress import RedisInFlight
 from tests.redis_db import RedisDb, claim_database
-from tests.test_inflight import in_use
+from tests.test_requests_in_progress import in_use
 
 
 def test_two_runs_get_databases_of_their_own(redis_run: RedisDb, redis_url: str) -> None:

@@ -176,7 +176,7 @@ def test_a_passing_state_nobody_drives_is_repaired_before_its_timeout(gpu24):
 
     from django.utils import timezone
 
-    from capyctl.scheduler import flights
+    from capyctl.scheduler import deployment_locks
 
     sim_engine("sim-vllm")
     a = deployment("a", wake_timeout_seconds=60)
@@ -189,7 +189,7 @@ def test_a_passing_state_nobody_drives_is_repaired_before_its_timeout(gpu24):
     holding, done = threading.Event(), threading.Event()
 
     def drive() -> None:  # a wake under way in this process, on another thread
-        with flights.operating(a.pk, "a"):
+        with deployment_locks.operating(a.pk, "a"):
             holding.set()
             done.wait(30)
 
@@ -380,7 +380,7 @@ def test_a_process_that_outlives_sigkill_is_reported_within_a_bound(monkeypatch,
 def test_a_stop_whose_engine_will_not_die_fails_the_model_and_keeps_its_memory(gpu24, monkeypatch):
     """The stop's kill did not end the engine: the model is failed with the reason, what
     it held stays counted (unconfirmed), and its lock is free for the next operation."""
-    from capyctl.scheduler import flights
+    from capyctl.scheduler import deployment_locks
     from hostagent.errors import EngineStuckError
 
     add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
@@ -403,5 +403,5 @@ def test_a_stop_whose_engine_will_not_die_fails_the_model_and_keeps_its_memory(g
     assert {pool: size for pool, (_, size) in entries("a").items()} == {
         pool: size for pool, (_, size) in held.items()
     }
-    assert flights.flight_free(a.pk)
+    assert deployment_locks.flight_free(a.pk)
     monkeypatch.undo()  # the simulated engine is ended at teardown after all

@@ -19,7 +19,7 @@ from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import admit, host_lock, overcommitted
-from capyctl.scheduler import inflight, operations
+from capyctl.scheduler import operations, requests_in_progress
 from capyctl.scheduler.drivers import set_local_driver
 from hostagent.simgpu import SimSpec
 from tests.scheduling import (
@@ -217,7 +217,7 @@ def test_a_ram_park_goes_deep_when_the_ram_was_taken_meanwhile(gpu24):
     vllm_engine()
     a, b, other = deployment("a", weights_bytes=8 * GIB), deployment("b"), deployment("other")
     operations.ensure_ready(a.pk)
-    assert inflight.begin(a.pk)  # a request in flight on a holds its drain
+    assert requests_in_progress.begin(a.pk)  # a request in flight on a holds its drain
     outcome: list[object] = []
 
     def request_b() -> None:
@@ -239,7 +239,7 @@ def test_a_ram_park_goes_deep_when_the_ram_was_taken_meanwhile(gpu24):
             ram = next(p for p in pool_usage(host) if p.pool == "ram")
             admit(host, other.pk, {"ram": ram.free_bytes - GIB}, note="promised for a copy")
     finally:
-        inflight.end(a.pk)  # the request ends, the drain with it
+        requests_in_progress.end(a.pk)  # the request ends, the drain with it
         switch.join(timeout=60)
     assert outcome == ["ready"]
     assert state("a") == ("parked", "deep")
@@ -290,7 +290,7 @@ async def test_a_victim_whose_requests_outlast_the_drain_timeout_stays_ready(
 
         long_request = asyncio.ensure_future(chat("a"))
         deadline = time.monotonic() + 60
-        while inflight.count(a_id) == 0:
+        while requests_in_progress.count(a_id) == 0:
             assert time.monotonic() < deadline, "a's request never reached its engine"
             await asyncio.sleep(0.02)
 
@@ -315,7 +315,7 @@ async def test_a_victim_whose_requests_outlast_the_drain_timeout_stays_ready(
         long_request.cancel()  # the client gives up on a's request
         with contextlib.suppress(asyncio.CancelledError):
             await long_request
-        assert inflight.count(a_id) == 0
+        assert requests_in_progress.count(a_id) == 0
         retried = await chat("b", max_tokens=1)
         assert retried.status_code == 200, retried.text
     assert await sync_to_async(state)("a") == ("parked", "ram")
@@ -356,7 +356,7 @@ async def test_idleness_never_ends_a_stream_and_counts_from_its_end(gpu24, bob, 
         body = {"model": "tf", "messages": messages, "stream": True}
         stream = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
         deadline = time.monotonic() + 60
-        while inflight.count(tf_id) == 0:
+        while requests_in_progress.count(tf_id) == 0:
             assert time.monotonic() < deadline, "the stream never reached its engine"
             await asyncio.sleep(0.02)
         began = time.monotonic()

@@ -16,7 +16,7 @@ from capyctl.deployments.models import Deployment, Instance
 from capyctl.deployments.services import get_deployment, spec_of, update_deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import inflight, operations, reconcile
+from capyctl.scheduler import operations, reconcile, requests_in_progress
 from tests.scheduling import GIB, deployment, entries, state, vllm_engine
 
 TABLE = Deployment._meta.db_table
@@ -127,8 +127,8 @@ def test_a_park_whose_drain_lost_closes_no_gate_and_says_so(gpu24):
     ):
         operations.park(a.pk)
     assert state("a") == ("stopping", "")
-    assert inflight.begin(a.pk), "the gate was closed by a drain that never happened"
-    inflight.end(a.pk)
+    assert requests_in_progress.begin(a.pk), "the gate was closed by a drain that never happened"
+    requests_in_progress.end(a.pk)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
-from capyctl.scheduler import inflight, operations, turns
+from capyctl.scheduler import operations, requests_in_progress, turns
 from capyctl.web import metrics
 from tests.scheduling import deployment, state, vllm_engine
 from tests.waiting import wait_until
@@ -45,7 +45,7 @@ def test_a_busy_model_keeps_the_gpu_for_its_turn_then_gives_way(gpu24, settings)
     vllm_engine()
     a, b = deployment("a"), deployment("b")
     operations.ensure_ready(a.pk)
-    assert inflight.begin(a.pk)  # a is busy
+    assert requests_in_progress.begin(a.pk)  # a is busy
     outcome: list[object] = []
     thread = in_background(b.pk, outcome)
     try:
@@ -56,7 +56,7 @@ def test_a_busy_model_keeps_the_gpu_for_its_turn_then_gives_way(gpu24, settings)
         assert state("a") == ("ready", "")  # its turn
         wait_until(lambda: state("a")[0] == "draining", "a's turn to end")
     finally:
-        inflight.end(a.pk)  # its request ends: the drain with it
+        requests_in_progress.end(a.pk)  # its request ends: the drain with it
         thread.join(timeout=60)
     assert outcome == ["ready"]
     assert state("a") == ("parked", "ram")
@@ -75,8 +75,8 @@ def test_an_idle_model_gives_way_at_once(gpu24, settings):
     vllm_engine()
     a, b = deployment("a"), deployment("b")
     operations.ensure_ready(a.pk)
-    assert inflight.begin(a.pk)
-    inflight.end(a.pk)
+    assert requests_in_progress.begin(a.pk)
+    requests_in_progress.end(a.pk)
     time.sleep(0.3)  # its last request ended longer ago than the busy grace (0.1 s)
     started = time.monotonic()
     assert operations.ensure_ready(b.pk).observed_state == "ready"
@@ -238,10 +238,10 @@ def test_busy_in_server_mode_is_read_from_the_shared_counts_and_the_last_request
 
     vllm_engine()
     a = deployment("a")
-    api = inflight.RedisInFlight(redis_url)  # the API process that counts
-    worker = inflight.RedisInFlight(redis_url)
-    before = inflight._tracker
-    inflight._tracker = worker
+    api = requests_in_progress.RedisInFlight(redis_url)  # the API process that counts
+    worker = requests_in_progress.RedisInFlight(redis_url)
+    before = requests_in_progress._tracker
+    requests_in_progress._tracker = worker
     try:
         api.check_in()
         worker.check_in()
@@ -260,15 +260,15 @@ def test_busy_in_server_mode_is_read_from_the_shared_counts_and_the_last_request
         Deployment.objects.filter(pk=a.pk).update(last_request_at=long_ago)
         assert not snapshots.busy(Deployment.objects.get(pk=a.pk), time.time())
     finally:
-        inflight._tracker = before
+        requests_in_progress._tracker = before
         api.stop()
         worker.stop()
 
 
-def _trusted(tracker: inflight.RedisInFlight, deployment_id: int) -> bool:
+def _trusted(tracker: requests_in_progress.RedisInFlight, deployment_id: int) -> bool:
     try:
         tracker.count(deployment_id)
-    except inflight.CountsUnknown:
+    except requests_in_progress.CountsUnknown:
         return False
     return True
 

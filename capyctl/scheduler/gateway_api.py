@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from capyctl.scheduler import inflight, operations, redislink, turns, wakes
+from capyctl.scheduler import operations, redislink, requests_in_progress, turns, wakes
 from capyctl.scheduler.errors import (
     ControlPlaneUnavailableError,
     EngineFailedError,
@@ -64,12 +64,12 @@ async def ready(
 
 async def begin_request(deployment_id: int) -> bool:
     """Count a request in flight for the deployment, unless it drains (then ``False``)."""
-    return await inflight.abegin(deployment_id)
+    return await requests_in_progress.abegin(deployment_id)
 
 
 async def end_request(deployment_id: int) -> None:
     """The request counted by :func:`begin_request` is over (its last byte sent)."""
-    await inflight.aend(deployment_id)
+    await requests_in_progress.aend(deployment_id)
 
 
 def note_asked_for(deployment_id: int) -> None:

@@ -4,7 +4,7 @@ Each is a plain function over ids, safe to call twice. They decide; they change 
 themselves: every change of observed state and of the ledger is a transition in
 :mod:`capyctl.scheduler.transitions` (a conditional update that says whether it won),
 memory is admitted under the host lock by :mod:`capyctl.scheduler.admission`, and one
-deployment's operations run one at a time in a process (:mod:`capyctl.scheduler.flights`).
+deployment's operations run one at a time in a process (:mod:`capyctl.scheduler.deployment_locks`).
 A wake read top to bottom: :func:`ensure_ready` → :func:`_wake` → ``admission.admit_wake``
 (PARKED → WAKING, the claim promised) → the engine's wake → ``transitions.woke`` (READY,
 the measured figures held).
@@ -31,13 +31,14 @@ from capyctl.ledger.pools import device_total
 from capyctl.ledger.services import host_lock
 from capyctl.scheduler import (
     admission,
+    deployment_locks,
     estimates,
-    flights,
-    inflight,
+    requests_in_progress,
     snapshots,
     transitions,
     turns,
 )
+from capyctl.scheduler.deployment_locks import flight_free
 from capyctl.scheduler.drivers import HostDriver, driver_for
 from capyctl.scheduler.errors import (
     EngineFailedError,
@@ -50,7 +51,6 @@ from capyctl.scheduler.errors import (
     is_control_plane_error,
 )
 from capyctl.scheduler.fetching import SourceFailedError, fetch_source
-from capyctl.scheduler.flights import flight_free
 from capyctl.scheduler.policy import DEEP, RAM, STOP, Victim, park_mode
 from capyctl.scheduler.transitions import record
 from hostagent.errors import (
@@ -131,7 +131,7 @@ def _evict(victim: Victim, actor: str, *, for_name: str) -> None:
 
 def _drain_and_stop(deployment: Deployment, actor: str, *, reason: str, level: str) -> bool:
     """Drain a ready deployment, then stop it; False: it was no longer ready."""
-    with flights.operating(deployment.pk, deployment.name):
+    with deployment_locks.operating(deployment.pk, deployment.name):
         if not _drain(deployment, "stopping"):
             return False
         logger.log(logging.WARNING if level == Event.Level.WARNING else logging.INFO,
@@ -149,15 +149,15 @@ def _drain(deployment: Deployment, doing: str) -> bool:
         return False
     drain = deployment.setting("drain_timeout_seconds")
     try:
-        if inflight.wait_drained(deployment.pk, drain):
+        if requests_in_progress.wait_drained(deployment.pk, drain):
             return True
-    except inflight.CountsUnknown as exc:  # never taken for zero: it stays ready
+    except requests_in_progress.CountsUnknown as exc:  # never taken for zero: it stays ready
         message = (
             f"gave up {doing} {deployment.name}: its requests in flight cannot be counted ({exc})"
         )
         transitions.drain_abandoned(deployment, message, kind="deployment.drain_abandoned")
-        raise inflight.CountsUnknown(message) from exc
-    left = inflight.count_or_none(deployment.pk)
+        raise requests_in_progress.CountsUnknown(message) from exc
+    left = requests_in_progress.count_or_none(deployment.pk)
     message = (
         f"gave up {doing} {deployment.name}: "
         + (f"{left} request(s)" if left is not None else "request(s)")
@@ -199,7 +199,7 @@ def _until_ready(
     deployment: Deployment, actor: str, deadline: float, wanted: Callable[[], bool] | None
 ) -> Deployment:
     deployment_id = deployment.pk
-    flight = flights.flight(deployment_id)
+    flight = deployment_locks.flight(deployment_id)
     first = True
     no_room: NoCapacityError | None = None  # the last try's: what is in the way will pass
     tries = 0  # tries in a row that found no room
@@ -521,7 +521,7 @@ def _park(  # noqa: PLR0911 - one operation, read top to bottom
     until a park of it frees memory again. ``checking_park``: this park is that check
     (:func:`check_park`); a park that still keeps its memory is woken again instead of
     stopped."""
-    with flights.operating(deployment.pk, deployment.name):
+    with deployment_locks.operating(deployment.pk, deployment.name):
         deployment = _load(deployment.pk)  # decide on the row as it is now
         host = deployment.host
         instance = _live_instance(deployment)
@@ -708,7 +708,7 @@ def stop(deployment_id: int, actor: str = "system") -> Deployment:
 def _stop(
     deployment: Deployment, actor: str, *, reason: str, level: str = Event.Level.INFO
 ) -> Deployment:
-    with flights.operating(deployment.pk, deployment.name):
+    with deployment_locks.operating(deployment.pk, deployment.name):
         started = time.monotonic()
         for _attempt in range(5):
             current = (

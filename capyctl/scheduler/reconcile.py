@@ -26,7 +26,14 @@ from capyctl.events.services import record_event
 from capyctl.hosts.models import Host
 from capyctl.hosts.services import note_measures
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import flights, inflight, operations, snapshots, transitions, turns
+from capyctl.scheduler import (
+    deployment_locks,
+    operations,
+    requests_in_progress,
+    snapshots,
+    transitions,
+    turns,
+)
 from capyctl.scheduler.drivers import HostDriver, driver_for
 from hostagent.errors import EngineCallError
 from hostagent.measure import RELEASED_SHARE
@@ -126,11 +133,11 @@ def reconcile(host_id: int) -> None:
     )
     for deployment in deployments:
         stuck = _stuck_for(deployment, now)
-        if stuck is not None and flights.flight_free(deployment.pk):
+        if stuck is not None and deployment_locks.flight_free(deployment.pk):
             _repair_stuck(deployment, driver, stuck)
             continue
         orphaned = _orphaned_for(deployment, now)
-        if orphaned is not None and not flights.driven_anywhere(deployment.pk):
+        if orphaned is not None and not deployment_locks.driven_anywhere(deployment.pk):
             _repair_stuck(deployment, driver, orphaned)
             continue
         instance = deployment.instances.exclude(state=Instance.State.EXITED).first()
@@ -163,7 +170,8 @@ def reconcile(host_id: int) -> None:
             and not deployment.pinned
             and last is not None
             and now - last >= timedelta(seconds=idle)
-            and inflight.count_or_none(deployment.pk) == 0  # it serves (or unknown): not idle
+            and requests_in_progress.count_or_none(deployment.pk)
+            == 0  # it serves (or unknown): not idle
         ):
             try:
                 operations.park(deployment.pk, actor="system", reason=f"after {idle}s idle")
@@ -191,7 +199,7 @@ def _check_parks(host: Host, now: datetime) -> None:
     quiet = now - timedelta(seconds=PARK_CHECK_IDLE_SECONDS)
     for deployment in due:
         last = deployment.last_request_at or deployment.state_changed_at
-        if last is None or last > quiet or inflight.count_or_none(deployment.pk) != 0:
+        if last is None or last > quiet or requests_in_progress.count_or_none(deployment.pk) != 0:
             continue
         if turns.contenders(host.pk):
             return  # someone waits for room: not an idle moment
@@ -300,7 +308,7 @@ def _parked_unasked(
     on loopback answers its sleep routes to any local user; see docs/security.md): it is
     counted as parked, with what it holds measured, and an event says so. Never while an
     operation drives it: a park of CapyCTL's sleeps the engine before its state says so."""
-    if flights.driven_anywhere(deployment.pk):
+    if deployment_locks.driven_anywhere(deployment.pk):
         return False
     key = operations.instance_key(instance)
     try:

@@ -12,7 +12,7 @@ from capyctl.deployments.models import Deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import device_total, pool_usage
-from capyctl.scheduler import estimates, inflight, turns
+from capyctl.scheduler import estimates, requests_in_progress, turns
 from capyctl.scheduler.policy import HostSnapshot, Need, Pool, Resident
 from hostagent.kinds import get_kind
 from hostagent.probe import ProcessUsage
@@ -62,10 +62,10 @@ _LAST_REQUEST_SLACK_SECONDS = 1.0
 def busy(deployment: Deployment, now: float) -> bool:
     """Whether a ready deployment has requests in flight or had one a moment ago (counts
     that cannot be read count as busy: its turn is not cut on a guess)."""
-    in_flight = inflight.count_or_none(deployment.pk)
+    in_flight = requests_in_progress.count_or_none(deployment.pk)
     if in_flight is None or in_flight > 0:
         return True
-    idle = inflight.idle_seconds(deployment.pk)
+    idle = requests_in_progress.idle_seconds(deployment.pk)
     if idle is not None:
         return idle < BUSY_GRACE_SECONDS
     last = deployment.last_request_at

@@ -73,7 +73,7 @@ from capyctl.ledger.services import (
     set_foreign,
     set_measured,
 )
-from capyctl.scheduler import inflight, notify, switches
+from capyctl.scheduler import notify, requests_in_progress, switches
 from hostagent.units import format_size
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -116,7 +116,7 @@ def _move(
         rows = rows.exclude(Exists(others.exclude(state=Instance.State.EXITED)))
     updated = rows.update(observed_state=new, state_changed_at=timezone.now(), **fields)
     if updated == 1 and new == ObservedState.READY:
-        inflight.reopen(deployment_id)  # the drain gate, closed while it drained
+        requests_in_progress.reopen(deployment_id)  # the drain gate, closed while it drained
     return updated == 1
 
 
@@ -328,8 +328,8 @@ def draining(deployment_id: int) -> bool:
     if not _move(deployment_id, [ObservedState.READY], ObservedState.DRAINING):
         return False
     try:
-        inflight.close(deployment_id)
-    except inflight.CountsUnknown:  # Redis does not answer: no drain, it stays ready
+        requests_in_progress.close(deployment_id)
+    except requests_in_progress.CountsUnknown:  # Redis does not answer: no drain, it stays ready
         _move(deployment_id, [ObservedState.DRAINING], ObservedState.READY)
         raise
     return True

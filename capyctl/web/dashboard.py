@@ -23,7 +23,7 @@ from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import PoolUsage, pool_usage
-from capyctl.scheduler import inflight, turns
+from capyctl.scheduler import requests_in_progress, turns
 from capyctl.web import metrics
 from capyctl.web.timeline import timeline_data
 from hostagent.units import format_size
@@ -223,7 +223,7 @@ def _deployments(ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "pinned": found["pinned"],
                 "memory": own,
                 "memory_bytes": sum(part["bytes"] for part in own),
-                "in_flight": inflight.count_or_none(found["id"]),
+                "in_flight": requests_in_progress.count_or_none(found["id"]),
                 "waiting": int(waiting.get(found["name"], 0)),
                 "waiting_for_room_seconds": room.get(found["id"]),
                 "last_switch": last_switch,

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from capyctl.scheduler.inflight import LocalInFlight, RedisInFlight
+from capyctl.scheduler.requests_in_progress import LocalInFlight, RedisInFlight
 
 
 def in_use(url):
@@ -13,9 +13,9 @@ def in_use(url):
     have just lost its data, and the counts are unknown for the first seconds)."""
     import redis
 
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
 
-    redis.Redis.from_url(url).set(inflight._EPOCH, time.time())
+    redis.Redis.from_url(url).set(requests_in_progress._EPOCH, time.time())
     return url
 
 
@@ -64,14 +64,14 @@ def test_a_crashed_process_s_counts_vanish_with_its_lease(redis_url, tmp_path):
     import subprocess
     import sys
 
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
 
     here = RedisInFlight(in_use(redis_url))
     code = (
         "import sys, time\n"
-        "from capyctl.scheduler import inflight\n"
-        "inflight.LEASE_SECONDS = 2\n"
-        f"counter = inflight.RedisInFlight({redis_url!r})\n"
+        "from capyctl.scheduler import requests_in_progress\n"
+        "requests_in_progress.LEASE_SECONDS = 2\n"
+        f"counter = requests_in_progress.RedisInFlight({redis_url!r})\n"
         "counter.begin(11)\n"
         "print('in flight', flush=True)\n"
         "time.sleep(120)\n"
@@ -92,21 +92,21 @@ def test_a_crashed_process_s_counts_vanish_with_its_lease(redis_url, tmp_path):
         api.kill()
         api.wait()
         here.stop()
-    assert inflight.LEASE_SECONDS == 5  # the default, untouched in this process
+    assert requests_in_progress.LEASE_SECONDS == 5  # the default, untouched in this process
 
 
 def test_draining_waits_for_requests_in_flight(settings, monkeypatch):
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
 
     local = LocalInFlight()
-    monkeypatch.setattr(inflight, "_tracker", local)
+    monkeypatch.setattr(requests_in_progress, "_tracker", local)
     local.begin(5)
     threading.Timer(0.3, lambda: local.end(5)).start()
     started = time.monotonic()
-    assert inflight.wait_drained(5, timeout=5)
+    assert requests_in_progress.wait_drained(5, timeout=5)
     assert 0.25 < time.monotonic() - started < 3
     local.begin(5)
-    assert not inflight.wait_drained(5, timeout=0.2)
+    assert not requests_in_progress.wait_drained(5, timeout=0.2)
 
 
 def test_a_closed_gate_refuses_new_requests_until_reopened(tracker):
@@ -124,12 +124,12 @@ def test_a_closed_gate_refuses_new_requests_until_reopened(tracker):
 
 def test_a_drain_closes_the_gate_and_ready_reopens_it(monkeypatch, db):
     from capyctl.deployments.models import Deployment
-    from capyctl.scheduler import inflight, operations, transitions
+    from capyctl.scheduler import operations, requests_in_progress, transitions
     from tests.scheduling import deployment as add_deployment
     from tests.scheduling import vllm_engine
 
     local = LocalInFlight()
-    monkeypatch.setattr(inflight, "_tracker", local)
+    monkeypatch.setattr(requests_in_progress, "_tracker", local)
     vllm_engine()
     deployment = add_deployment("gated")
     Deployment.objects.filter(pk=deployment.pk).update(observed_state="ready")
@@ -147,7 +147,7 @@ def test_with_redis_down_requests_are_counted_here_and_no_drain_trusts_a_count(
     gateway). Now a process counts its own requests meanwhile, the shared count says it is
     unknown (a drain never takes it for zero), and once Redis is back, empty, the counts
     begun during the outage are published again before anyone trusts a count."""
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
 
     api = RedisInFlight(in_use(own_redis.url))  # the gateway's process
     worker = RedisInFlight(own_redis.url)  # the scheduler's
@@ -160,7 +160,7 @@ def test_with_redis_down_requests_are_counted_here_and_no_drain_trusts_a_count(
         api.end(21)
         since = api.down_since
         assert since is not None
-        with pytest.raises(inflight.CountsUnknown):
+        with pytest.raises(requests_in_progress.CountsUnknown):
             worker.count(21)
         own_redis.start()  # back, and empty: every count and lease is gone
         seen: list[object] = []
@@ -168,7 +168,7 @@ def test_with_redis_down_requests_are_counted_here_and_no_drain_trusts_a_count(
         while time.monotonic() < deadline:
             try:
                 seen.append(worker.count(21))
-            except inflight.CountsUnknown:
+            except requests_in_progress.CountsUnknown:
                 seen.append("unknown")
             if seen[-1] == 2:
                 break
@@ -186,19 +186,19 @@ def test_with_redis_down_requests_are_counted_here_and_no_drain_trusts_a_count(
 
 
 def test_a_drain_gives_up_on_counts_it_cannot_see(own_redis, monkeypatch):
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
 
     counter = RedisInFlight(own_redis.url)
-    monkeypatch.setattr(inflight, "_tracker", counter)
-    monkeypatch.setattr(inflight, "UNKNOWN_PATIENCE_SECONDS", 0.5)
+    monkeypatch.setattr(requests_in_progress, "_tracker", counter)
+    monkeypatch.setattr(requests_in_progress, "UNKNOWN_PATIENCE_SECONDS", 0.5)
     try:
         own_redis.stop()
         started = time.monotonic()
-        with pytest.raises(inflight.CountsUnknown):
-            inflight.wait_drained(31, timeout=30)
+        with pytest.raises(requests_in_progress.CountsUnknown):
+            requests_in_progress.wait_drained(31, timeout=30)
         assert time.monotonic() - started < 10
-        with pytest.raises(inflight.CountsUnknown):
-            inflight.close(31)
+        with pytest.raises(requests_in_progress.CountsUnknown):
+            requests_in_progress.close(31)
     finally:
         counter.stop()
 
@@ -208,7 +208,7 @@ def test_a_process_started_after_redis_lost_its_data_does_not_vouch_for_the_othe
     process the supervisor started again): it cannot know what the others have in flight,
     so the counts stay unknown until they have checked in. It took its own (none) for the
     whole truth, and a drain could have parked a model under a request in flight."""
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
 
     api = RedisInFlight(in_use(own_redis.url))
     newcomer = None
@@ -218,7 +218,7 @@ def test_a_process_started_after_redis_lost_its_data_does_not_vouch_for_the_othe
         own_redis.stop()
         own_redis.start()
         newcomer = RedisInFlight(own_redis.url)  # checks in first
-        with pytest.raises(inflight.CountsUnknown):
+        with pytest.raises(requests_in_progress.CountsUnknown):
             newcomer.count(41)
         del api.check_in  # its next check-in, within a second
         seen = wait_for_count(newcomer, 41)
@@ -231,13 +231,13 @@ def test_a_process_started_after_redis_lost_its_data_does_not_vouch_for_the_othe
 
 def wait_for_count(counter, deployment_id, timeout=15.0):
     """The count once it can be trusted."""
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
 
     deadline = time.monotonic() + timeout
     while True:
         try:
             return counter.count(deployment_id)
-        except inflight.CountsUnknown:
+        except requests_in_progress.CountsUnknown:
             assert time.monotonic() < deadline, "the counts stayed unknown"
             time.sleep(0.05)
 
@@ -245,14 +245,14 @@ def wait_for_count(counter, deployment_id, timeout=15.0):
 def watch_counts(counter, deployment_id, seconds, until=None):
     """Every count ``counter`` reads for ``seconds`` (``"unknown"`` where it cannot tell),
     as a drain polls them; stops early once it reads ``until``."""
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
 
     seen: list[object] = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             seen.append(counter.count(deployment_id))
-        except inflight.CountsUnknown:
+        except requests_in_progress.CountsUnknown:
             seen.append("unknown")
         if until is not None and seen[-1] == until:
             break
@@ -268,9 +268,9 @@ def test_redis_back_with_its_data_after_the_leases_lapsed_never_reads_zero_under
     the api process for dead and read 0 while it had a request in flight. The request it
     admitted during the outage (counted here only) is published before any count is
     trusted."""
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
 
-    monkeypatch.setattr(inflight, "LEASE_SECONDS", 2)  # the outage outlasts it sooner
+    monkeypatch.setattr(requests_in_progress, "LEASE_SECONDS", 2)  # the outage outlasts it sooner
     api = RedisInFlight(in_use(own_redis.url))
     worker = RedisInFlight(own_redis.url)
     try:
@@ -278,7 +278,7 @@ def test_redis_back_with_its_data_after_the_leases_lapsed_never_reads_zero_under
         assert wait_for_count(worker, 51) == 1
         own_redis.shutdown_save()
         assert api.begin(51)  # admitted while Redis is away: 2 in flight
-        time.sleep(inflight.LEASE_SECONDS + 1)
+        time.sleep(requests_in_progress.LEASE_SECONDS + 1)
         own_redis.start()  # with its data; every lease has lapsed
         seen = watch_counts(worker, 51, 8, until=2)
         assert seen[-1] == 2, seen
@@ -296,10 +296,10 @@ def test_an_api_process_cut_off_from_redis_past_its_lease_never_reads_as_zero(
     api process for dead once its lease lapsed and read 0 with its request in flight. It
     now reads unknown for as long as the api process runs and has not checked in, and the
     request admitted meanwhile is counted once it is back."""
-    from capyctl.scheduler import inflight
+    from capyctl.scheduler import requests_in_progress
     from tests.own_servers import PausableProxy
 
-    monkeypatch.setattr(inflight, "LEASE_SECONDS", 2)
+    monkeypatch.setattr(requests_in_progress, "LEASE_SECONDS", 2)
     proxy = PausableProxy(own_redis.port)
     api = RedisInFlight(in_use(proxy.url()))
     worker = RedisInFlight(own_redis.url)
@@ -308,7 +308,7 @@ def test_an_api_process_cut_off_from_redis_past_its_lease_never_reads_as_zero(
         assert wait_for_count(worker, 52) == 1
         proxy.pause()
         assert api.begin(52)  # it times out: counted in the api process only
-        during = watch_counts(worker, 52, inflight.LEASE_SECONDS + 3)
+        during = watch_counts(worker, 52, requests_in_progress.LEASE_SECONDS + 3)
         assert set(during) <= {"unknown", 1}, during
         assert during[-1] == "unknown"
         proxy.resume()
@@ -326,7 +326,7 @@ def test_a_hung_redis_costs_a_short_timeout_once_then_nothing(own_redis):
     each request's begin waited 2 s (four counts under the host lock took 8 s). Now the
     first call waits a short timeout, and the calls after it do not ask Redis until it
     answers again."""
-    from capyctl.scheduler import inflight, redislink
+    from capyctl.scheduler import redislink, requests_in_progress
 
     api = RedisInFlight(in_use(own_redis.url))
     worker = RedisInFlight(own_redis.url)
@@ -336,7 +336,7 @@ def test_a_hung_redis_costs_a_short_timeout_once_then_nothing(own_redis):
         took: list[float] = []
         for _ in range(4):
             started = time.monotonic()
-            with pytest.raises(inflight.CountsUnknown):
+            with pytest.raises(requests_in_progress.CountsUnknown):
                 worker.count(61)
             took.append(time.monotonic() - started)
         started = time.monotonic()
