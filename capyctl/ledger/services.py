@@ -47,18 +47,18 @@ def admit(
     *,
     status: str = Status.PROMISED,
     note: str = "",
-    held_now: Mapping[str, int] | None = None,
+    current_entries: Mapping[str, int] | None = None,
 ) -> None:
     """Promise ``need`` (pool → bytes) to a deployment, or raise InsufficientMemoryError.
 
-    Must run inside :func:`host_lock`; ``held_now`` (pool -> bytes of the deployment's
-    current entries) saves a query when the caller has just read them. An entry the
+    Must run inside :func:`host_lock`; ``current_entries`` (pool -> bytes of the
+    deployment's entries) saves a query when the caller has just read them. An entry the
     deployment already has in a pool is replaced (its old bytes are not counted twice):
     admission asks for the total it will hold there, not an increment.
     """
     usage = {p.pool: p for p in pool_usage(host)}
-    if held_now is None:  # the caller may pass the deployment's entries it just read
-        held_now = dict(
+    if current_entries is None:  # the caller may pass the deployment's entries it just read
+        current_entries = dict(
             LedgerEntry.objects.filter(host=host, deployment_id=deployment_id).values_list(
                 "pool", "bytes"
             )
@@ -67,7 +67,7 @@ def admit(
     for pool, num_bytes in need.items():
         if pool not in usage:
             raise UserError(f"host {host.name} has no pool {pool!r}")
-        mine = held_now.get(pool, 0)
+        mine = current_entries.get(pool, 0)
         free = usage[pool].free_bytes + mine
         if num_bytes > free:
             short[pool] = num_bytes - free

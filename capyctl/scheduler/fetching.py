@@ -86,9 +86,9 @@ def fetch_source(deployment: Deployment, host: Host, actor: str) -> str | None:
             announced = announced or _announce(deployment, host, status, actor)
             _save_progress(deployment, status)
             if status.total_bytes:
-                now_quarter = int(4 * status.done_bytes / status.total_bytes)
-                if 0 < now_quarter < 4 and now_quarter > quarter:
-                    quarter = now_quarter
+                reached = int(4 * status.done_bytes / status.total_bytes)
+                if 0 < reached < 4 and reached > quarter:
+                    quarter = reached
                     transitions.record(
                         deployment, "deployment.download_progress",
                         f"{deployment.name}: downloaded {describe(status)}", actor=actor,

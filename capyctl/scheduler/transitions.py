@@ -361,7 +361,7 @@ def parking(locked: Host, deployment: Deployment, copy_bytes: int | None) -> boo
             deployment.pk,
             {"ram": mine.get("ram", 0) + copy_bytes},
             note="promised for a copy",
-            held_now=mine,
+            current_entries=mine,
         )
     except InsufficientMemoryError:
         record(
@@ -508,7 +508,7 @@ def waking(
         mine = entries(locked, deployment.pk)
     if not _move(deployment.pk, [ObservedState.PARKED], ObservedState.WAKING, wanted=True):
         return False
-    admit(locked, deployment.pk, claim, note="promised", held_now=mine)
+    admit(locked, deployment.pk, claim, note="promised", current_entries=mine)
     return True
 
 
