@@ -720,8 +720,8 @@ class _KeepAlive:
                         (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                     ]}
                 )  # fmt: skip
-            now = await self._routes.get(self._route.name)
-            state = now.observed_state if now is not None else "gone"
+            route = await self._routes.get(self._route.name)
+            state = route.observed_state if route is not None else "gone"
             waited = time.monotonic() - self._since
             line = f": waiting for {self._route.name}: {state}, {waited:.1f} s\n\n"
             await self._send({"type": "http.response.body", "body": line.encode(),

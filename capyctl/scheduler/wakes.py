@@ -115,13 +115,13 @@ async def _on_worker(deployment_id: int, timeout: float) -> str:
                     if not is_control_plane_error(exc):
                         raise
                     await asyncio.sleep(0.5)  # no outcome over Redis: the database says
-                now = await run(_state, deployment_id)
-                if now is None:
+                current = await run(_state, deployment_id)
+                if current is None:
                     raise SchedulerError("the model no longer exists") from None
-                if now[0] == "ready":  # its outcome, with the steps, follows at once
+                if current[0] == "ready":  # its outcome, with the steps, follows at once
                     return await _switch_told(layer, channel)
-                if now[0] == "failed" and await run(_failed_since, deployment_id, sent_at):
-                    raise error_for("engine_failed", now[1]) from None
+                if current[0] == "failed" and await run(_failed_since, deployment_id, sent_at):
+                    raise error_for("engine_failed", current[1]) from None
                 continue
             if outcome.get("ok"):
                 return str(outcome.get("switch") or "")
