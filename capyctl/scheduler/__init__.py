@@ -9,7 +9,8 @@ transitions           THE writer: a deployment's observed state (with its parked
                       and when it changed) and desired state, its instance rows' state, a
                       host's state and every ledger entry change only here, one function per
                       state change (conditional update, ledger change, event, notification
-                      together); a losing update changes nothing.
+                      together); a losing update changes nothing. It changes ledger entries
+                      only through ``capyctl.ledger.services``, which nothing else calls.
 operations            the verbs: ensure ready, start, wake, park, stop, evict. They decide
                       and call transitions; they write nothing themselves.
 admission             whether a start or wake fits, planned and promised under the host lock.
