@@ -84,6 +84,10 @@ def _handler(name: str) -> Callable[[argparse.Namespace], int]:
             module = "backup"
         elif name.startswith("service_"):
             module = "service"
+        elif name.startswith(("host_", "cache_")):
+            module = "machines"
+        elif name == "status":
+            module = "status"
         handler: Any = getattr(importlib.import_module(f"capyctl.cli.{module}"), name)
         result: int = handler(args)
         return result
