@@ -10,9 +10,8 @@ from rest_framework import serializers
 from rest_framework.fields import empty
 
 from capyctl import reports
-from capyctl.deployments import guards
-from capyctl.deployments.models import OverClaim, ParkPolicy
-from capyctl.deployments.services import MAX_COUNT, MAX_PRIORITY, MAX_SECONDS
+from capyctl.deployments import guards, settings_spec
+from capyctl.deployments.settings_spec import CHOICE, FLAG, MAX_COUNT, Setting
 from capyctl.validation import MAX_SIZE_BYTES
 
 # -- output ---------------------------------------------------------------------------------
@@ -57,7 +56,7 @@ class EngineOut(_Report):
     created_at = serializers.DateTimeField()
 
 
-class DeploymentOut(_Report):
+class DeploymentOutBase(_Report):
     report = staticmethod(reports.deployment_data)
     name = serializers.CharField()
     aliases = serializers.ListField(child=serializers.CharField())
@@ -76,22 +75,6 @@ class DeploymentOut(_Report):
         help_text="host RAM a ram park promises for its copy: the larger of weights_bytes "
         "(declared) and measured_weights_bytes (its last ram park's copy)",
     )
-    gpus = serializers.IntegerField()
-    park = serializers.CharField()
-    pinned = serializers.BooleanField()
-    over_claim = serializers.CharField()
-    priority = serializers.IntegerField()
-    idle_park_seconds = serializers.IntegerField()
-    min_ready_seconds = serializers.IntegerField()
-    max_waiting = serializers.IntegerField()
-    max_queue_seconds = serializers.IntegerField()
-    max_turn_seconds = serializers.IntegerField()
-    wake_timeout_seconds = serializers.IntegerField()
-    start_timeout_seconds = serializers.IntegerField()
-    drain_timeout_seconds = serializers.IntegerField()
-    max_tokens_ceiling = serializers.IntegerField(help_text=guards.MAX_TOKENS.help)
-    n_ceiling = serializers.IntegerField(help_text=guards.N.help)
-    best_of_ceiling = serializers.IntegerField(help_text=guards.BEST_OF.help)
     media_domains = serializers.ListField(
         child=serializers.CharField(),
         help_text="hosts whose http(s) media URLs requests may name (empty: data: URLs only)",
@@ -105,6 +88,27 @@ class DeploymentOut(_Report):
     )
     source_bytes = serializers.IntegerField(allow_null=True, help_text="weights size at the source")
     last_request_at = serializers.DateTimeField(allow_null=True)
+
+
+def setting_out(setting: Setting) -> serializers.Field:  # type: ignore[type-arg]
+    """A declared setting as the output shows it: as it applies (an empty one: its
+    global default)."""
+    if setting.kind == FLAG:
+        return serializers.BooleanField(help_text=setting.help)
+    if setting.kind == CHOICE:
+        return serializers.CharField(help_text=setting.help)
+    return serializers.IntegerField(help_text=setting.help)
+
+
+def deployment_out(settings: tuple[Setting, ...] | None = None) -> type[_Report]:
+    """The deployment output serializer, with a field for each declared setting (None:
+    each :data:`capyctl.deployments.settings_spec.SETTINGS` lists now)."""
+    chosen = settings_spec.SETTINGS if settings is None else settings
+    fields = {setting.name: setting_out(setting) for setting in chosen}
+    return type("DeploymentOut", (DeploymentOutBase,), {"__module__": __name__, **fields})
+
+
+DeploymentOut = deployment_out()
 
 
 class PoolOut(serializers.Serializer):  # type: ignore[type-arg]
@@ -253,7 +257,9 @@ class SizeField(serializers.CharField):
         return super().run_validation(data)
 
 
-class DeploymentIn(serializers.Serializer):  # type: ignore[type-arg]
+class DeploymentInBase(serializers.Serializer):  # type: ignore[type-arg]
+    """What a deployment is; :func:`deployment_in` adds its declared settings."""
+
     name = serializers.CharField(max_length=63)
     engine = serializers.CharField(max_length=63)
     source = serializers.CharField(max_length=1000)  # type: ignore[assignment]
@@ -267,48 +273,8 @@ class DeploymentIn(serializers.Serializer):  # type: ignore[type-arg]
         required=False, allow_null=True, allow_blank=True, max_length=32,
         help_text="e.g. 15GiB, or bytes as an integer",
     )  # fmt: skip
-    gpus = serializers.IntegerField(required=False, min_value=0, max_value=64)
-    park = serializers.ChoiceField(choices=ParkPolicy.choices, required=False)
-    pinned = serializers.BooleanField(required=False)
-    over_claim = serializers.ChoiceField(choices=OverClaim.choices, required=False)
-    priority = serializers.IntegerField(
-        required=False, min_value=-MAX_PRIORITY, max_value=MAX_PRIORITY
-    )
-    idle_park_seconds = serializers.IntegerField(
-        required=False, allow_null=True, min_value=0, max_value=MAX_SECONDS
-    )
-    min_ready_seconds = serializers.IntegerField(
-        required=False, allow_null=True, min_value=0, max_value=MAX_SECONDS
-    )
-    max_waiting = serializers.IntegerField(
-        required=False, allow_null=True, min_value=0, max_value=MAX_COUNT
-    )
-    max_queue_seconds = serializers.IntegerField(
-        required=False, allow_null=True, min_value=1, max_value=MAX_SECONDS
-    )
-    max_turn_seconds = serializers.IntegerField(
-        required=False, allow_null=True, min_value=0, max_value=MAX_SECONDS
-    )
-    wake_timeout_seconds = serializers.IntegerField(
-        required=False, allow_null=True, min_value=1, max_value=MAX_SECONDS
-    )
-    start_timeout_seconds = serializers.IntegerField(
-        required=False, allow_null=True, min_value=1, max_value=MAX_SECONDS
-    )
-    drain_timeout_seconds = serializers.IntegerField(
-        required=False, allow_null=True, min_value=0, max_value=MAX_SECONDS
-    )
     engine_args = serializers.ListField(
         child=serializers.CharField(max_length=4000), required=False
-    )
-    max_tokens_ceiling = serializers.IntegerField(
-        required=False, min_value=1, max_value=guards.MAX_CEILING, help_text=guards.MAX_TOKENS.help
-    )
-    n_ceiling = serializers.IntegerField(
-        required=False, min_value=1, max_value=guards.MAX_CEILING, help_text=guards.N.help
-    )
-    best_of_ceiling = serializers.IntegerField(
-        required=False, min_value=1, max_value=guards.MAX_CEILING, help_text=guards.BEST_OF.help
     )
     media_domains = serializers.ListField(
         child=serializers.CharField(max_length=253),
@@ -316,6 +282,37 @@ class DeploymentIn(serializers.Serializer):  # type: ignore[type-arg]
         max_length=guards.MAX_MEDIA_DOMAINS,
         help_text="hosts whose http(s) media URLs requests may name (empty: data: URLs only)",
     )
+
+
+def setting_in(setting: Setting) -> serializers.Field:  # type: ignore[type-arg]
+    """A declared setting as a request gives it: optional; null (where it has a global
+    default) empties it."""
+    if setting.kind == FLAG:
+        return serializers.BooleanField(required=False, help_text=setting.help)
+    if setting.kind == CHOICE:
+        return serializers.ChoiceField(
+            choices=setting.choices, required=False, help_text=setting.help
+        )
+    return serializers.IntegerField(
+        required=False,
+        allow_null=setting.nullable,
+        min_value=setting.least_api,
+        max_value=setting.maximum,
+        help_text=setting.help,
+    )
+
+
+def deployment_in(
+    settings: tuple[Setting, ...] | None = None,
+) -> type[serializers.Serializer]:  # type: ignore[type-arg]
+    """The deployment input serializer, with a field for each declared setting (None:
+    each :data:`capyctl.deployments.settings_spec.SETTINGS` lists now)."""
+    chosen = settings_spec.SETTINGS if settings is None else settings
+    fields = {setting.name: setting_in(setting) for setting in chosen}
+    return type("DeploymentIn", (DeploymentInBase,), {"__module__": __name__, **fields})
+
+
+DeploymentIn = deployment_in()
 
 
 class ActionIn(serializers.Serializer):  # type: ignore[type-arg]

@@ -147,26 +147,12 @@ def engine_remove(args: argparse.Namespace) -> int:
 # --- deployments -------------------------------------------------------------------------
 
 
-# The settings flags whose value is a spec field as it is, by namespace name.
-_PLAIN_SETTINGS = {
-    "gpus": "gpus",
-    "park": "park",
-    "idle_park_seconds": "idle_park_seconds",
-    "min_ready_seconds": "min_ready_seconds",
-    "max_waiting": "max_waiting",
-    "max_queue_seconds": "max_queue_seconds",
-    "max_turn_seconds": "max_turn_seconds",
-    "wake_timeout": "wake_timeout_seconds",
-    "start_timeout": "start_timeout_seconds",
-    "drain_timeout": "drain_timeout_seconds",
-    "priority": "priority",
-    "pinned": "pinned",
-    "over_claim": "over_claim",
-    "weights_size": "weights_bytes",
-    "max_tokens_ceiling": "max_tokens_ceiling",
-    "n_ceiling": "n_ceiling",
-    "best_of_ceiling": "best_of_ceiling",
-}
+def _plain_settings() -> dict[str, str]:
+    """The settings flags whose value is a spec field as it is: spec field by namespace
+    name (each declared setting's flag, and ``--weights-size``)."""
+    from capyctl.deployments.settings_spec import SETTINGS
+
+    return {"weights_size": "weights_bytes", **{s.dest: s.name for s in SETTINGS}}
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,7 +160,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     from capyctl.validation import parse_gpu_memory, split_engine_args
 
     given = vars(args)
-    fields = {spec: given[flag] for flag, spec in _PLAIN_SETTINGS.items() if flag in given}
+    fields = {spec: given[flag] for flag, spec in _plain_settings().items() if flag in given}
     if "gpu_memory" in given:
         gpu_memory = given["gpu_memory"]
         bytes_, fraction = parse_gpu_memory(gpu_memory) if gpu_memory else (None, None)

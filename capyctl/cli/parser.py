@@ -8,7 +8,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NoReturn
 
-from capyctl.deployments import guards  # plain Python: parsing stays Django-free
+# Plain Python: parsing stays Django-free.
+from capyctl.deployments import settings_spec
+from capyctl.deployments.settings_spec import CHOICE, FLAG, Setting
 from hostagent.units import SizeError, is_bare_number, is_unit, parse_size
 
 
@@ -369,9 +371,35 @@ def _build_deployment(commands: Any) -> None:
         )
 
 
-def _deployment_settings(parser: Parser, *, update: bool) -> None:
+def add_setting_flag(parser: argparse.ArgumentParser, setting: Setting, *, update: bool) -> None:
+    """The flag of a declared setting: on ``deployment add`` with its declared default
+    (none: the global one); on ``deployment update`` left out of the namespace when not
+    given."""
+    default = argparse.SUPPRESS if update else setting.default
+    if setting.kind == FLAG:
+        parser.add_argument(
+            setting.flag, action=argparse.BooleanOptionalAction if update else "store_true",
+            default=default, help=setting.cli_help(),
+        )  # fmt: skip
+        return
+    if setting.kind == CHOICE:
+        parser.add_argument(setting.flag, choices=setting.choices, default=default,
+                            metavar=setting.metavar, help=setting.cli_help())  # fmt: skip
+        return
+    least = setting.least_flag
+    parser.add_argument(
+        setting.flag, type=int if least is None or least < 0 else count_arg(least),
+        metavar=setting.metavar, default=default, help=setting.cli_help(),
+    )  # fmt: skip
+
+
+def _deployment_settings(
+    parser: Parser, *, update: bool, settings: tuple[Setting, ...] | None = None
+) -> None:
     """The settings ``deployment add`` takes, and ``deployment update`` changes: with
-    ``update``, a flag not given is left out of the namespace (and so unchanged)."""
+    ``update``, a flag not given is left out of the namespace (and so unchanged). Each
+    declared setting has its flag (:func:`add_setting_flag`); ``settings`` None: those
+    :data:`capyctl.deployments.settings_spec.SETTINGS` lists now."""
 
     def default(value: object) -> object:
         return argparse.SUPPRESS if update else value
@@ -384,44 +412,10 @@ def _deployment_settings(parser: Parser, *, update: bool) -> None:
     )  # fmt: skip
     parser.add_argument("--weights-size", metavar="SIZE", type=size_arg, default=unset,
                         help="weights copy size")  # fmt: skip
-    parser.add_argument("--gpus", type=count_arg(0), default=default(1),
-                        help="GPUs it needs (default 1)")  # fmt: skip
-    parser.add_argument("--park", choices=("auto", "ram", "deep", "stop", "never"),
-                        default=default("auto"))  # fmt: skip
-    parser.add_argument("--idle-park-seconds", type=count_arg(0), metavar="N", default=unset)
-    parser.add_argument("--min-ready-seconds", type=count_arg(0), metavar="N", default=unset)
-    parser.add_argument("--max-waiting", type=count_arg(1), metavar="N", default=unset)
-    parser.add_argument(
-        "--max-queue-seconds", type=count_arg(1), metavar="N", default=unset,
-        help="how long a request may wait for it (default: its wake timeout)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-turn-seconds", type=count_arg(0), metavar="N", default=unset,
-        help="how long it keeps its GPUs busy while others wait (default 30)",
-    )  # fmt: skip
-    parser.add_argument("--wake-timeout", type=count_arg(1), metavar="SECONDS", default=unset)
-    parser.add_argument("--start-timeout", type=count_arg(1), metavar="SECONDS",
-                        default=unset)  # fmt: skip
-    parser.add_argument("--drain-timeout", type=count_arg(0), metavar="SECONDS",
-                        default=unset)  # fmt: skip
-    parser.add_argument("--priority", type=int, default=default(0))
     parser.add_argument("--args", default=default(""), metavar='"ENGINE ARGS"',
                         help="extra engine args")  # fmt: skip
-    parser.add_argument(
-        "--pinned", action=argparse.BooleanOptionalAction if update else "store_true",
-        default=default(False), help="never park or stop it to make room",
-    )  # fmt: skip
-    parser.add_argument(
-        "--over-claim",
-        choices=("stop", "raise"),
-        default=default("stop"),
-        help="an engine measured past its GPU memory claim at start: stop it (default), "
-        "or raise the claim to what it holds",
-    )
-    for ceiling in guards.CEILINGS:
-        parser.add_argument(ceiling.flag, type=count_arg(1), metavar="N",
-                            default=default(ceiling.default),
-                            help=f"{ceiling.help} (default {ceiling.default})")  # fmt: skip
+    for setting in settings_spec.SETTINGS if settings is None else settings:
+        add_setting_flag(parser, setting, update=update)
     parser.add_argument(
         "--media-domains", metavar="HOST,HOST|none", default=default(""),
         help="hosts whose http(s) image, audio and video URLs requests may name "

@@ -11,8 +11,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from capyctl.admin_utils import ReadOnlyAdmin, attach_user_error
-from capyctl.deployments import guards
-from capyctl.deployments.models import Deployment, Instance, OverClaim
+from capyctl.deployments.models import Deployment, Instance
 from capyctl.deployments.services import (
     SETTING_FIELDS,
     DeploymentSpec,
@@ -20,6 +19,7 @@ from capyctl.deployments.services import (
     check_deployment,
     update_deployment,
 )
+from capyctl.deployments.settings_spec import MEMORY, PARKING, REQUESTS, SETTINGS, Setting
 from capyctl.errors import UserError
 from capyctl.scheduler.actions import request_action
 from capyctl.validation import parse_gpu_memory, parse_size_value, split_engine_args
@@ -53,11 +53,9 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if "over_claim" in self.fields:  # left out: the default, stop
-            self.fields["over_claim"].required = False
-        for ceiling in guards.CEILINGS:  # left out: its default
-            if ceiling.name in self.fields:
-                self.fields[ceiling.name].required = False
+        for setting in SETTINGS:  # left out: its declared default (or the global one)
+            if setting.name in self.fields:
+                self.fields[setting.name].required = False
         obj = self.instance
         if obj.pk:
             self.initial["aliases_text"] = ", ".join(obj.alias_names)
@@ -87,10 +85,9 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
             gpu_bytes, fraction = parse_gpu_memory(data["gpu_memory"])
         weights = data.get("weights_size")
         plain: dict[str, Any] = {name: data.get(name) for name in _PLAIN_FIELDS}
-        plain["over_claim"] = plain.get("over_claim") or OverClaim.STOP
-        for ceiling in guards.CEILINGS:
-            if plain.get(ceiling.name) is None:
-                plain[ceiling.name] = ceiling.default
+        for setting in SETTINGS:
+            if plain.get(setting.name) in (None, "") and setting.default is not None:
+                plain[setting.name] = setting.default
         return DeploymentSpec(
             name=data["name"],
             engine=data["engine"].name,
@@ -105,6 +102,24 @@ class DeploymentForm(forms.ModelForm):  # type: ignore[type-arg]
             ],
             **plain,
         )
+
+
+# Fields of each section that are not declared settings, before those that are (the
+# media domains, after).
+_SECTION_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    MEMORY: (("gpu_memory", "weights_size"), ()),
+    PARKING: ((), ()),
+    REQUESTS: ((), ("media_domains",)),
+}
+
+
+def setting_fieldsets(settings: tuple[Setting, ...]) -> tuple[Any, ...]:
+    """The admin's sections, each with its declared settings in the declared order."""
+    return tuple(
+        (section, {"fields": (*before, *(s.name for s in settings if s.section == section),
+                              *after)})
+        for section, (before, after) in _SECTION_FIELDS.items()
+    )  # fmt: skip
 
 
 @admin.register(Deployment)
@@ -134,34 +149,7 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     )
     fieldsets = (
         (None, {"fields": ("name", "aliases_text", "engine", "host", "source", "args_text")}),
-        ("Memory", {"fields": ("gpu_memory", "weights_size", "gpus", "over_claim")}),
-        (
-            "Parking and waiting",
-            {
-                "fields": (
-                    "park",
-                    "pinned",
-                    "priority",
-                    "idle_park_seconds",
-                    "min_ready_seconds",
-                    "max_waiting",
-                    "max_queue_seconds",
-                    "max_turn_seconds",
-                    "wake_timeout_seconds",
-                    "start_timeout_seconds",
-                    "drain_timeout_seconds",
-                )
-            },
-        ),
-        (
-            "What a request may ask",
-            {
-                "fields": (
-                    *(ceiling.name for ceiling in guards.CEILINGS),
-                    "media_domains",
-                )
-            },
-        ),
+        *setting_fieldsets(SETTINGS),
         ("State", {"fields": readonly_fields}),
     )
 

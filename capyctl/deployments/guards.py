@@ -1,7 +1,8 @@
 """What a ``/v1`` request may ask of a deployment's engine.
 
-Two guards, each declared once here and read by the model, the service, the REST
-serializer, the admin, the CLI, the routing table and the gateway:
+Two guards, each declared once here and applied by the routing table and the gateway;
+the ceilings are deployment settings (:mod:`capyctl.deployments.settings_spec` declares
+them from these) and the media domains are set through the same entry points:
 
 - **Ceilings** on the counts a body asks for (``max_tokens``, ``n``, ``best_of``): a value
   past the deployment's ceiling is refused with 400 naming the field and the ceiling; a
@@ -60,13 +61,6 @@ BEST_OF = Ceiling(
     "best_of_ceiling", ("best_of",), 16, "most candidates one completion may ask for (best_of)"
 )
 CEILINGS = (MAX_TOKENS, N, BEST_OF)
-
-
-def check_ceiling_value(ceiling: Ceiling, value: object) -> str | None:
-    """Why ``value`` cannot be the ceiling (None: it can)."""
-    if type(value) is not int or not 1 <= value <= MAX_CEILING:
-        return f"invalid {ceiling.name.replace('_', ' ')} {value!r}: use 1 to {MAX_CEILING}"
-    return None
 
 
 def body_ceilings(values: dict[str, int]) -> tuple[tuple[str, int], ...]:

@@ -9,6 +9,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from capyctl.deployments import guards
+from capyctl.deployments.settings_spec import COUNT, SETTING, SETTINGS
 
 
 class ParkPolicy(models.TextChoices):
@@ -53,6 +54,21 @@ class ParkMode(models.TextChoices):
     DEEP = "deep"
 
 
+def declared(name: str) -> dict[str, Any]:
+    """A setting's field options as :mod:`capyctl.deployments.settings_spec` declares it:
+    its default (none: the global one), bounds and help."""
+    setting = SETTING[name]
+    options: dict[str, Any] = {"help_text": setting.model_help()}
+    if setting.default is not None:
+        options["default"] = setting.default
+    if setting.kind == COUNT:
+        options["validators"] = [
+            *([MinValueValidator(setting.minimum)] if setting.minimum is not None else []),
+            *([MaxValueValidator(setting.maximum)] if setting.maximum is not None else []),
+        ]
+    return options
+
+
 class Deployment(models.Model):
     """A model served by an engine on a host — what users call "a model".
 
@@ -85,48 +101,41 @@ class Deployment(models.Model):
     gpu_memory_bytes = models.BigIntegerField(null=True, blank=True)
     gpu_memory_fraction = models.FloatField(null=True, blank=True)
     weights_bytes = models.BigIntegerField(null=True, blank=True)
-    gpus = models.PositiveSmallIntegerField(default=1, help_text="GPUs of one host it needs")
+    gpus = models.PositiveSmallIntegerField(**declared("gpus"))
     measured_gpu_bytes = models.BigIntegerField(null=True, blank=True)
     measured_weights_bytes = models.BigIntegerField(null=True, blank=True)
 
-    park = models.CharField(max_length=8, choices=ParkPolicy.choices, default=ParkPolicy.AUTO)
-    idle_park_seconds = models.PositiveIntegerField(null=True, blank=True)
-    min_ready_seconds = models.PositiveIntegerField(null=True, blank=True)
-    max_waiting = models.PositiveIntegerField(null=True, blank=True)
+    # The settings people give it, each declared in capyctl.deployments.settings_spec.
+    park = models.CharField(max_length=8, choices=ParkPolicy.choices, **declared("park"))
+    pinned = models.BooleanField(**declared("pinned"))
+    over_claim = models.CharField(max_length=8, choices=OverClaim.choices, **declared("over_claim"))
+    priority = models.IntegerField(**declared("priority"))
+    idle_park_seconds = models.PositiveIntegerField(
+        null=True, blank=True, **declared("idle_park_seconds")
+    )
+    min_ready_seconds = models.PositiveIntegerField(
+        null=True, blank=True, **declared("min_ready_seconds")
+    )
+    max_waiting = models.PositiveIntegerField(null=True, blank=True, **declared("max_waiting"))
     max_queue_seconds = models.PositiveIntegerField(
-        null=True, blank=True, help_text="how long a request may wait for it; empty = wake timeout"
+        null=True, blank=True, **declared("max_queue_seconds")
     )
     max_turn_seconds = models.PositiveIntegerField(
-        null=True, blank=True, help_text="how long it keeps its GPUs busy while others wait"
+        null=True, blank=True, **declared("max_turn_seconds")
     )
-    wake_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
-    start_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
-    drain_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
-    priority = models.IntegerField(default=0, help_text="higher stays loaded longer")
-    pinned = models.BooleanField(default=False, help_text="never parked or stopped to make room")
-    over_claim = models.CharField(
-        max_length=8,
-        choices=OverClaim.choices,
-        default=OverClaim.STOP,
-        help_text="an engine measured past its claim at start: stop it, or raise the claim",
+    wake_timeout_seconds = models.PositiveIntegerField(
+        null=True, blank=True, **declared("wake_timeout_seconds")
     )
-
+    start_timeout_seconds = models.PositiveIntegerField(
+        null=True, blank=True, **declared("start_timeout_seconds")
+    )
+    drain_timeout_seconds = models.PositiveIntegerField(
+        null=True, blank=True, **declared("drain_timeout_seconds")
+    )
     # What one /v1 request may ask of it (capyctl.deployments.guards declares each).
-    max_tokens_ceiling = models.PositiveIntegerField(
-        default=guards.MAX_TOKENS.default,
-        validators=[MinValueValidator(1), MaxValueValidator(guards.MAX_CEILING)],
-        help_text=guards.MAX_TOKENS.help,
-    )
-    n_ceiling = models.PositiveIntegerField(
-        default=guards.N.default,
-        validators=[MinValueValidator(1), MaxValueValidator(guards.MAX_CEILING)],
-        help_text=guards.N.help,
-    )
-    best_of_ceiling = models.PositiveIntegerField(
-        default=guards.BEST_OF.default,
-        validators=[MinValueValidator(1), MaxValueValidator(guards.MAX_CEILING)],
-        help_text=guards.BEST_OF.help,
-    )
+    max_tokens_ceiling = models.PositiveIntegerField(**declared("max_tokens_ceiling"))
+    n_ceiling = models.PositiveIntegerField(**declared("n_ceiling"))
+    best_of_ceiling = models.PositiveIntegerField(**declared("best_of_ceiling"))
     media_domains = models.JSONField(
         default=list,
         blank=True,
@@ -180,15 +189,27 @@ class Deployment(models.Model):
         super().save(*args, **kwargs)
 
     def setting(self, name: str) -> int:
-        """A timing or queue setting: this deployment's own, else the global default
-        (``max_queue_seconds`` without either, 0: its wake timeout)."""
+        """A setting with a global default (timing, queue): this deployment's own, else the
+        global default its declaration names (one whose 0 means another setting's value,
+        as ``max_queue_seconds``'s means its wake timeout: that setting)."""
+        declared_ = SETTING[name]
         own = getattr(self, name)
         if own is not None:
             return int(own)
-        default = int(settings.CAPYCTL[name.upper()])
-        if default == 0 and name == "max_queue_seconds":
-            return self.setting("wake_timeout_seconds")
+        if declared_.global_key is None:
+            raise KeyError(f"{name} has no global default")
+        default = int(settings.CAPYCTL[declared_.global_key])
+        if default == 0 and declared_.zero_means:
+            return self.setting(declared_.zero_means)
         return default
+
+    def setting_values(self) -> dict[str, Any]:
+        """Every declared setting as it applies (an empty one: its global default), by
+        name, in the declared order: what listings show."""
+        return {
+            s.name: self.setting(s.name) if s.global_key else getattr(self, s.name)
+            for s in SETTINGS
+        }
 
     @property
     def ceilings(self) -> dict[str, int]:

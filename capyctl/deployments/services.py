@@ -14,13 +14,8 @@ from django.db import transaction
 from django.db.models import Q
 
 from capyctl.deployments import guards
-from capyctl.deployments.models import (
-    Deployment,
-    DeploymentAlias,
-    ObservedState,
-    OverClaim,
-    ParkPolicy,
-)
+from capyctl.deployments.models import Deployment, DeploymentAlias, ObservedState, ParkPolicy
+from capyctl.deployments.settings_spec import SETTING, SETTINGS
 from capyctl.engines.models import Engine
 from capyctl.engines.services import check_engine_args, get_engine
 from capyctl.errors import NotFoundError, UserError
@@ -32,15 +27,17 @@ from hostagent.kinds import KindError, get_kind
 from hostagent.sources import SourceError, check_syntax, engine_source
 from hostagent.units import format_size
 
-MAX_GPUS = 64
-MAX_SECONDS = 10**9  # about 31 years, within the 32-bit columns that hold them
-MAX_COUNT = 2**31 - 1
-MAX_PRIORITY = 1000
+
+def _default(name: str) -> Any:
+    """A setting's declared default (None: the global default)."""
+    return SETTING[name].default
 
 
 @dataclass
 class DeploymentSpec:
-    """Everything a person can say about a deployment when adding it."""
+    """Everything a person can say about a deployment when adding it: what it is, and
+    each setting :mod:`capyctl.deployments.settings_spec` declares (a field of the same
+    name, with the declared default)."""
 
     name: str
     engine: str
@@ -50,8 +47,14 @@ class DeploymentSpec:
     gpu_memory_bytes: int | None = None
     gpu_memory_fraction: float | None = None
     weights_bytes: int | None = None
-    gpus: int = 1
-    park: str = ParkPolicy.AUTO
+    engine_args: list[str] = field(default_factory=list)
+    media_domains: list[str] = field(default_factory=list)
+    # The declared settings.
+    gpus: int = _default("gpus")
+    park: str = _default("park")
+    pinned: bool = _default("pinned")
+    over_claim: str = _default("over_claim")
+    priority: int = _default("priority")
     idle_park_seconds: int | None = None
     min_ready_seconds: int | None = None
     max_waiting: int | None = None
@@ -60,14 +63,9 @@ class DeploymentSpec:
     wake_timeout_seconds: int | None = None
     start_timeout_seconds: int | None = None
     drain_timeout_seconds: int | None = None
-    engine_args: list[str] = field(default_factory=list)
-    priority: int = 0
-    pinned: bool = False
-    over_claim: str = OverClaim.STOP
-    max_tokens_ceiling: int = guards.MAX_TOKENS.default
-    n_ceiling: int = guards.N.default
-    best_of_ceiling: int = guards.BEST_OF.default
-    media_domains: list[str] = field(default_factory=list)
+    max_tokens_ceiling: int = _default("max_tokens_ceiling")
+    n_ceiling: int = _default("n_ceiling")
+    best_of_ceiling: int = _default("best_of_ceiling")
 
 
 def get_deployment(name: str) -> Deployment:
@@ -152,21 +150,9 @@ def _check_figures(spec: DeploymentSpec) -> None:
         )
     if spec.weights_bytes is not None and spec.weights_bytes <= 0:
         raise UserError("weights size must be more than 0 bytes", field="weights_bytes")
-    if not 0 <= spec.gpus <= MAX_GPUS:
-        raise UserError(f"invalid gpus {spec.gpus}: use 0 to {MAX_GPUS}", field="gpus")
+    _check_settings(spec)
     if spec.gpus == 0 and (spec.gpu_memory_bytes or spec.gpu_memory_fraction):
         raise UserError("a deployment with 0 GPUs cannot claim gpu memory", field="gpu_memory")
-    if spec.park not in ParkPolicy.values:
-        raise UserError(
-            f"invalid park policy {spec.park!r} (use {', '.join(ParkPolicy.values)})",
-            field="park",
-        )
-    if spec.over_claim not in OverClaim.values:
-        raise UserError(
-            f"invalid over-claim {spec.over_claim!r} (use {', '.join(OverClaim.values)})",
-            field="over_claim",
-        )
-    _check_settings(spec)
     if not spec.source.strip():
         raise UserError(
             "a deployment needs a source (a path, hf://ORG/NAME or a URL)", field="source"
@@ -174,36 +160,12 @@ def _check_figures(spec: DeploymentSpec) -> None:
 
 
 def _check_settings(spec: DeploymentSpec) -> None:
-    """Its timing, queue and priority settings and its request guards (ceilings, media
-    domains), each within its range."""
-    for name in (
-        "idle_park_seconds",
-        "min_ready_seconds",
-        "max_turn_seconds",
-        "wake_timeout_seconds",
-        "start_timeout_seconds",
-        "drain_timeout_seconds",
-    ):
-        value = getattr(spec, name)
-        if value is not None and not 0 <= value <= MAX_SECONDS:
-            raise UserError(
-                f"invalid {name.replace('_', ' ')} {value}: use 0 to {MAX_SECONDS}", field=name
-            )
-    for name, most in (("max_queue_seconds", MAX_SECONDS), ("max_waiting", MAX_COUNT)):
-        value = getattr(spec, name)
-        if value is not None and not 1 <= value <= most:
-            raise UserError(
-                f"invalid {name.replace('_', ' ')} {value}: use 1 to {most}", field=name
-            )
-    if not -MAX_PRIORITY <= spec.priority <= MAX_PRIORITY:
-        raise UserError(
-            f"invalid priority {spec.priority}: use {-MAX_PRIORITY} to {MAX_PRIORITY}",
-            field="priority",
-        )
-    for ceiling in guards.CEILINGS:
-        wrong = guards.check_ceiling_value(ceiling, getattr(spec, ceiling.name))
+    """Each declared setting within its bounds or choices, and its request guards' media
+    domains."""
+    for setting in SETTINGS:
+        wrong = setting.check(getattr(spec, setting.name))
         if wrong is not None:
-            raise UserError(wrong, field=ceiling.name)
+            raise UserError(wrong, field=setting.name)
     if not isinstance(spec.media_domains, list):
         raise UserError("media domains must be a list of host names", field="media_domains")
     try:
@@ -258,22 +220,7 @@ def check_deployment(
 
 
 # Settings a person gives as plain values, the same in every entry point.
-SETTING_FIELDS = (
-    "gpus",
-    "park",
-    "idle_park_seconds",
-    "min_ready_seconds",
-    "max_waiting",
-    "max_queue_seconds",
-    "max_turn_seconds",
-    "wake_timeout_seconds",
-    "start_timeout_seconds",
-    "drain_timeout_seconds",
-    "priority",
-    "pinned",
-    "over_claim",
-    *(ceiling.name for ceiling in guards.CEILINGS),
-)
+SETTING_FIELDS = tuple(setting.name for setting in SETTINGS)
 # What an engine is launched with: a change reaches a running engine at its next start
 # (the gateway applies a new media policy at once; the engine's own flag, then).
 _LAUNCH_FIELDS = frozenset(

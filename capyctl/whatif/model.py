@@ -5,8 +5,35 @@ the live configuration) by :mod:`capyctl.whatif.scenario`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from capyctl.deployments.settings_spec import builtin_default
 
 GIB = 1024**3
+
+# The deployment settings a replay mirrors (capyctl.deployments.settings_spec declares
+# each): a SimModel field of the same name, whose default is what the setting comes to
+# where nothing overrides the built-in global defaults.
+MIRRORED_SETTINGS = (
+    "gpus",
+    "park",
+    "pinned",
+    "priority",
+    "min_ready_seconds",
+    "max_turn_seconds",
+    "max_queue_seconds",
+    "max_waiting",
+    "idle_park_seconds",
+)
+
+
+def _default(name: str) -> Any:
+    return builtin_default(name)
+
+
+def _seconds(name: str) -> float:
+    return float(builtin_default(name))
+
 
 # What each kind of engine takes, in seconds, when CapyCTL has not measured it for a model
 # yet (its events carry each start, park and wake it timed): typical figures for a model of
@@ -72,23 +99,24 @@ class SimHost:
 @dataclass
 class SimModel:
     """A deployment and its settings (each already resolved from its own value or the
-    global default), and where it stands when the replay begins."""
+    global default; :data:`MIRRORED_SETTINGS` default as declared), and where it stands
+    when the replay begins."""
 
     name: str
     kind: str = "vllm"
     host: str | None = None  # None: placed where it fits on its first start
-    gpus: int = 1
+    gpus: int = _default("gpus")
     claim_bytes: int = 16 * GIB  # per GPU
     weights_bytes: int = 8 * GIB  # the copy a ram park keeps in host RAM
     residual_bytes: int | None = None  # what a park leaves on each GPU; None: the policy's guess
-    park: str = "auto"
-    pinned: bool = False
-    priority: int = 0
-    min_ready_seconds: float = 10.0
-    max_turn_seconds: float = 30.0
-    max_queue_seconds: float = 300.0
-    max_waiting: int = 256
-    idle_park_seconds: float = 0.0
+    park: str = _default("park")
+    pinned: bool = _default("pinned")
+    priority: int = _default("priority")
+    min_ready_seconds: float = _seconds("min_ready_seconds")
+    max_turn_seconds: float = _seconds("max_turn_seconds")
+    max_queue_seconds: float = _seconds("max_queue_seconds")
+    max_waiting: int = _default("max_waiting")
+    idle_park_seconds: float = _seconds("idle_park_seconds")
     can_park_ram: bool = True
     can_park_deep: bool = True
     desired: str = "running"
