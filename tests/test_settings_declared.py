@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 from django.conf import settings as django_settings
@@ -193,3 +197,21 @@ def test_a_setting_declared_shows_in_the_serializers_parser_and_admin(monkeypatc
     assert sections[PARKING]["fields"][-2:] == ("warmup_seconds", "shared")
     assert WARMUP.check(601) == "invalid warmup seconds 601: use 0 to 600"
     assert WARMUP.cli_help() == "how long it warms up after a start (default 5)"
+
+
+def test_the_builtin_global_defaults_are_those_settings_start_from(tmp_path):
+    """Where no CAPYCTL_ variable sets them, the global defaults are the declared builtins
+    (what the what-if model starts from)."""
+    script = (
+        "import json, django; django.setup(); from django.conf import settings; "
+        "from capyctl.deployments.settings_spec import SETTINGS; "
+        "print(json.dumps({s.name: [settings.CAPYCTL[s.global_key], s.builtin] "
+        "for s in SETTINGS if s.global_key}))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPYCTL_")}
+    env |= {"CAPYCTL_DATA_DIR": str(tmp_path), "DJANGO_SETTINGS_MODULE": "capyctl.settings"}
+    found = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, check=True, timeout=120)  # fmt: skip
+    pairs = json.loads(found.stdout)
+    assert pairs
+    assert all(value == builtin for value, builtin in pairs.values()), pairs
