@@ -13,9 +13,9 @@ def in_use(url):
     have just lost its data, and the counts are unknown for the first seconds)."""
     import redis
 
-    from capyctl.scheduler import requests_in_progress
+    from capyctl.scheduler import requests_in_progress_redis
 
-    redis.Redis.from_url(url).set(requests_in_progress._EPOCH, time.time())
+    redis.Redis.from_url(url).set(requests_in_progress_redis._EPOCH, time.time())
     return url
 
 
@@ -64,14 +64,14 @@ def test_a_crashed_process_s_counts_vanish_with_its_lease(redis_url, tmp_path):
     import subprocess
     import sys
 
-    from capyctl.scheduler import requests_in_progress
+    from capyctl.scheduler import requests_in_progress_redis
 
     here = RedisInFlight(in_use(redis_url))
     code = (
         "import sys, time\n"
-        "from capyctl.scheduler import requests_in_progress\n"
-        "requests_in_progress.LEASE_SECONDS = 2\n"
-        f"counter = requests_in_progress.RedisInFlight({redis_url!r})\n"
+        "from capyctl.scheduler import requests_in_progress_redis\n"
+        "requests_in_progress_redis.LEASE_SECONDS = 2\n"
+        f"counter = requests_in_progress_redis.RedisInFlight({redis_url!r})\n"
         "counter.begin(11)\n"
         "print('in flight', flush=True)\n"
         "time.sleep(120)\n"
@@ -92,7 +92,7 @@ def test_a_crashed_process_s_counts_vanish_with_its_lease(redis_url, tmp_path):
         api.kill()
         api.wait()
         here.stop()
-    assert requests_in_progress.LEASE_SECONDS == 5  # the default, untouched in this process
+    assert requests_in_progress_redis.LEASE_SECONDS == 5  # the default, untouched in this process
 
 
 def test_draining_waits_for_requests_in_flight(settings, monkeypatch):
@@ -268,9 +268,10 @@ def test_redis_back_with_its_data_after_the_leases_lapsed_never_reads_zero_under
     the api process for dead and read 0 while it had a request in flight. The request it
     admitted during the outage (counted here only) is published before any count is
     trusted."""
-    from capyctl.scheduler import requests_in_progress
+    from capyctl.scheduler import requests_in_progress_redis
 
-    monkeypatch.setattr(requests_in_progress, "LEASE_SECONDS", 2)  # the outage outlasts it sooner
+    # The outage outlasts the lease sooner.
+    monkeypatch.setattr(requests_in_progress_redis, "LEASE_SECONDS", 2)
     api = RedisInFlight(in_use(own_redis.url))
     worker = RedisInFlight(own_redis.url)
     try:
@@ -278,7 +279,7 @@ def test_redis_back_with_its_data_after_the_leases_lapsed_never_reads_zero_under
         assert wait_for_count(worker, 51) == 1
         own_redis.shutdown_save()
         assert api.begin(51)  # admitted while Redis is away: 2 in flight
-        time.sleep(requests_in_progress.LEASE_SECONDS + 1)
+        time.sleep(requests_in_progress_redis.LEASE_SECONDS + 1)
         own_redis.start()  # with its data; every lease has lapsed
         seen = watch_counts(worker, 51, 8, until=2)
         assert seen[-1] == 2, seen
@@ -296,10 +297,10 @@ def test_an_api_process_cut_off_from_redis_past_its_lease_never_reads_as_zero(
     api process for dead once its lease lapsed and read 0 with its request in flight. It
     now reads unknown for as long as the api process runs and has not checked in, and the
     request admitted meanwhile is counted once it is back."""
-    from capyctl.scheduler import requests_in_progress
+    from capyctl.scheduler import requests_in_progress_redis
     from tests.own_servers import PausableProxy
 
-    monkeypatch.setattr(requests_in_progress, "LEASE_SECONDS", 2)
+    monkeypatch.setattr(requests_in_progress_redis, "LEASE_SECONDS", 2)
     proxy = PausableProxy(own_redis.port)
     api = RedisInFlight(in_use(proxy.url()))
     worker = RedisInFlight(own_redis.url)
@@ -308,7 +309,7 @@ def test_an_api_process_cut_off_from_redis_past_its_lease_never_reads_as_zero(
         assert wait_for_count(worker, 52) == 1
         proxy.pause()
         assert api.begin(52)  # it times out: counted in the api process only
-        during = watch_counts(worker, 52, requests_in_progress.LEASE_SECONDS + 3)
+        during = watch_counts(worker, 52, requests_in_progress_redis.LEASE_SECONDS + 3)
         assert set(during) <= {"unknown", 1}, during
         assert during[-1] == "unknown"
         proxy.resume()

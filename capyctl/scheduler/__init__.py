@@ -24,7 +24,8 @@ wakes                 the one entry point the gateway awaits (``await wakes.read
 gateway_api           all the gateway may use of the scheduler: ready, a request counted in
                       flight, a model asked for, the errors it answers with.
 deployment_locks      one lock per deployment in a process; errors: typed failures.
-requests_in_progress  requests in flight per deployment, and the drain gate.
+requests_in_progress  requests in flight per deployment, and the drain gate: counted in this
+                      process, or in server mode in Redis (``requests_in_progress_redis``).
 redislink             the short Redis calls of the request path and the host lock (timeouts, a
                       shared quiet period), and who a process is (its pid checked on this machine).
 actions,              people's intents (start, stop, park, wake) saved as Operation rows,
