@@ -120,7 +120,7 @@ def main() -> int:  # noqa: PLR0915 - one check, read top to bottom
     from capyctl.engines.services import add_engine
     from capyctl.hosts.models import Host
     from capyctl.ledger.models import LedgerEntry
-    from capyctl.scheduler import operations
+    from capyctl.scheduler import actions
     from capyctl.scheduler.drivers import local_driver
     from capyctl.scheduler.reconcile import reconcile
 
@@ -167,16 +167,16 @@ def main() -> int:  # noqa: PLR0915 - one check, read top to bottom
     agreed = 0
     probe = "the probe" if args.sim else "NVML"
     try:
-        operations.ensure_ready(models[0].pk)
+        actions.ensure_ready(models[0].pk)
         print(f"{args.switches} switches, weights {gb(weights)} a model "
               f"(a: 40 %, b: 70 % of the device)")  # fmt: skip
         for i in range(args.switches):
             target = models[(i + 1) % 2]
             calls.clear()
             started = time.perf_counter()
-            ready = operations.ensure_ready(target.pk, timeout=600)
+            ready = actions.ensure_ready(target.pk, timeout=600)
             instance = driver.instance(
-                operations.instance_key(ready.instances.exclude(state="exited").get())
+                actions.instance_key(ready.instances.exclude(state="exited").get())
             )
             if instance is None:
                 raise RuntimeError(f"{target.name} has no running engine")

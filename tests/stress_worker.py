@@ -46,18 +46,18 @@ def _setup() -> None:
 def step(rng: random.Random, ids: list[int], timeout: float) -> str:
     """One random operation, as a person or a request asks for it; its name, or the
     scheduler's refusal (``SchedulerError``) raised."""
-    from capyctl.scheduler import operations
+    from capyctl.scheduler import actions
 
     target = rng.choice(ids)
     action = rng.choice(["ready", "ready", "ready", "park", "stop", "start"])
     if action == "ready":
-        operations.ensure_ready(target, timeout=timeout)
+        actions.ensure_ready(target, timeout=timeout)
     elif action == "park":
-        operations.park(target, rng.choice(["ram", "deep", None]))
+        actions.park(target, rng.choice(["ram", "deep", None]))
     elif action == "stop":
-        operations.stop(target)
+        actions.stop(target)
     else:
-        operations.start(target)
+        actions.start(target)
     return action
 
 

@@ -17,7 +17,7 @@ from capyctl.deployments.models import Deployment, Instance
 from capyctl.engines.services import add_engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
-from capyctl.scheduler import estimates, operations, snapshots
+from capyctl.scheduler import actions, estimates, snapshots
 from capyctl.scheduler.errors import EngineFailedError
 from hostagent.kinds import LaunchSpec, get_kind
 from hostagent.kinds.tensorfold import TensorFoldKind
@@ -179,7 +179,7 @@ def uncapped(monkeypatch):
 def test_a_capped_tensorfold_holds_what_the_ledger_says(gpu24):
     tensorfold_engine()
     tf = deployment("tf", engine="sim-tf", gib=12, source="weights")
-    operations.ensure_ready(tf.pk)
+    actions.ensure_ready(tf.pk)
     assert state("tf") == ("ready", "")
     status, held = entries("tf")["gpu0"]
     assert status == "held"
@@ -189,7 +189,7 @@ def test_a_capped_tensorfold_holds_what_the_ledger_says(gpu24):
     # A second one beside it: the card has 12 GiB free, its reserve takes 4 of them.
     tensorfold_engine("sim-tf-2")
     small = deployment("small", engine="sim-tf-2", gib=8, source="weights")
-    operations.ensure_ready(small.pk)
+    actions.ensure_ready(small.pk)
     assert state("small") == ("ready", "")
     assert entries("small")["gpu0"][1] <= 8 * GIB
     assert gpu24.devices()[0].used_bytes <= 20 * GIB
@@ -201,7 +201,7 @@ def test_an_uncapped_tensorfold_grabs_the_card_and_is_stopped(gpu24, monkeypatch
     tensorfold_engine()
     tf = deployment("tf", engine="sim-tf", gib=12, source="weights")
     with pytest.raises(EngineFailedError, match=r"holds 20\.5 GiB on gpu0"):
-        operations.ensure_ready(tf.pk)
+        actions.ensure_ready(tf.pk)
     d = Deployment.objects.get(name="tf")
     assert d.observed_state == "failed"
     assert d.state_reason == (
@@ -222,7 +222,7 @@ def test_over_claim_raise_raises_the_claim_and_says_so(gpu24, monkeypatch):
     uncapped(monkeypatch)
     tensorfold_engine()
     tf = deployment("tf", engine="sim-tf", gib=12, source="weights", over_claim="raise")
-    operations.ensure_ready(tf.pk)
+    actions.ensure_ready(tf.pk)
     assert state("tf") == ("ready", "")
     measured = 20 * GIB + 512 * MIB
     assert entries("tf")["gpu0"] == ("held", measured)
@@ -244,7 +244,7 @@ def test_an_engine_within_its_tolerance_is_not_stopped(gpu24):
     add_engine("sim-llama", kind="llamacpp", command=f"{SIM} llamacpp",
                env={**SIM_ENV, "CAPYCTL_SIM_GPU_BYTES": "12.5GiB"})  # fmt: skip
     d = deployment("llama", engine="sim-llama", gib=12)
-    operations.ensure_ready(d.pk)
+    actions.ensure_ready(d.pk)
     assert state("llama") == ("ready", "")
     assert entries("llama")["gpu0"] == ("held", 12 * GIB + 512 * MIB)
 
@@ -278,6 +278,6 @@ def measured_by_device(request, tmp_path, settings):
 def test_measured_by_device_a_capped_tensorfold_is_not_failed(measured_by_device):
     tensorfold_engine()
     tf = deployment("tf", engine="sim-tf", gib=12, source="weights")
-    operations.ensure_ready(tf.pk)
+    actions.ensure_ready(tf.pk)
     assert state("tf") == ("ready", "")
     assert entries("tf")["gpu0"][1] <= 12 * GIB

@@ -13,7 +13,7 @@ from rest_framework.test import APIClient
 from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
 from capyctl.engines.services import add_engine
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions, errors
 from hostagent.kinds import KindError, get_kind
 from tests.conftest import run_program, start_server, stop_server
 from tests.fakes import process_environ
@@ -100,8 +100,8 @@ def test_an_engine_listening_on_every_interface_is_stopped_with_the_reason(gpu24
         f"{SIM} llamacpp -m {{source}} --port {{port}} --api-key-file {{api_key_file}} "
         "--host 0.0.0.0 --slot-save-path {host}"))  # fmt: skip
     model = deployment("exposed", engine="open")
-    with pytest.raises(operations.EngineFailedError, match=re.escape(EVERY_INTERFACE)):
-        operations.ensure_ready(model.pk)
+    with pytest.raises(errors.EngineFailedError, match=re.escape(EVERY_INTERFACE)):
+        actions.ensure_ready(model.pk)
     row = Deployment.objects.get(pk=model.pk)
     assert row.observed_state == "failed"
     assert "listens on 0.0.0.0:" in row.state_reason
@@ -122,8 +122,8 @@ def test_an_engine_on_loopback_passes_the_check(gpu24):
     )
     add_engine("closed", kind="custom", env=SIM_ENV, command=template)
     model = deployment("private", engine="closed")
-    assert operations.ensure_ready(model.pk).observed_state == "ready"
-    operations.stop(model.pk)
+    assert actions.ensure_ready(model.pk).observed_state == "ready"
+    actions.stop(model.pk)
 
 
 # -- engine args cannot override the reserved flags -----------------------------------------

@@ -22,7 +22,7 @@ from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
 from capyctl.engines.services import add_engine
 from capyctl.events.models import Event
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions
 from capyctl.scheduler.errors import EngineFailedError
 from hostagent.kinds import get_kind
 from hostagent.runtime import free_port
@@ -214,7 +214,7 @@ def test_the_host_reads_the_version_at_its_first_launch_and_records_it(gpu24, tm
     assert Engine.objects.get(name="tf").version == ""
     _script(program, "0.6.5")
     a = deployment("a", engine="tf", source=weights)
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     engine = Engine.objects.get(name="tf")
     assert engine.version == "0.6.5"
     assert engine.flags is not None
@@ -232,7 +232,7 @@ def test_a_flag_the_hosts_copy_lacks_fails_the_start_before_any_process(gpu24, t
     )
     _script(program, "0.5.3")
     with pytest.raises(EngineFailedError) as failed:
-        operations.ensure_ready(a.pk)
+        actions.ensure_ready(a.pk)
     assert str(failed.value) == (
         "a: the engine failed to start: tensorfold on this host (0.5.3) has no "
         "--sleep-cache-dir flag: its `serve --help` does not list it"
@@ -266,7 +266,7 @@ def test_a_tensorfold_with_the_sleep_api_parks_deep_and_wakes_through_it(
     tensorfold("tf", {**NEW, "TENSORFOLD_SLEEP_TOKEN": "an-engine-env-token"})
     a = deployment("a", engine="tf", source=weights)
     b = deployment("b", engine="tf", source=weights)
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     engine = _engine_process("a")
     assert "--enable-sleep-mode" in engine.cmdline()
     token = engine.environ()["TENSORFOLD_SLEEP_TOKEN"]
@@ -274,11 +274,11 @@ def test_a_tensorfold_with_the_sleep_api_parks_deep_and_wakes_through_it(
     assert token == hmac.new(key.encode(), b"tensorfold-sleep", hashlib.sha256).hexdigest()
     assert not any(token in arg or key in arg for arg in engine.cmdline())
 
-    operations.ensure_ready(b.pk, timeout=20)  # b needs a's room: a sleeps, deep
+    actions.ensure_ready(b.pk, timeout=20)  # b needs a's room: a sleeps, deep
     assert state("a") == ("parked", "deep")
     assert state("b") == ("ready", "")
     assert engine.is_running()  # the same process: parked, not stopped
-    operations.ensure_ready(a.pk, timeout=20)  # a wakes (b sleeps for it)
+    actions.ensure_ready(a.pk, timeout=20)  # a wakes (b sleeps for it)
     assert state("a") == ("ready", "")
     assert state("b") == ("parked", "deep")
     assert _engine_process("a").pid == engine.pid
@@ -289,9 +289,9 @@ def test_a_tensorfold_without_it_is_stopped_to_make_room(gpu24, weights):
     tensorfold("tf", OLD)
     a = deployment("a", engine="tf", source=weights)
     b = deployment("b", engine="tf", source=weights)
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert "--enable-sleep-mode" not in _engine_process("a").cmdline()
-    operations.ensure_ready(b.pk, timeout=20)
+    actions.ensure_ready(b.pk, timeout=20)
     assert state("a") == ("stopped", "")
     assert state("b") == ("ready", "")
 

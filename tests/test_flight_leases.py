@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from capyctl.deployments.models import Deployment
 from capyctl.hosts.models import Host
-from capyctl.scheduler import deployment_locks, operations
+from capyctl.scheduler import actions, deployment_locks
 from capyctl.scheduler.reconcile import reconcile
 from tests.scheduling import deployment, state, vllm_engine
 
@@ -58,7 +58,7 @@ def test_a_redis_restart_does_not_get_a_start_under_way_repaired(gpu24, own_redi
     taken for gone until the leases had the time to be renewed."""
     vllm_engine()
     a = deployment("a", wake_timeout_seconds=60)
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     host = Host.objects.get(name="local").pk
     Deployment.objects.filter(pk=a.pk).update(
         observed_state="waking", state_changed_at=timezone.now() - timedelta(seconds=6)

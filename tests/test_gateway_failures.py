@@ -19,7 +19,7 @@ from django.db import OperationalError, connection
 from capyctl.access.models import ApiKey
 from capyctl.access.services import issue_api_key
 from capyctl.gateway.app import Gateway
-from capyctl.scheduler import operations, requests_in_progress
+from capyctl.scheduler import actions, requests_in_progress
 from tests.conftest import table_counts
 from tests.scheduling import deployment, state, vllm_engine
 
@@ -43,7 +43,7 @@ def _plant(gateway: Gateway, step: str, exc: Exception, monkeypatch: pytest.Monk
     elif step == "in flight":
         monkeypatch.setattr(requests_in_progress, "abegin", _raising(exc))
     else:  # the engine call
-        pool = gateway._client()
+        pool = gateway.forwarding.client()
         monkeypatch.setattr(pool, "request", _raising(exc))
 
 
@@ -68,7 +68,7 @@ async def test_a_failure_at_any_step_is_an_openai_error(  # noqa: PLR0917 - fixt
 
     def set_up() -> str:
         vllm_engine()
-        operations.ensure_ready(deployment("chat").pk)
+        actions.ensure_ready(deployment("chat").pk)
         return issue_api_key("bob")[1]
 
     key = await sync_to_async(set_up)()
@@ -122,7 +122,7 @@ async def test_a_database_locked_by_another_program(gpu24, bob):
 
     def set_up() -> str:
         vllm_engine()
-        operations.ensure_ready(deployment("chat", gib=8).pk)
+        actions.ensure_ready(deployment("chat", gib=8).pk)
         deployment("other", gib=8)
         return issue_api_key("bob")[1]
 

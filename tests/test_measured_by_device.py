@@ -14,7 +14,7 @@ from capyctl.engines.services import add_engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions
 from capyctl.scheduler.drivers import set_local_driver
 from capyctl.scheduler.reconcile import reconcile
 from capyctl.web.dashboard import dashboard_data
@@ -50,12 +50,12 @@ def test_a_start_records_the_real_share_and_a_park_is_confirmed_by_the_device(hi
     add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm",
                env={**SIM_ENV, "CAPYCTL_SIM_GPU_BYTES": "12GiB"})  # fmt: skip
     a, b = deployment("a"), deployment("b")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert entries("a")["gpu0"] == ("held", 12 * GIB)  # measured: not the 16 GiB claim
     assert gpu_ledger_matches_the_device(hidden_pids)
 
     # b's 16 GiB does not fit beside a: a is parked, its park confirmed by the GPU's fall.
-    operations.ensure_ready(b.pk)
+    actions.ensure_ready(b.pk)
     assert state("a") == ("parked", "ram")
     assert state("b") == ("ready", "")
     assert entries("a")["gpu0"] == ("held", 512 * MIB)  # its residual, measured
@@ -67,7 +67,7 @@ def test_a_start_records_the_real_share_and_a_park_is_confirmed_by_the_device(hi
     assert "not confirmed" not in parked
 
     # And back: b parks, a wakes to its share again.
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
     assert state("b") == ("parked", "ram")
     assert entries("a")["gpu0"] == ("held", 12 * GIB)
@@ -99,8 +99,8 @@ def test_a_park_that_keeps_its_memory_is_still_found_out(hidden_pids):
     add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
     a = deployment("a", engine="sticky")
     b = deployment("b")
-    operations.ensure_ready(a.pk)
-    operations.ensure_ready(b.pk, timeout=20)
+    actions.ensure_ready(a.pk)
+    actions.ensure_ready(b.pk, timeout=20)
     assert state("a") == ("stopped", "")  # stopped instead, as on a host that sees pids
     assert state("b") == ("ready", "")
     engine = Engine.objects.get(name="sticky")

@@ -12,7 +12,7 @@ import pytest
 from capyctl.deployments.models import Deployment
 from capyctl.engines.services import add_engine
 from capyctl.events.models import Event
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions, errors
 from hostagent.kinds import KindError, get_kind
 from hostagent.kinds.base import LaunchSpec
 from hostagent.sources import engine_source
@@ -100,7 +100,7 @@ def test_engine_downloads_is_a_yes_or_no_for_the_kinds_that_have_it():
 def test_a_bare_hub_id_is_downloaded_by_capyctl_and_the_engine_starts_offline(gpu24, hub, kind):
     add_engine("sim", kind=kind, command=f"{SIM} {kind}", env=SIM_ENV)
     model = deployment("tiny", engine="sim", source=REPO)
-    ready = operations.ensure_ready(model.pk)
+    ready = actions.ensure_ready(model.pk)
     assert ready.observed_state == "ready"
     assert any(f"/{REPO}/resolve/" in path for path, _ in hub.requests)
     assert ready.download["state"] == "done"
@@ -111,7 +111,7 @@ def test_a_bare_hub_id_is_downloaded_by_capyctl_and_the_engine_starts_offline(gp
     downloaded = Event.objects.get(subject="tiny", kind="deployment.downloaded")
     assert downloaded.message.startswith(f"downloaded {REPO}: 2.0 MiB in ")
     # The engine was given the snapshot folder in this host's cache, under its own name.
-    instance = gpu24.instance(operations.instance_key(ready.instances.get()))
+    instance = gpu24.instance(actions.instance_key(ready.instances.get()))
     folder = Path(instance.request.source)
     assert folder.is_relative_to(gpu24.sources.root)
     assert (folder / "model.safetensors").read_bytes() == WEIGHTS
@@ -123,8 +123,8 @@ def test_a_bare_hub_id_is_downloaded_by_capyctl_and_the_engine_starts_offline(gp
     else:
         assert (seen["VLLM_NO_USAGE_STATS"], seen["VLLM_DO_NOT_TRACK"]) == ("1", "1")
     # The next start finds it in the cache: no second download.
-    operations.stop(model.pk)
-    again = operations.start(model.pk)
+    actions.stop(model.pk)
+    again = actions.start(model.pk)
     assert again.observed_state == "ready"
     assert again.download["downloaded"] is False
     assert Event.objects.filter(subject="tiny", kind="deployment.downloaded").count() == 1
@@ -134,8 +134,8 @@ def test_a_bare_hub_id_is_downloaded_by_capyctl_and_the_engine_starts_offline(gp
 def test_a_missing_hub_id_fails_clearly_before_any_engine_runs(gpu24, hub):
     add_engine("sim", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
     model = deployment("ghost", engine="sim", source="acme/ghost")
-    with pytest.raises(operations.SourceError, match="no such repository"):
-        operations.ensure_ready(model.pk)
+    with pytest.raises(errors.SourceError, match="no such repository"):
+        actions.ensure_ready(model.pk)
     row = Deployment.objects.get(pk=model.pk)
     assert row.observed_state == "failed"
     assert row.state_reason.startswith(f"hf://acme/ghost: no such repository at {hub.url}")
@@ -147,11 +147,11 @@ def test_engine_downloads_leaves_the_bare_id_to_the_engine(gpu24, hub):
     add_engine("sim", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV,
                options={"engine_downloads": True})  # fmt: skip
     model = deployment("tiny", engine="sim", source=REPO)
-    ready = operations.ensure_ready(model.pk)
+    ready = actions.ensure_ready(model.pk)
     assert ready.observed_state == "ready"
     assert hub.requests == []  # CapyCTL fetched nothing
     assert not Event.objects.filter(subject="tiny", kind="deployment.downloading").exists()
-    instance = gpu24.instance(operations.instance_key(ready.instances.get()))
+    instance = gpu24.instance(actions.instance_key(ready.instances.get()))
     assert instance.request.source == REPO
     seen = process_environ(instance.pid)
     assert "HF_HUB_OFFLINE" not in seen

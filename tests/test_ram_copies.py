@@ -14,7 +14,7 @@ from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import overcommitted
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions
 from tests.scheduling import GIB, MIB, SIM, deployment, state
 
 # Simulated vLLM whose weights, the copy a ram park makes, are 2 GiB (a quarter of the
@@ -45,7 +45,7 @@ def test_a_model_declared_smaller_than_its_copy_overshoots_host_ram_once(gpu24, 
     d = deployment("d", weights_bytes=GIB)
     p, q = deployment("p"), deployment("q")
     for model in (d, p, q, c):  # d's copy is measured by a park with host RAM to spare
-        operations.ensure_ready(model.pk)
+        actions.ensure_ready(model.pk)
     assert [state(m) for m in "dpq"] == [("parked", "ram")] * 3
     assert Deployment.objects.get(name="d").measured_weights_bytes is not None
     _leave_host_ram(GIB + 200 * MIB)  # room for c's declared copy, not for its real one
@@ -53,8 +53,8 @@ def test_a_model_declared_smaller_than_its_copy_overshoots_host_ram_once(gpu24, 
     deadline = time.monotonic() + 20
     rounds = 0
     while time.monotonic() < deadline or rounds < 4:
-        operations.ensure_ready(d.pk)
-        operations.ensure_ready(c.pk)
+        actions.ensure_ready(d.pk)
+        actions.ensure_ready(c.pk)
         rounds += 1
         assert overcommitted(Host.objects.get(name="local")) == []
 

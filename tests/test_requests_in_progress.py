@@ -124,7 +124,8 @@ def test_a_closed_gate_refuses_new_requests_until_reopened(tracker):
 
 def test_a_drain_closes_the_gate_and_ready_reopens_it(monkeypatch, db):
     from capyctl.deployments.models import Deployment
-    from capyctl.scheduler import operations, requests_in_progress, transitions
+    from capyctl.scheduler import requests_in_progress, transitions
+    from capyctl.scheduler.actions import drain
     from tests.scheduling import deployment as add_deployment
     from tests.scheduling import vllm_engine
 
@@ -134,7 +135,7 @@ def test_a_drain_closes_the_gate_and_ready_reopens_it(monkeypatch, db):
     deployment = add_deployment("gated")
     Deployment.objects.filter(pk=deployment.pk).update(observed_state="ready")
     deployment.refresh_from_db()
-    assert operations._drain(deployment, "parking")
+    assert drain.drain(deployment, "parking")
     assert not local.begin(deployment.pk)
     assert transitions.drain_abandoned(deployment)
     assert local.begin(deployment.pk)

@@ -15,7 +15,8 @@ from capyctl.engines.services import add_engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions, errors
+from capyctl.scheduler.actions import ready as ready_module
 from capyctl.scheduler.reconcile import reconcile
 from hostagent.simgpu import write_allocation
 from tests.scheduling import GIB, SIM, SIM_ENV, deployment, entries, state
@@ -33,17 +34,17 @@ def test_memory_kept_after_a_failed_check_stays_unconfirmed_until_the_probe_show
     sim_engine("sticky", CAPYCTL_SIM_KEEP_MEMORY="1")
     gpu24.runtime.release_timeout = 0.5
     a = deployment("a", engine="sticky")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     Engine.objects.filter(name="sticky").update(park_unverified_at=timezone.now())
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(operations, "_wake", lambda *args: None)  # it stays parked
-        assert operations.check_park(a.pk) is False
+        patch.setattr(ready_module, "wake", lambda *args: None)  # it stays parked
+        assert actions.check_park(a.pk) is False
     assert state("a") == ("parked", "ram")
     assert entries("a")["gpu0"][0] == "unconfirmed"
     assert "still sees its memory" in Deployment.objects.get(name="a").state_reason
 
     # The engine finally lets go: the next reconcile sees it and releases the entry.
-    instance = gpu24.instance(operations.instance_key(a.instances.get()))
+    instance = gpu24.instance(actions.instance_key(a.instances.get()))
     assert instance is not None
     write_allocation(gpu24.probe.state_dir, instance.pid, {0: 512 * 1024**2}, 8 * GIB)
     reconcile(Host.objects.get(name="local").pk)
@@ -54,12 +55,12 @@ def test_memory_kept_after_a_failed_check_stays_unconfirmed_until_the_probe_show
 def test_a_hung_wake_fails_after_wake_timeout_and_frees_memory_once_the_process_is_gone(gpu24):
     sim_engine("hangs", CAPYCTL_SIM_HANG_ON_WAKE="1")
     a = deployment("a", engine="hangs", wake_timeout_seconds=1)
-    operations.ensure_ready(a.pk)
-    operations.park(a.pk, "ram")
+    actions.ensure_ready(a.pk)
+    actions.park(a.pk, "ram")
     pid = a.instances.get().pid
     started = time.monotonic()
-    with pytest.raises(operations.EngineFailedError, match="wake failed"):
-        operations.ensure_ready(a.pk)
+    with pytest.raises(errors.EngineFailedError, match="wake failed"):
+        actions.ensure_ready(a.pk)
     assert time.monotonic() - started < 10
     observed, _ = state("a")
     assert observed == "failed"
@@ -71,8 +72,8 @@ def test_a_hung_wake_fails_after_wake_timeout_and_frees_memory_once_the_process_
 def test_a_crash_while_ready_is_failed_and_started_again_on_the_next_request(gpu24):
     sim_engine("crashy", CAPYCTL_SIM_CRASH_AFTER="1")
     a = deployment("a", engine="crashy")
-    operations.ensure_ready(a.pk)
-    instance = gpu24.instance(operations.instance_key(a.instances.get()))
+    actions.ensure_ready(a.pk)
+    instance = gpu24.instance(actions.instance_key(a.instances.get()))
     assert instance is not None
     import httpx
 
@@ -90,7 +91,7 @@ def test_a_crash_while_ready_is_failed_and_started_again_on_the_next_request(gpu
     assert observed == "failed"
     assert "exited with status 3" in Deployment.objects.get(name="a").state_reason
     assert not LedgerEntry.objects.filter(deployment__name="a").exists()
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
 
 
@@ -98,7 +99,7 @@ def test_a_crash_while_ready_is_failed_and_started_again_on_the_next_request(gpu
 def test_idle_models_are_parked_after_idle_park_seconds(gpu24):
     sim_engine("sim-vllm")
     a = deployment("a", idle_park_seconds=1)
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     reconcile(Host.objects.get(name="local").pk)
     assert state("a") == ("ready", "")
     time.sleep(1.2)
@@ -133,14 +134,14 @@ def test_memory_used_by_other_processes_counts_as_foreign(gpu24):
         reconcile(host.pk)
         foreign = LedgerEntry.objects.get(deployment=None, pool="gpu0")
         assert (foreign.status, foreign.bytes) == ("foreign", 10 * GIB)
-        with pytest.raises(operations.NoCapacityError):
-            operations.ensure_ready(a.pk)
+        with pytest.raises(errors.NoCapacityError):
+            actions.ensure_ready(a.pk)
     finally:
         other.terminate()
         other.wait()
     reconcile(host.pk)
     assert not LedgerEntry.objects.filter(deployment=None, pool="gpu0").exists()
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
 
 
@@ -152,7 +153,7 @@ def test_a_transition_stuck_past_its_timeout_is_repaired(gpu24):
 
     sim_engine("sim-vllm")
     a = deployment("a", wake_timeout_seconds=5)
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     # As if a worker died in the middle of a wake a while ago.
     Deployment.objects.filter(pk=a.pk).update(
         observed_state="waking", state_changed_at=timezone.now() - timedelta(seconds=120)
@@ -162,7 +163,7 @@ def test_a_transition_stuck_past_its_timeout_is_repaired(gpu24):
     assert observed == "failed"
     assert "stayed waking for" in Deployment.objects.get(pk=a.pk).state_reason
     assert entries("a") == {}
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
 
 
@@ -180,7 +181,7 @@ def test_a_passing_state_nobody_drives_is_repaired_before_its_timeout(gpu24):
 
     sim_engine("sim-vllm")
     a = deployment("a", wake_timeout_seconds=60)
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     host = Host.objects.get(name="local").pk
     six_seconds_ago = timezone.now() - timedelta(seconds=6)
     Deployment.objects.filter(pk=a.pk).update(
@@ -205,7 +206,7 @@ def test_a_passing_state_nobody_drives_is_repaired_before_its_timeout(gpu24):
     reconcile(host)  # nobody drives it any more
     assert state("a")[0] == "failed"
     assert "stayed waking for 6s" in Deployment.objects.get(pk=a.pk).state_reason
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
 
 
@@ -214,11 +215,11 @@ def test_a_model_can_wake_over_its_own_unconfirmed_memory(gpu24):
     sim_engine("sticky", CAPYCTL_SIM_KEEP_MEMORY="1")
     gpu24.runtime.release_timeout = 0.5
     a = deployment("a", engine="sticky")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     Engine.objects.filter(name="sticky").update(park_unverified_at=timezone.now())
     # The check's park keeps its memory, as unconfirmed; its whole claim is counted
     # already, so the wake back takes nothing more, and it is held again.
-    assert operations.check_park(a.pk) is False
+    assert actions.check_park(a.pk) is False
     assert state("a") == ("ready", "")
     assert entries("a")["gpu0"][0] == "held"
     kinds = list(Event.objects.filter(deployment=a).order_by("pk").values_list("kind", flat=True))
@@ -240,7 +241,7 @@ def test_a_stop_during_a_start_waits_for_it_then_ends_it(gpu24, tmp_path):
     def run(name: str, operation) -> None:
         try:
             outcomes[name] = operation(a.pk).observed_state
-        except operations.SchedulerError as exc:
+        except errors.SchedulerError as exc:
             outcomes[name] = exc
         finally:
             connection.close()
@@ -251,11 +252,11 @@ def test_a_stop_during_a_start_waits_for_it_then_ends_it(gpu24, tmp_path):
             assert time.monotonic() < deadline, f"still waiting for {what}"
             time.sleep(0.02)
 
-    starter = threading.Thread(target=run, args=("start", operations.ensure_ready))
+    starter = threading.Thread(target=run, args=("start", actions.ensure_ready))
     starter.start()
     wait_for(gate.with_name("load-gate.waiting").exists, "the engine to load")
     (loading,) = gpu24.instances()
-    stopper = threading.Thread(target=run, args=("stop", operations.stop))
+    stopper = threading.Thread(target=run, args=("stop", actions.stop))
     stopper.start()
 
     def states() -> tuple[str, str]:
@@ -283,7 +284,7 @@ def test_a_stop_during_a_start_waits_for_it_then_ends_it(gpu24, tmp_path):
     assert gpu24.devices()[0].used_bytes == 0
     assert gpu24.instances() == []
     assert not loading.process.alive()
-    operations.start(a.pk)  # and it starts again cleanly
+    actions.start(a.pk)  # and it starts again cleanly
     assert state("a") == ("ready", "")
 
 
@@ -299,8 +300,8 @@ def test_an_sglang_victim_with_cpu_backup_is_stopped_rather_than_copied(gpu24, s
     sim_engine("sim-vllm")
     a = deployment("a", engine="sim-sglang")
     b = deployment("b")
-    operations.ensure_ready(a.pk)
-    operations.ensure_ready(b.pk)
+    actions.ensure_ready(a.pk)
+    actions.ensure_ready(b.pk)
     assert state("a") == ("stopped", "")
     assert state("b") == ("ready", "")
     stopped = Event.objects.get(kind="deployment.stopped", subject="a")
@@ -380,20 +381,20 @@ def test_a_process_that_outlives_sigkill_is_reported_within_a_bound(monkeypatch,
 def test_a_stop_whose_engine_will_not_die_fails_the_model_and_keeps_its_memory(gpu24, monkeypatch):
     """The stop's kill did not end the engine: the model is failed with the reason, what
     it held stays counted (unconfirmed), and its lock is free for the next operation."""
-    from capyctl.scheduler import deployment_locks
+    from capyctl.scheduler import deployment_locks, errors
     from hostagent.errors import EngineStuckError
 
     add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
     a = deployment("a")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     held = entries("a")
 
     def stuck(instance_id: str, grace_seconds: float) -> int:
         raise EngineStuckError(f"engine pid 4242 did not end 30s after SIGKILL ({instance_id})")
 
     monkeypatch.setattr(gpu24, "stop", stuck)
-    with pytest.raises(operations.EngineFailedError, match="did not end 30s after SIGKILL"):
-        operations.stop(a.pk)
+    with pytest.raises(errors.EngineFailedError, match="did not end 30s after SIGKILL"):
+        actions.stop(a.pk)
     deployment_now = Deployment.objects.get(pk=a.pk)
     assert deployment_now.observed_state == "failed"
     assert "did not end 30s after SIGKILL" in deployment_now.state_reason

@@ -25,8 +25,8 @@ from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.services import host_lock, overcommitted
-from capyctl.scheduler import operations
 from capyctl.scheduler.drivers import set_local_driver
+from capyctl.scheduler.errors import SchedulerError
 from capyctl.scheduler.reconcile import reconcile
 from hostagent.simgpu import SimSpec
 from tests.scheduling import GIB, SIM, SIM_ENV, deployment, make_host
@@ -101,7 +101,7 @@ def test_random_concurrent_operations_keep_the_ledger_true(tmp_path, settings):
                 for _ in range(steps):
                     try:
                         step(rng, ids, timeout=60)
-                    except operations.SchedulerError as exc:
+                    except SchedulerError as exc:
                         codes[exc.code] += 1
             except Exception as exc:  # anything else is a defect
                 errors.append(f"worker {worker}: {type(exc).__name__}: {exc}")

@@ -7,7 +7,7 @@ import pytest
 
 from capyctl.deployments.models import Deployment
 from capyctl.engines.services import add_engine
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions, errors
 from hostagent.sources import SourceCache, SourceError, check_syntax
 from tests.fakes import FileServer
 from tests.scheduling import SIM, SIM_ENV, deployment
@@ -105,8 +105,8 @@ def test_a_stored_source_that_leaves_the_cache_fails_the_start_with_the_reason(
     attack = attack_server.url + ATTACKS[0]
     Deployment.objects.filter(pk=model.pk).update(source=attack)  # stored by an older version
     before = tree(gpu24.sources.root.parent)
-    with pytest.raises(operations.SourceError, match="the file name"):
-        operations.ensure_ready(model.pk)
+    with pytest.raises(errors.SourceError, match="the file name"):
+        actions.ensure_ready(model.pk)
     row = Deployment.objects.get(pk=model.pk)
     assert row.observed_state == "failed"
     assert row.state_reason.startswith(f"invalid source {attack!r}: the file name ")

@@ -16,7 +16,7 @@ import pytest
 from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import remove_deployment
 from capyctl.events.models import Event
-from capyctl.scheduler import estimates, operations
+from capyctl.scheduler import actions, errors, estimates
 from hostagent.sources import LOCAL_HINT, SourceCache, SourceError, check_syntax, weights_size
 from tests.fakes import FakeHub, FileServer, point_hub_at
 from tests.scheduling import SIM, SIM_ENV, deployment
@@ -201,7 +201,7 @@ def test_a_model_with_an_http_source_downloads_then_starts(gpu24, files):
     add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
     source = f"{files.url}/m/tiny.gguf#sha256={SHA}"
     model = deployment("tiny", source=source)
-    ready = operations.ensure_ready(model.pk)
+    ready = actions.ensure_ready(model.pk)
     assert ready.observed_state == "ready"
     assert ready.source_bytes == len(WEIGHTS)
     assert ready.download["state"] == "done"
@@ -211,7 +211,7 @@ def test_a_model_with_an_http_source_downloads_then_starts(gpu24, files):
     downloaded = Event.objects.get(subject="tiny", kind="deployment.downloaded")
     assert downloaded.message.startswith(f"downloaded {source}: 4.0 MiB in ")
     # The engine was given the downloaded file, not the URL.
-    instance = gpu24.instance(operations.instance_key(ready.instances.get()))
+    instance = gpu24.instance(actions.instance_key(ready.instances.get()))
     path = Path(instance.request.source)
     assert path.read_bytes() == WEIGHTS
     assert path.is_relative_to(gpu24.sources.root)
@@ -219,11 +219,11 @@ def test_a_model_with_an_http_source_downloads_then_starts(gpu24, files):
     assert row.measured_weights_bytes is None  # nothing measured yet: the source's size
     assert estimates.weights_bytes(row, 10**12) == len(WEIGHTS)
     # Stopped and removed: the file stays, and a second deployment reuses it.
-    operations.stop(model.pk)
+    actions.stop(model.pk)
     remove_deployment("tiny")
     assert path.read_bytes() == WEIGHTS
     other = deployment("again", source=source)
-    assert operations.ensure_ready(other.pk).observed_state == "ready"
+    assert actions.ensure_ready(other.pk).observed_state == "ready"
     assert len(gets(files, "/m/tiny.gguf")) == 1
 
 
@@ -233,8 +233,8 @@ def test_a_missing_local_source_fails_clearly_and_a_present_one_is_left_alone(gp
 
     add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
     absent = deployment("absent", source=str(tmp_path / "nowhere"))
-    with pytest.raises(operations.SourceError, match="does not exist"):
-        operations.ensure_ready(absent.pk)
+    with pytest.raises(errors.SourceError, match="does not exist"):
+        actions.ensure_ready(absent.pk)
     row = Deployment.objects.get(pk=absent.pk)
     assert row.observed_state == "failed"
     assert (
@@ -247,11 +247,11 @@ def test_a_missing_local_source_fails_clearly_and_a_present_one_is_left_alone(gp
     weights = tmp_path / "mine.gguf"
     weights.write_bytes(b"x" * 1234)
     present = deployment("present", source=str(weights))
-    ready = operations.ensure_ready(present.pk)
+    ready = actions.ensure_ready(present.pk)
     assert ready.source_bytes == 1234
     assert ready.measured_weights_bytes is None
     assert estimates.weights_bytes(ready, 10**12) == 1234
-    operations.stop(present.pk)
+    actions.stop(present.pk)
     remove_deployment("present")
     assert weights.read_bytes() == b"x" * 1234
     assert gpu24.prune([], dry_run=False) == []  # a local path is never a download
@@ -399,9 +399,9 @@ def test_stopping_a_downloading_model_does_not_wait_for_the_download(gpu24, file
 
     def start() -> None:
         try:
-            operations.ensure_ready(model.pk)
+            actions.ensure_ready(model.pk)
             outcome.append("ready")
-        except operations.SchedulerError as exc:
+        except errors.SchedulerError as exc:
             outcome.append(exc.code)
         finally:
             connection.close()
@@ -414,7 +414,7 @@ def test_stopping_a_downloading_model_does_not_wait_for_the_download(gpu24, file
             "the download to begin",
         )
         began = time.monotonic()
-        stopped = operations.stop(model.pk)
+        stopped = actions.stop(model.pk)
         took = time.monotonic() - began
         assert took < 20, f"the stop took {took:.0f}s: it waited for the download"
         assert stopped.observed_state == "stopped"
@@ -492,11 +492,11 @@ def test_any_error_after_a_download_ends_the_state_with_its_own_reason(gpu24, fi
     add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
     model = deployment("big", gib=8, source=f"{files.url}/m/tiny.gguf#sha256={SHA}")
     with refused(Instance._meta.db_table, "INSERT"), pytest.raises(Exception, match="refused"):
-        operations.ensure_ready(model.pk)
+        actions.ensure_ready(model.pk)
     row = Deployment.objects.get(pk=model.pk)
     assert row.observed_state == "failed"
     assert row.state_reason.startswith("the start failed after its download: ")
     assert row.state_reason.endswith("refused by the database")
     assert not row.ledger_entries.exists()
-    assert operations.ensure_ready(model.pk).observed_state == "ready"  # the next start
+    assert actions.ensure_ready(model.pk).observed_state == "ready"  # the next start
     assert len(gets(files, "/m/tiny.gguf")) == 1

@@ -19,7 +19,7 @@ from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import pool_usage
 from capyctl.ledger.services import admit, host_lock, overcommitted
-from capyctl.scheduler import operations, requests_in_progress
+from capyctl.scheduler import actions, errors, requests_in_progress
 from capyctl.scheduler.drivers import set_local_driver
 from hostagent.simgpu import SimSpec
 from tests.scheduling import (
@@ -46,12 +46,12 @@ def test_a_then_b_parks_a_in_ram_and_wakes_b(gpu24):
     # a's copy is measured at its first park; b's is said (with a copy of unknown size
     # counted as all b holds on its GPU, 16 GiB, b would park deep beside a's copy).
     a, b = deployment("a"), deployment("b", weights_bytes=8 * GIB)
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
     assert entries("a")["gpu0"][0] == "held"
     assert abs(entries("a")["gpu0"][1] - 16 * GIB) < 16 * MIB
 
-    operations.ensure_ready(b.pk)
+    actions.ensure_ready(b.pk)
     assert state("a") == ("parked", "ram")
     assert state("b") == ("ready", "")
     assert entries("a")["gpu0"] == ("held", 512 * MIB)
@@ -66,7 +66,7 @@ def test_a_then_b_parks_a_in_ram_and_wakes_b(gpu24):
     assert parked.duration_ms is not None
 
     # And back: b parks, a wakes from RAM.
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
     assert state("b") == ("parked", "ram")
     assert gpu_ledger_matches_probe(gpu24)
@@ -88,11 +88,11 @@ def test_deep_when_host_ram_cannot_hold_the_copy(gpu24, settings):
     settings.CAPYCTL = {**settings.CAPYCTL, "RAM_RESERVE_BYTES": total - 6 * GIB}
     vllm_engine()
     a, b = deployment("a"), deployment("b")
-    operations.ensure_ready(a.pk)
-    operations.ensure_ready(b.pk)
+    actions.ensure_ready(a.pk)
+    actions.ensure_ready(b.pk)
     assert state("a") == ("parked", "deep")
     assert entries("a")["gpu0"] == ("held", 512 * MIB)
-    operations.ensure_ready(a.pk)  # a deep wake reloads the weights; b goes deep too
+    actions.ensure_ready(a.pk)  # a deep wake reloads the weights; b goes deep too
     assert state("a") == ("ready", "")
     assert state("b") == ("parked", "deep")
 
@@ -105,13 +105,13 @@ def test_a_kind_that_cannot_park_is_stopped_and_started_again(gpu24):
     add_engine("sim-tf", kind="tensorfold", command=f"{SIM} tensorfold", env=tf_env)
     tf = deployment("tf", engine="sim-tf")
     b = deployment("b")
-    operations.ensure_ready(tf.pk)
-    operations.ensure_ready(b.pk)
+    actions.ensure_ready(tf.pk)
+    actions.ensure_ready(b.pk)
     assert state("tf") == ("stopped", "")
     assert entries("tf") == {}
     stopped = Event.objects.get(kind="deployment.stopped", subject="tf")
     assert "stopped tf instead of parking: its engine cannot park" in stopped.message
-    operations.ensure_ready(tf.pk)  # its next request starts it again
+    actions.ensure_ready(tf.pk)  # its next request starts it again
     assert state("tf") == ("ready", "")
     assert state("b") == ("parked", "ram")
 
@@ -122,11 +122,11 @@ def test_too_large_and_pinned_say_why(gpu24):
     a = deployment("a", pinned=True)
     big = deployment("big", gib=30)
     b = deployment("b")
-    with pytest.raises(operations.NoCapacityError, match=r"largest GPU pool holds 24\.0 GiB"):
-        operations.ensure_ready(big.pk)
-    operations.ensure_ready(a.pk)
-    with pytest.raises(operations.NoCapacityError, match=r"in the way: a \(pinned\)") as info:
-        operations.ensure_ready(b.pk)
+    with pytest.raises(errors.NoCapacityError, match=r"largest GPU pool holds 24\.0 GiB"):
+        actions.ensure_ready(big.pk)
+    actions.ensure_ready(a.pk)
+    with pytest.raises(errors.NoCapacityError, match=r"in the way: a \(pinned\)") as info:
+        actions.ensure_ready(b.pk)
     assert info.value.code == "no_capacity"
     assert state("a") == ("ready", "")
     assert state("b") == ("stopped", "")
@@ -137,14 +137,14 @@ def test_too_large_and_pinned_say_why(gpu24):
 def test_a_stopped_model_is_refused_until_started(gpu24):
     vllm_engine()
     a = deployment("a")
-    operations.ensure_ready(a.pk)
-    operations.stop(a.pk)
+    actions.ensure_ready(a.pk)
+    actions.stop(a.pk)
     assert state("a") == ("stopped", "")
     assert entries("a") == {}
     assert gpu24.devices()[0].used_bytes == 0
-    with pytest.raises(operations.ModelStoppedError):
-        operations.ensure_ready(a.pk)
-    operations.start(a.pk)
+    with pytest.raises(errors.ModelStoppedError):
+        actions.ensure_ready(a.pk)
+    actions.start(a.pk)
     assert state("a") == ("ready", "")
 
 
@@ -152,13 +152,13 @@ def test_a_stopped_model_is_refused_until_started(gpu24):
 def test_many_concurrent_requests_cause_one_wake(gpu24):
     vllm_engine()
     a, b = deployment("a"), deployment("b")
-    operations.ensure_ready(a.pk)
-    operations.ensure_ready(b.pk)  # a is parked now
+    actions.ensure_ready(a.pk)
+    actions.ensure_ready(b.pk)  # a is parked now
     errors = []
 
     def request_a():
         try:
-            operations.ensure_ready(a.pk)
+            actions.ensure_ready(a.pk)
         except Exception as exc:  # collected and asserted below
             errors.append(exc)
         finally:
@@ -181,8 +181,8 @@ def test_on_unified_memory_the_park_is_deep(tmp_path, settings):
     try:
         vllm_engine()
         a, b = deployment("a", gib=24), deployment("b", gib=24)
-        operations.ensure_ready(a.pk)
-        operations.ensure_ready(b.pk)
+        actions.ensure_ready(a.pk)
+        actions.ensure_ready(b.pk)
         assert state("a") == ("parked", "deep")
         assert "unified" in entries("a")
         assert overcommitted(Host.objects.get(name="local")) == []
@@ -202,7 +202,7 @@ def test_the_celery_tasks_run_the_same_operations_in_process(gpu24):
     tasks.poll_hosts.delay()  # polls remote hosts (none), reconciles the online ones
     assert state("a") == ("ready", "")  # nothing to change while the engine runs
     # The engine dies: the next poll's reconcile finds it gone, fails a, frees its memory.
-    engine = gpu24.instance(operations.instance_key(a.instances.get())).process
+    engine = gpu24.instance(actions.instance_key(a.instances.get())).process
     assert engine.popen is not None
     engine.popen.kill()
     engine.wait(timeout=10)
@@ -216,13 +216,13 @@ def test_the_celery_tasks_run_the_same_operations_in_process(gpu24):
 def test_a_ram_park_goes_deep_when_the_ram_was_taken_meanwhile(gpu24):
     vllm_engine()
     a, b, other = deployment("a", weights_bytes=8 * GIB), deployment("b"), deployment("other")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert requests_in_progress.begin(a.pk)  # a request in flight on a holds its drain
     outcome: list[object] = []
 
     def request_b() -> None:
         try:
-            outcome.append(operations.ensure_ready(b.pk).observed_state)
+            outcome.append(actions.ensure_ready(b.pk).observed_state)
         except Exception as exc:  # asserted below
             outcome.append(exc)
         finally:
@@ -251,7 +251,7 @@ def test_a_ram_park_goes_deep_when_the_ram_was_taken_meanwhile(gpu24):
     parked = Event.objects.get(kind="deployment.parked", subject="a")
     assert parked.message == "parked a (deep) to make room for b"
     assert overcommitted(Host.objects.get(name="local")) == []
-    operations.ensure_ready(a.pk)  # a deep wake reloads its weights
+    actions.ensure_ready(a.pk)  # a deep wake reloads its weights
     assert state("a") == ("ready", "")
 
 
@@ -273,7 +273,7 @@ async def test_a_victim_whose_requests_outlast_the_drain_timeout_stays_ready(
         add_engine("paced", kind="vllm", command=f"{SIM} vllm", env=paced)
         a = deployment("a", engine="paced", drain_timeout_seconds=1)
         deployment("b")
-        operations.ensure_ready(a.pk)
+        actions.ensure_ready(a.pk)
         return a.pk, issue_api_key("bob")[1]
 
     a_id, key = await sync_to_async(set_up)()
@@ -343,7 +343,7 @@ async def test_idleness_never_ends_a_stream_and_counts_from_its_end(gpu24, bob, 
         }
         add_engine("paced-tf", kind="tensorfold", command=f"{SIM} tensorfold", env=paced)
         tf = deployment("tf", engine="paced-tf", idle_park_seconds=idle)
-        operations.ensure_ready(tf.pk)
+        actions.ensure_ready(tf.pk)
         return tf.pk, Host.objects.get().pk, issue_api_key("bob")[1]
 
     tf_id, host_id, key = await sync_to_async(set_up)()
@@ -403,7 +403,7 @@ async def test_starts_in_flight_leave_a_ready_model_answering(
         ready = deployment("r", engine="quick", gib=2)
         for name in starting:
             deployment(name, engine="held", gib=2)
-        operations.ensure_ready(ready.pk)
+        actions.ensure_ready(ready.pk)
         return issue_api_key("bob")[1]
 
     def count_starting() -> int:
@@ -451,8 +451,8 @@ def test_a_wake_promises_what_its_engine_was_launched_with(gpu24):
 
     vllm_engine()
     a, b = deployment("a"), deployment("b", gib=10)
-    operations.ensure_ready(a.pk)
-    operations.ensure_ready(b.pk)
+    actions.ensure_ready(a.pk)
+    actions.ensure_ready(b.pk)
     assert state("a") == ("parked", "ram")
     spec = spec_of(get_deployment("a"))
     spec.gpu_memory_bytes = 8 * GIB
@@ -462,15 +462,15 @@ def test_a_wake_promises_what_its_engine_was_launched_with(gpu24):
         "deployment a changed: gpu_memory_bytes; its engine keeps what it was started with "
         "until its next start"
     )
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
     assert state("b") == ("parked", "ram")  # 16 + 10 GiB do not fit in 24
     assert (
         list(Event.objects.filter(kind="ledger.overshoot").values_list("message", flat=True)) == []
     )
     assert gpu_ledger_matches_probe(gpu24)
-    operations.stop(a.pk)
-    operations.start(a.pk)  # a new start takes the new claim
+    actions.stop(a.pk)
+    actions.start(a.pk)  # a new start takes the new claim
     assert abs(entries("a")["gpu0"][1] - 8 * GIB) < 16 * MIB
 
 
@@ -482,9 +482,9 @@ def test_parked_copies_filling_host_ram_make_way_for_a_start(gpu24):
     its model is stopped, and the event says why."""
     vllm_engine()
     a, b, c, d = (deployment(name, gib=10, weights_bytes=8 * GIB) for name in "abcd")
-    operations.ensure_ready(a.pk)
-    operations.ensure_ready(b.pk)
-    operations.ensure_ready(c.pk)  # a parks in RAM, its 8 GiB copy there
+    actions.ensure_ready(a.pk)
+    actions.ensure_ready(b.pk)
+    actions.ensure_ready(c.pk)  # a parks in RAM, its 8 GiB copy there
     assert state("a") == ("parked", "ram")
     # Host RAM left: b's 8 GiB copy and 256 MiB, less than an engine's own 512 MiB.
     host = Host.objects.get(name="local")
@@ -492,7 +492,7 @@ def test_parked_copies_filling_host_ram_make_way_for_a_start(gpu24):
     reserve = ram.reserve_bytes + ram.free_bytes - (8 * GIB + 256 * MIB)
     Host.objects.filter(pk=host.pk).update(ram_reserve_bytes=reserve)
 
-    operations.ensure_ready(d.pk)  # b parks in RAM for it; then its engine needs RAM
+    actions.ensure_ready(d.pk)  # b parks in RAM for it; then its engine needs RAM
     assert state("d") == ("ready", "")
     assert state("b") == ("parked", "ram")
     assert state("a") == ("stopped", "")
@@ -515,14 +515,14 @@ def test_a_first_ram_park_never_promises_less_than_its_copy(gpu24):
     copy is now bounded by what the model holds on its GPUs, until a park measures it."""
     vllm_engine()
     a, b = deployment("a", gib=10), deployment("b", gib=16)
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     host = Host.objects.get(name="local")
     ram = next(p for p in pool_usage(host) if p.pool == "ram")
     # 6.5 GiB of host RAM left: room for half a's claim, not for its 8 GiB copy.
     reserve = ram.reserve_bytes + ram.free_bytes - (6 * GIB + 512 * MIB)
     Host.objects.filter(pk=host.pk).update(ram_reserve_bytes=reserve)
 
-    operations.ensure_ready(b.pk)
+    actions.ensure_ready(b.pk)
     assert state("b") == ("ready", "")
     assert list(Event.objects.filter(kind="ledger.overshoot").values_list("message")) == []
     assert state("a") == ("parked", "deep")

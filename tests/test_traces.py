@@ -20,7 +20,7 @@ from django.test.utils import CaptureQueriesContext
 from capyctl.access.services import issue_api_key
 from capyctl.engines.services import add_engine
 from capyctl.gateway.app import Gateway
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions
 from capyctl.traces.export import FIELDS, trace_lines
 from capyctl.traces.models import RequestTrace
 from capyctl.traces.recording import TraceBook, TraceWriter
@@ -68,7 +68,7 @@ async def test_served_streamed_and_refused_requests_are_traced_without_their_bod
     def set_up() -> tuple[int, str]:
         vllm_engine()
         deployment("chat", gib=8)
-        operations.stop(deployment("off", gib=8).pk)
+        actions.stop(deployment("off", gib=8).pk)
         key, full = issue_api_key("bob")
         return key.pk, full
 
@@ -164,7 +164,7 @@ async def test_nothing_is_traced_when_tracing_is_off(gpu24, bob, database_thread
 
     def set_up() -> str:
         vllm_engine()
-        operations.ensure_ready(deployment("chat", gib=8).pk)
+        actions.ensure_ready(deployment("chat", gib=8).pk)
         return issue_api_key("bob")[1]
 
     key = await sync_to_async(set_up)()
@@ -185,7 +185,7 @@ async def test_a_database_that_does_not_answer_keeps_the_batch(
 
     def set_up() -> str:
         vllm_engine()
-        operations.ensure_ready(deployment("chat", gib=8).pk)
+        actions.ensure_ready(deployment("chat", gib=8).pk)
         return issue_api_key("bob")[1]
 
     key = await sync_to_async(set_up)()

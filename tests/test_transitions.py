@@ -16,7 +16,7 @@ from capyctl.deployments.models import Deployment, Instance
 from capyctl.deployments.services import get_deployment, spec_of, update_deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import operations, reconcile, requests_in_progress
+from capyctl.scheduler import actions, errors, reconcile, requests_in_progress
 from tests.scheduling import GIB, deployment, entries, state, vllm_engine
 
 TABLE = Deployment._meta.db_table
@@ -91,9 +91,9 @@ def test_a_wake_that_lost_its_transition_promises_nothing(gpu24):
     meanwhile left a parked model with the full claim promised (and its engine woken)."""
     vllm_engine()
     a, b = deployment("a"), deployment("b")
-    operations.ensure_ready(a.pk)
-    operations.ensure_ready(b.pk)
-    operations.stop(b.pk)  # a's wake needs no room made
+    actions.ensure_ready(a.pk)
+    actions.ensure_ready(b.pk)
+    actions.stop(b.pk)  # a's wake needs no room made
     assert state("a") == ("parked", "ram")
     before = entries("a")
 
@@ -102,9 +102,9 @@ def test_a_wake_that_lost_its_transition_promises_nothing(gpu24):
 
     with (
         between(lambda sql, params: _sets_state(sql, params, "waking"), stopped_meanwhile),
-        pytest.raises(operations.ModelStoppedError),
+        pytest.raises(errors.ModelStoppedError),
     ):
-        operations.ensure_ready(a.pk)
+        actions.ensure_ready(a.pk)
     assert state("a") == ("parked", "ram")
     assert entries("a") == before
 
@@ -116,16 +116,16 @@ def test_a_park_whose_drain_lost_closes_no_gate_and_says_so(gpu24):
     its gate closed turns every request away."""
     vllm_engine()
     a = deployment("a")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
 
     def stopping_elsewhere() -> None:
         Deployment.objects.filter(pk=a.pk).update(observed_state="stopping")
 
     with (
         between(lambda sql, params: _sets_state(sql, params, "draining"), stopping_elsewhere),
-        pytest.raises(operations.SchedulerError, match="is stopping; only a ready model"),
+        pytest.raises(errors.SchedulerError, match="is stopping; only a ready model"),
     ):
-        operations.park(a.pk)
+        actions.park(a.pk)
     assert state("a") == ("stopping", "")
     assert requests_in_progress.begin(a.pk), "the gate was closed by a drain that never happened"
     requests_in_progress.end(a.pk)
@@ -139,9 +139,9 @@ def test_reconcile_does_not_overwrite_a_wake_promised_meanwhile(gpu24, monkeypat
     and the ledger under-counted the GPU."""
     vllm_engine()
     a, b = deployment("a"), deployment("b")
-    operations.ensure_ready(a.pk)
-    operations.ensure_ready(b.pk)
-    operations.stop(b.pk)
+    actions.ensure_ready(a.pk)
+    actions.ensure_ready(b.pk)
+    actions.stop(b.pk)
     assert state("a") == ("parked", "ram")
     # The park answered but its memory was not seen free: the whole claim stays counted.
     LedgerEntry.objects.filter(deployment=a, pool="gpu0").update(
@@ -246,7 +246,7 @@ def test_a_late_failure_of_an_old_worker_leaves_a_newer_start_alone(gpu24):
     assert promised == {"gpu0": ("promised", 16 * GIB), "ram": ("promised", GIB)}
 
     stale = Deployment.objects.get(pk=a.pk)
-    operations.end_engine_and_fail(
+    actions.end_engine_and_fail(
         stale, gpu24, old, "the engine failed to start: it exited", "system"
     )
 

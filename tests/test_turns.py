@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
-from capyctl.scheduler import operations, requests_in_progress, turns
+from capyctl.scheduler import actions, requests_in_progress, turns
 from capyctl.web import metrics
 from tests.scheduling import deployment, state, vllm_engine
 from tests.waiting import wait_until
@@ -25,7 +25,7 @@ from tests.waiting import wait_until
 def in_background(deployment_id: int, outcome: list[object]) -> threading.Thread:
     def run() -> None:
         try:
-            outcome.append(operations.ensure_ready(deployment_id).observed_state)
+            outcome.append(actions.ensure_ready(deployment_id).observed_state)
         except Exception as exc:  # asserted by the caller
             outcome.append(exc)
         finally:
@@ -44,7 +44,7 @@ def test_a_busy_model_keeps_the_gpu_for_its_turn_then_gives_way(gpu24, settings)
     settings.CAPYCTL = {**settings.CAPYCTL, "MAX_TURN_SECONDS": 2}
     vllm_engine()
     a, b = deployment("a"), deployment("b")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert requests_in_progress.begin(a.pk)  # a is busy
     outcome: list[object] = []
     thread = in_background(b.pk, outcome)
@@ -74,12 +74,12 @@ def test_an_idle_model_gives_way_at_once(gpu24, settings):
     settings.CAPYCTL = {**settings.CAPYCTL, "MAX_TURN_SECONDS": 60}
     vllm_engine()
     a, b = deployment("a"), deployment("b")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert requests_in_progress.begin(a.pk)
     requests_in_progress.end(a.pk)
     time.sleep(0.3)  # its last request ended longer ago than the busy grace (0.1 s)
     started = time.monotonic()
-    assert operations.ensure_ready(b.pk).observed_state == "ready"
+    assert actions.ensure_ready(b.pk).observed_state == "ready"
     assert time.monotonic() - started < 30  # not its 60 s turn
     assert not Event.objects.filter(kind="deployment.waiting").exists()
 
@@ -91,7 +91,7 @@ def test_the_contender_that_waited_longer_goes_first_and_a_gone_one_stops_counti
     renewed (3 s), it counts no more and b is started."""
     vllm_engine()
     a, b, c = deployment("a"), deployment("b"), deployment("c")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     host = Host.objects.get(name="local")
     now = time.time()
     turns.note(turns.Wait(c.pk, "c", host.pk, now - 50, now, 0, ("gpu0",)))
@@ -101,7 +101,7 @@ def test_the_contender_that_waited_longer_goes_first_and_a_gone_one_stops_counti
     assert 'capyctl_turn_holder{host="local",model="a"} 1.0' in scraped  # a holds gpu0
     try:
         started = time.monotonic()
-        assert operations.ensure_ready(b.pk).observed_state == "ready"
+        assert actions.ensure_ready(b.pk).observed_state == "ready"
         waited = time.monotonic() - started
     finally:
         turns.done(c.pk)
@@ -120,9 +120,9 @@ def test_the_timeline_shows_who_held_the_gpu_when_and_why_it_switched(gpu24):
 
     vllm_engine()
     a, b = deployment("a"), deployment("b")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     metrics.NOW.note_waiting("b", 3)
-    operations.ensure_ready(b.pk)
+    actions.ensure_ready(b.pk)
     metrics.NOW.note_waiting("b", 0)
     (host,) = timeline_data()["hosts"]
     assert host["host"] == "local"

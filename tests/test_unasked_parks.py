@@ -9,7 +9,7 @@ import pytest
 from capyctl.deployments.models import Deployment
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions
 from capyctl.scheduler.reconcile import reconcile
 from hostagent.kinds.tensorfold import sleep_token
 from hostagent.sim.identity import NO_SOCKET_ENV
@@ -20,7 +20,7 @@ from tests.test_scheduler_faults import sim_engine
 def local_engine(gpu24, name):
     """The running engine of deployment ``name`` on the in-process host."""
     row = Deployment.objects.get(name=name).instances.get()
-    instance = gpu24.instance(operations.instance_key(row))
+    instance = gpu24.instance(actions.instance_key(row))
     assert instance is not None
     return instance
 
@@ -39,7 +39,7 @@ def test_a_vllm_park_behind_capyctls_back_is_noticed_and_counted(gpu24):
     # A vLLM build without --uds: it listens on 127.0.0.1, its sleep route open to anyone.
     sim_engine("old-vllm", **{NO_SOCKET_ENV: "1"})
     a = deployment("a", engine="old-vllm")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     engine = local_engine(gpu24, "a")
     assert engine.socket_path is None
     assert engine.port > 0
@@ -66,7 +66,7 @@ def test_a_vllm_park_behind_capyctls_back_is_noticed_and_counted(gpu24):
     assert Event.objects.filter(kind="deployment.parked_unasked").count() == 1
 
     # Its next request wakes it as after a deep park, and it answers again.
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert state("a") == ("ready", "")
     assert entries("a")["gpu0"] == ("held", held)
     assert chat(engine).status_code == 200
@@ -80,7 +80,7 @@ def test_a_tensorfold_sleep_behind_capyctls_back_is_noticed(gpu24):
 
     add_engine("tf", kind="tensorfold", command=f"{SIM} tensorfold", env=dict(SIM_ENV))
     t = deployment("t", engine="tf")
-    operations.ensure_ready(t.pk)
+    actions.ensure_ready(t.pk)
     engine = local_engine(gpu24, "t")
     assert engine.socket_path is None
     token = sleep_token(engine.spec)
@@ -94,7 +94,7 @@ def test_a_tensorfold_sleep_behind_capyctls_back_is_noticed(gpu24):
     reconcile(Host.objects.get(name="local").pk)
     assert state("t") == ("parked", "deep")
     assert Event.objects.filter(kind="deployment.parked_unasked", subject="t").exists()
-    operations.ensure_ready(t.pk)
+    actions.ensure_ready(t.pk)
     assert state("t") == ("ready", "")
 
 
@@ -102,11 +102,11 @@ def test_a_tensorfold_sleep_behind_capyctls_back_is_noticed(gpu24):
 def test_a_park_capyctl_asked_for_is_not_taken_for_one_it_did_not(gpu24):
     vllm_engine()  # tests/scheduling.py's simulated vLLM: on its socket
     a = deployment("a")
-    operations.ensure_ready(a.pk)
-    operations.park(a.pk, "ram")
+    actions.ensure_ready(a.pk)
+    actions.park(a.pk, "ram")
     reconcile(Host.objects.get(name="local").pk)
     assert state("a") == ("parked", "ram")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     reconcile(Host.objects.get(name="local").pk)
     assert state("a") == ("ready", "")
     assert not Event.objects.filter(kind="deployment.parked_unasked").exists()

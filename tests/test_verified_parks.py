@@ -14,7 +14,7 @@ from capyctl.engines.models import Engine
 from capyctl.engines.services import add_engine, update_engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions
 from capyctl.scheduler.reconcile import reconcile
 from capyctl.web.dashboard import dashboard_data
 from tests.scheduling import SIM, SIM_ENV, deployment, entries, state
@@ -44,10 +44,10 @@ def sticky(gpu24):
 def test_a_park_that_keeps_its_memory_is_escalated_and_the_switch_goes_on(sticky, cli, alice):
     a = deployment("a", engine="sticky")
     b = deployment("b")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     # b needs a's room: a's park answers, its memory stays; a is stopped, and b is served.
     # (The old code left a parked, its memory unconfirmed, and b got no_capacity.)
-    operations.ensure_ready(b.pk, timeout=20)
+    actions.ensure_ready(b.pk, timeout=20)
     assert state("b") == ("ready", "")
     assert state("a") == ("stopped", "")
     assert Deployment.objects.get(name="a").desired_state == "running"  # asked for, it starts
@@ -90,8 +90,8 @@ def test_a_park_that_keeps_its_memory_is_escalated_and_the_switch_goes_on(sticky
 
     # The engine's next model is stopped rather than parked: no wait for a park to fail.
     c = deployment("c", engine="sticky", gib=8)
-    operations.ensure_ready(c.pk)
-    operations.park(c.pk)  # the best mode it allows: a stop, and it says why
+    actions.ensure_ready(c.pk)
+    actions.park(c.pk)  # the best mode it allows: a stop, and it says why
     assert state("c") == ("stopped", "")
     assert len(messages("deployment.parked")) == 1  # a's, not c's
     assert messages("deployment.stopped")[-1] == (
@@ -103,9 +103,9 @@ def test_a_park_that_keeps_its_memory_is_escalated_and_the_switch_goes_on(sticky
 def test_a_park_check_at_an_idle_moment_trusts_the_engine_again(sticky):
     a = deployment("a", engine="sticky")
     b = deployment("b")
-    operations.ensure_ready(a.pk)
-    operations.ensure_ready(b.pk, timeout=20)  # a's park keeps its memory: a is stopped
-    operations.stop(b.pk)
+    actions.ensure_ready(a.pk)
+    actions.ensure_ready(b.pk, timeout=20)  # a's park keeps its memory: a is stopped
+    actions.stop(b.pk)
     host = Host.objects.get(name="local")
 
     def idle_and_due():
@@ -116,7 +116,7 @@ def test_a_park_check_at_an_idle_moment_trusts_the_engine_again(sticky):
         Engine.objects.filter(name="sticky").update(park_check_after=long_ago)
 
     # A check that fails: the park still keeps memory, a is woken again and stays marked.
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     idle_and_due()
     reconcile(host.pk)
     assert state("a") == ("ready", "")
@@ -130,8 +130,8 @@ def test_a_park_check_at_an_idle_moment_trusts_the_engine_again(sticky):
 
     # The engine was fixed, but a's process is the old one: only a new start shows it.
     Engine.objects.filter(name="sticky").update(env=dict(SIM_ENV))
-    operations.stop(a.pk)
-    operations.start(a.pk)
+    actions.stop(a.pk)
+    actions.start(a.pk)
     idle_and_due()
     reconcile(host.pk)
     assert state("a") == ("ready", "")  # parked, freed its memory, woken again
@@ -140,7 +140,7 @@ def test_a_park_check_at_an_idle_moment_trusts_the_engine_again(sticky):
     assert trusted == (
         "engine sticky: a ram park of a freed its GPU memory, so its models park again"
     )
-    operations.park(a.pk)
+    actions.park(a.pk)
     assert state("a") == ("parked", "ram")  # parks again
 
 
@@ -148,8 +148,8 @@ def test_a_park_check_at_an_idle_moment_trusts_the_engine_again(sticky):
 def test_a_changed_engine_setup_is_trusted_again(sticky):
     a = deployment("a", engine="sticky")
     b = deployment("b")
-    operations.ensure_ready(a.pk)
-    operations.ensure_ready(b.pk, timeout=20)
+    actions.ensure_ready(a.pk)
+    actions.ensure_ready(b.pk, timeout=20)
     assert Engine.objects.get(name="sticky").park_unverified_at is not None
     update_engine("sticky", env=dict(SIM_ENV))  # another setup of the program
     assert Engine.objects.get(name="sticky").park_unverified_at is None

@@ -4,7 +4,7 @@ try, a moment later, gets past (simulated 24 GiB GPU, simulated engines, in proc
 import pytest
 
 from capyctl.events.models import Event
-from capyctl.scheduler import operations, requests_in_progress, snapshots
+from capyctl.scheduler import actions, requests_in_progress, snapshots
 from tests.scheduling import deployment, state, vllm_engine
 
 
@@ -21,10 +21,10 @@ def test_a_model_asked_right_after_anothers_answer_is_not_told_to_wait(
     settings.CAPYCTL = {**settings.CAPYCTL, "MAX_TURN_SECONDS": 30}
     vllm_engine()
     a, b = deployment("a"), deployment("b")
-    operations.ensure_ready(a.pk)
+    actions.ensure_ready(a.pk)
     assert requests_in_progress.begin(a.pk)
     requests_in_progress.end(a.pk)  # a has just answered
-    assert operations.ensure_ready(b.pk).observed_state == "ready"
+    assert actions.ensure_ready(b.pk).observed_state == "ready"
     assert state("a") == ("parked", "ram")
     told = list(Event.objects.filter(subject="b").values_list("kind", flat=True))
     assert "deployment.waiting" not in told, told

@@ -391,15 +391,15 @@ def test_timings_are_what_the_events_say_a_switch_took_without_the_room_made(db,
     """A wake's event counts from when it was asked, so it holds the park that made room:
     the wake's own time is the rest."""
     from capyctl.engines.services import add_engine
-    from capyctl.scheduler import operations
+    from capyctl.scheduler import actions
     from tests.scheduling import SIM, SIM_ENV, deployment
 
     env = {**SIM_ENV, "CAPYCTL_SIM_SLEEP_SECONDS": "0.6", "CAPYCTL_SIM_WAKE_SECONDS": "0.3"}
     add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=env)
     a, b = deployment("a"), deployment("b")
-    operations.start(a.pk)
-    operations.start(b.pk)  # parks a
-    operations.ensure_ready(a.pk)  # parks b, wakes a
+    actions.start(a.pk)
+    actions.start(b.pk)  # parks a
+    actions.ensure_ready(a.pk)  # parks b, wakes a
     measured = scenario.measured_timings()
     assert 0.6 <= measured["a"]["park_ram"] < 0.9
     b_park = measured["b"].get("park_ram", measured["b"].get("park_deep"))  # as RAM allows

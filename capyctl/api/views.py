@@ -33,7 +33,7 @@ from capyctl.errors import NotFoundError, UserError
 from capyctl.events.models import Event
 from capyctl.hosts import services as hosts
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import actions, host_states
+from capyctl.scheduler import host_states, intents
 from capyctl.scheduler.errors import ControlPlaneUnavailableError
 from capyctl.scheduler.models import Operation
 from capyctl.validation import parse_duration, parse_gpu_memory, parse_size_value
@@ -213,14 +213,14 @@ class DeploymentViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type
     def _act(self, request: Request, name: str, verb: str) -> Response:
         deployment = deployments.get_deployment(name)
         data = _valid(s.ActionIn, request)
-        op = actions.request_action(
+        op = intents.request_action(
             deployment, verb, mode=data.get("mode", ""), actor=_actor(request)
         )
         if op is None:  # no server runs: only the desired state was saved
             return Response(s.DeploymentOut(Deployment.objects.get(pk=deployment.pk)).data,
                             status=status.HTTP_202_ACCEPTED)  # fmt: skip
         if data["wait"]:
-            op = actions.wait_for(op, data["wait"])
+            op = intents.wait_for(op, data["wait"])
         done = op.status in (Operation.Status.DONE, Operation.Status.FAILED)
         return Response(
             s.OperationOut(op).data, status=status.HTTP_200_OK if done else status.HTTP_202_ACCEPTED

@@ -298,7 +298,7 @@ def deployment_remove(args: argparse.Namespace) -> int:
 def deployment_action(args: argparse.Namespace) -> int:
     """start/stop/park/wake: saved as an operation, carried out by the running server."""
     from capyctl.deployments.services import get_deployment
-    from capyctl.scheduler.actions import default_timeout, request_action, seconds_taken
+    from capyctl.scheduler.intents import default_timeout, request_action, seconds_taken
 
     prepare()
     deployment = get_deployment(args.name)
@@ -335,8 +335,8 @@ def _wait_showing_downloads(op: Any, deployment_id: int, timeout: float) -> Any:
     import time
 
     from capyctl.deployments.services import download_state
-    from capyctl.scheduler.actions import wait_for
     from capyctl.scheduler.fetching import describe
+    from capyctl.scheduler.intents import wait_for
     from hostagent.sources import FetchStatus
 
     deadline = time.monotonic() + timeout

@@ -21,7 +21,7 @@ from capyctl.deployments.services import (
 )
 from capyctl.deployments.settings_spec import MEMORY, PARKING, REQUESTS, SETTINGS, Setting
 from capyctl.errors import UserError
-from capyctl.scheduler.actions import request_action
+from capyctl.scheduler.intents import request_action
 from capyctl.validation import parse_gpu_memory, parse_size_value, split_engine_args
 from hostagent.units import format_size_exact
 

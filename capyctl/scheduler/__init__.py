@@ -11,9 +11,11 @@ transitions           THE writer: a deployment's observed state (with its parked
                       state change (conditional update, ledger change, event, notification
                       together); a losing update changes nothing. It changes ledger entries
                       only through ``capyctl.ledger.services``, which nothing else calls.
-operations            the verbs: ensure ready, start, wake, park, stop, evict. They decide
-                      and call transitions; they write nothing themselves.
-admission             whether a start or wake fits, planned and promised under the host lock.
+actions               the verbs, one module each (``actions/ready``, ``start``, ``wake``,
+                      ``evict``, ``park``, ``stop``, ``drain``): each decides, admits under the
+                      host lock (plan, promise, state moved in one transition), calls the
+                      engine driver and the writer; they write nothing themselves.
+                      ``actions.ready.ensure_ready`` is the scheduler's one retry loop.
 policy                placement and eviction, a pure function of plain data.
 snapshots             the host as policy sees it (reads only); estimates: figures before
                       they are measured.
@@ -28,7 +30,7 @@ requests_in_progress  requests in flight per deployment, and the drain gate: cou
                       process, or in server mode in Redis (``requests_in_progress_redis``).
 redislink             the short Redis calls of the request path and the host lock (timeouts, a
                       shared quiet period), and who a process is (its pid checked on this machine).
-actions,              people's intents (start, stop, park, wake) saved as Operation rows,
+intents,              people's intents (start, stop, park, wake) saved as Operation rows,
 operation_runs,       carried out (``operation_runs``) by the process that owns the engines
 executor,             (standalone's loop, ``executor``), or as Celery tasks (server mode).
 tasks
@@ -40,8 +42,9 @@ host_states           a host's changes people or the start-up ask for: the local
                       remote host revoked or removed.
 ====================  ===================================================================
 
-A wake, read top to bottom: ``wakes.ready`` → ``operations.ensure_ready`` →
-``operations._wake`` → ``admission.admit_wake`` (``transitions.waking``: PARKED → WAKING,
-the claim it was launched with promised) → the engine's wake call →
-``transitions.woke`` (READY, the measured figures held).
+A wake, read top to bottom: ``gateway_api.ready`` → ``wakes.ready`` →
+``actions.ready.ensure_ready`` (the model's lock, one try) → ``actions.wake.wake`` →
+``actions.wake.admit_wake`` under the host lock (``transitions.waking``: PARKED → WAKING, the
+claim it was launched with promised through ``ledger.services``) → the engine's wake
+(``drivers``) → ``transitions.woke`` (READY, the measured figures held).
 """

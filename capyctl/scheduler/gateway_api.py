@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from capyctl.scheduler import operations, redislink, requests_in_progress, turns, wakes
+from capyctl.scheduler import actions, redislink, requests_in_progress, turns, wakes
 from capyctl.scheduler.errors import (
     ControlPlaneUnavailableError,
     EngineFailedError,
@@ -74,7 +74,7 @@ async def end_request(deployment_id: int) -> None:
 
 def note_asked_for(deployment_id: int) -> None:
     """Note a request for the deployment (least-recently-used order), at most once a second."""
-    operations.touch(deployment_id)
+    actions.touch(deployment_id)
 
 
 def local_waits() -> list[Wait]:

@@ -9,7 +9,7 @@ import logging
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from capyctl.scheduler import operations
+from capyctl.scheduler import actions, errors
 from capyctl.scheduler.models import Operation
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -28,14 +28,14 @@ def run_operation(operation_id: int) -> None:
         actor = op.actor or "system"
         try:
             if op.action == Operation.Action.START:
-                result = operations.start(op.deployment_id, actor)
+                result = actions.start(op.deployment_id, actor)
             elif op.action == Operation.Action.STOP:
-                result = operations.stop(op.deployment_id, actor)
+                result = actions.stop(op.deployment_id, actor)
             elif op.action == Operation.Action.PARK:
-                result = operations.park(op.deployment_id, op.mode or None, actor=actor)
+                result = actions.park(op.deployment_id, op.mode or None, actor=actor)
             else:
-                result = operations.ensure_ready(op.deployment_id, actor)
-        except operations.SchedulerError as exc:
+                result = actions.ensure_ready(op.deployment_id, actor)
+        except errors.SchedulerError as exc:
             Operation.objects.filter(pk=op.pk).update(
                 status=Operation.Status.FAILED, message=str(exc), finished_at=timezone.now()
             )

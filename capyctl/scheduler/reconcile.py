@@ -27,8 +27,9 @@ from capyctl.hosts.models import Host
 from capyctl.hosts.services import note_measures
 from capyctl.ledger.models import LedgerEntry
 from capyctl.scheduler import (
+    actions,
     deployment_locks,
-    operations,
+    errors,
     requests_in_progress,
     snapshots,
     transitions,
@@ -88,7 +89,7 @@ _STUCK_LIMITS: dict[str, str | None] = {
     ObservedState.PARKING: "drain_timeout_seconds",
     ObservedState.STOPPING: None,
 }
-_PARK_CALL_SECONDS = 600  # a park call's own limit (see operations.park)
+_PARK_CALL_SECONDS = 600  # a park call's own limit (see actions.park)
 
 
 # A passing state nobody drives any more (the process that drove it died: no lock here,
@@ -143,13 +144,13 @@ def reconcile(host_id: int) -> None:
         instance = deployment.instances.exclude(state=Instance.State.EXITED).first()
         if instance is None:
             continue
-        key = operations.instance_key(instance)
+        key = actions.instance_key(instance)
         if not driver.known(key):
             if not host.is_local and _should_run(deployment, instance):
                 # An agent is the only owner of its host's engines: one it does not know
                 # is gone (the machine or the agent restarted without it).
                 reason = f"its engine is gone from host {host.name} (was the host restarted?)"
-                operations.end_engine_and_fail(deployment, driver, instance, reason, "system")
+                actions.end_engine_and_fail(deployment, driver, instance, reason, "system")
             continue  # in-process: another worker of this installation owns it
         if not driver.alive(key):
             _engine_died(deployment, driver, instance)
@@ -174,8 +175,8 @@ def reconcile(host_id: int) -> None:
             == 0  # it serves (or unknown): not idle
         ):
             try:
-                operations.park(deployment.pk, actor="system", reason=f"after {idle}s idle")
-            except operations.SchedulerError as exc:
+                actions.park(deployment.pk, actor="system", reason=f"after {idle}s idle")
+            except errors.SchedulerError as exc:
                 logger.warning("idle park of %s did not happen: %s", deployment.name, exc)
     _check_parks(host, now)
 
@@ -205,8 +206,8 @@ def _check_parks(host: Host, now: datetime) -> None:
             return  # someone waits for room: not an idle moment
         postpone_park_check(deployment.engine_id)  # one check, even if this one fails
         try:
-            operations.check_park(deployment.pk)
-        except operations.SchedulerError as exc:
+            actions.check_park(deployment.pk)
+        except errors.SchedulerError as exc:
             logger.warning("the park check of %s did not happen: %s", deployment.name, exc)
         return
 
@@ -262,7 +263,7 @@ def _repair_stuck(deployment: Deployment, driver: HostDriver, stuck: float) -> N
         return
     reason = f"it stayed {deployment.observed_state} for {stuck:.0f}s, past its timeout"
     if instance is not None:
-        driver.stop(operations.instance_key(instance), 2.0)
+        driver.stop(actions.instance_key(instance), 2.0)
         transitions.instance_exited(instance.pk)
     transitions.failed(deployment, reason, expected=[ObservedState.STOPPING])
 
@@ -280,12 +281,12 @@ def _end_orphans(host: Host, driver: HostDriver) -> None:
     if not running:
         return
     wanted = {
-        operations.instance_key(i)
+        actions.instance_key(i)
         for i in Instance.objects.filter(host=host).exclude(state=Instance.State.EXITED)
     }
     for ident in running:
         if ident not in wanted:
-            driver.stop(ident, operations.STOP_GRACE_SECONDS)
+            driver.stop(ident, actions.STOP_GRACE_SECONDS)
             record_event(
                 "engine.orphan_stopped",
                 f"stopped engine {ident} on {host.name}: no model of this server owns it",
@@ -296,9 +297,9 @@ def _end_orphans(host: Host, driver: HostDriver) -> None:
 
 
 def _engine_died(deployment: Deployment, driver: HostDriver, instance: Instance) -> None:
-    code, tail = driver.exit_report(operations.instance_key(instance))
+    code, tail = driver.exit_report(actions.instance_key(instance))
     reason = f"its engine exited with status {code}" + (f"; last lines:\n{tail}" if tail else "")
-    operations.end_engine_and_fail(deployment, driver, instance, reason, "system")
+    actions.end_engine_and_fail(deployment, driver, instance, reason, "system")
 
 
 def _parked_unasked(
@@ -310,7 +311,7 @@ def _parked_unasked(
     operation drives it: a park of CapyCTL's sleeps the engine before its state says so."""
     if deployment_locks.driven_anywhere(deployment.pk):
         return False
-    key = operations.instance_key(instance)
+    key = actions.instance_key(instance)
     try:
         if driver.asleep(key) is not True:
             return False

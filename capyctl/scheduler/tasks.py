@@ -17,7 +17,15 @@ from django.conf import settings
 # load Celery.
 from capyctl import celery as _celery  # noqa: F401
 from capyctl.hosts.models import Host
-from capyctl.scheduler import notify, operation_runs, operations, reconcile, remote_hosts, switches
+from capyctl.scheduler import (
+    actions,
+    errors,
+    notify,
+    operation_runs,
+    reconcile,
+    remote_hosts,
+    switches,
+)
 from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error, outage
 from capyctl.scheduler.remote_hosts import AgentUnreachableError
 
@@ -34,8 +42,8 @@ def ensure_ready(deployment_id: int) -> None:
     """Make a deployment ready for the requests waiting on it, and tell them how it went."""
     try:
         with switches.collecting() as steps:
-            operations.ensure_ready(deployment_id)
-    except operations.SchedulerError as exc:
+            actions.ensure_ready(deployment_id)
+    except errors.SchedulerError as exc:
         notify.announce(deployment_id, ok=False, code=exc.code, message=str(exc))
     except Exception as exc:
         if is_control_plane_error(exc):  # the waiters learn that much, not the address

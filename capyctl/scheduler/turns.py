@@ -26,7 +26,8 @@ from typing import Any, Protocol
 from django.conf import settings
 
 from capyctl.scheduler import redislink
-from capyctl.scheduler.policy import Contender
+from capyctl.scheduler.errors import NoCapacityError
+from capyctl.scheduler.policy import Contender, NoCapacity
 
 logger = logging.getLogger("capyctl.scheduler")
 
@@ -216,3 +217,21 @@ def local_waits() -> list[Wait]:
     found = registry()
     own = found if isinstance(found, LocalRegistry) else getattr(found, "_own", None)
     return own.waits() if isinstance(own, LocalRegistry) else []
+
+
+def refused(
+    deployment_id: int,
+    name: str,
+    result: NoCapacity,
+    *,
+    priority: int,
+    host_id: int,
+    pools: tuple[str, ...] = (),
+) -> NoCapacityError:
+    """The error for a plan on ``host_id`` that found no room; a wait for what passes is
+    noted (the caller holds the host lock), so the contenders for these GPUs take turns in
+    order of their waits."""
+    if not result.lasting:
+        now = time.time()
+        note(Wait(deployment_id, name, host_id, now, now, priority, result.pools or pools))
+    return NoCapacityError(result.reason, result.blockers, lasting=result.lasting)

@@ -25,7 +25,7 @@ from django.conf import settings
 from django.db import connection
 
 from capyctl.deployments.models import Deployment
-from capyctl.scheduler import notify, operations, switches
+from capyctl.scheduler import actions, notify, switches
 from capyctl.scheduler.errors import (
     ControlPlaneUnavailableError,
     SchedulerError,
@@ -76,7 +76,7 @@ async def ready(
 
 def _ready_here(deployment_id: int, timeout: float, wanted: Callable[[], bool] | None) -> str:
     with switches.collecting() as steps:
-        operations.ensure_ready(deployment_id, "system", timeout, wanted)
+        actions.ensure_ready(deployment_id, "system", timeout, wanted)
     return switches.header(steps)
 
 

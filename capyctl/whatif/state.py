@@ -13,13 +13,13 @@ _constants: dict[str, float] = {}
 
 def _constant(name: str) -> float:
     if not _constants:
-        from capyctl.scheduler import executor, operations, snapshots  # noqa: PLC0415 - Django set up by then
+        from capyctl.scheduler import actions, executor, snapshots  # noqa: PLC0415 - Django set up by then
         from capyctl.scheduler.estimates import ENGINE_RAM_ESTIMATE  # noqa: PLC0415
 
         _constants.update(
             busy_grace=snapshots.BUSY_GRACE_SECONDS,
-            room_retry=operations.ROOM_RETRY_SECONDS,
-            rounds=operations.MAX_SWITCH_ROUNDS,
+            room_retry=actions.ROOM_RETRY_SECONDS,
+            rounds=actions.MAX_SWITCH_ROUNDS,
             reconcile=executor.RECONCILE_SECONDS,
             engine_ram=ENGINE_RAM_ESTIMATE,
         )

@@ -1,0 +1,48 @@
+"""What every verb reads: a deployment's row and its live engine process, and the bounds
+they share."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from capyctl.deployments.models import Deployment, Instance
+from capyctl.scheduler.errors import SchedulerError
+
+# A start or wake evicts the victims its plan names and plans again, this many times at
+# most: others may take what was freed meanwhile.
+MAX_SWITCH_ROUNDS = 4
+# How long an engine has to end after SIGTERM before it is killed.
+STOP_GRACE_SECONDS = 10.0
+
+
+def load(deployment_id: int) -> Deployment:
+    """The deployment's row as it is now, with its engine and host."""
+    try:
+        return Deployment.objects.select_related("engine", "host").get(pk=deployment_id)
+    except Deployment.DoesNotExist:
+        raise SchedulerError(f"deployment {deployment_id} no longer exists") from None
+
+
+def live_instance(deployment: Deployment) -> Instance | None:
+    """Its engine process that has not exited (at most one), if any."""
+    return (
+        Instance.objects.filter(deployment_id=deployment.pk)
+        .exclude(state=Instance.State.EXITED)
+        .only("pk", "pid", "port", "gpu_indices", "key", "claim_bytes", "state")
+        .first()
+    )
+
+
+def instance_key(instance: Instance) -> str:
+    """The host's name for an instance's engine process."""
+    return instance.key
+
+
+def touch(deployment_id: int) -> None:
+    """Note a request for the deployment (least-recently-used order), at most once a second."""
+    now = timezone.now()
+    Deployment.objects.filter(pk=deployment_id).exclude(
+        last_request_at__gt=now - timedelta(seconds=1)
+    ).update(last_request_at=now)

@@ -1,0 +1,43 @@
+"""Evict: a model that holds memory another needs gives it back (parked, or stopped where
+the plan says so), drained of its requests first."""
+
+from __future__ import annotations
+
+import logging
+
+from capyctl.deployments.models import ObservedState
+from capyctl.events.models import Event
+from capyctl.scheduler.actions.common import load
+from capyctl.scheduler.actions.park import park_ready
+from capyctl.scheduler.actions.stop import drain_and_stop, stop_engine
+from capyctl.scheduler.policy import STOP, Victim
+
+logger = logging.getLogger("capyctl.scheduler")
+
+
+def make_room(victims: tuple[Victim, ...], actor: str, *, for_name: str) -> None:
+    """Evict each victim a plan named for ``for_name``, in the plan's order."""
+    for victim in victims:
+        evict(victim, actor, for_name=for_name)
+
+
+def evict(victim: Victim, actor: str, *, for_name: str) -> None:
+    """Park or stop one victim, draining it first; one no longer ready is left alone (the
+    next round plans again on what it became)."""
+    deployment = load(victim.deployment_id)
+    reason = f"to make room for {for_name}" + (", its turn over" if victim.turn_over else "")
+    if deployment.observed_state == ObservedState.PARKED and victim.mode == STOP:
+        # A parked copy in host RAM that another engine needs: no request is in flight on
+        # a parked model, so there is nothing to drain.
+        message = f"stopped {deployment.name} (parked): {victim.reason} ({for_name})"
+        logger.info(message)
+        stop_engine(deployment, actor, reason=message)
+        return
+    if deployment.observed_state != ObservedState.READY:
+        return
+    if victim.mode != STOP:
+        park_ready(deployment, victim.mode, actor=actor, reason=reason)
+        return
+    level = Event.Level.WARNING if "copy" in victim.reason else Event.Level.INFO
+    message = f"stopped {deployment.name} instead of parking: {victim.reason}"
+    drain_and_stop(deployment, actor, reason=f"{message} ({reason})", level=level)

@@ -1,0 +1,119 @@
+"""Wake: a parked model's engine given its GPU memory back and woken.
+
+:func:`wake` is the verb; :func:`admit_wake` the one step under the host lock that plans
+and promises the memory (PARKED -> WAKING with its claim promised, or the victims to evict
+first).
+"""
+
+from __future__ import annotations
+
+import time
+
+from capyctl.deployments.models import Deployment, ObservedState
+from capyctl.hosts.models import Host
+from capyctl.ledger.pools import device_total, pool_usage
+from capyctl.ledger.services import InsufficientMemoryError, host_lock
+from capyctl.scheduler import estimates, snapshots, transitions, turns
+from capyctl.scheduler.actions.common import MAX_SWITCH_ROUNDS, instance_key, live_instance, load
+from capyctl.scheduler.actions.evict import make_room
+from capyctl.scheduler.actions.start import start_engine
+from capyctl.scheduler.actions.stop import end_engine_and_fail
+from capyctl.scheduler.drivers import driver_for
+from capyctl.scheduler.errors import EngineFailedError, NoCapacityError
+from capyctl.scheduler.policy import RAM, HostSnapshot, Need, NoCapacity, Victim, plan
+from hostagent.errors import EngineError
+
+
+def wake(deployment: Deployment, actor: str) -> Deployment:
+    """Wake a parked deployment (its flight held by the caller):
+
+    1. its engine process and host; a parked model without one is started instead;
+    2. its claim: what its engine was launched with, not today's setting (a sleeping
+       engine wakes to the memory it was started to use);
+    3. admitted on its own GPUs (:func:`admit_wake`: WAKING, the claim promised),
+       evicting the victims the plan names, at most :data:`MAX_SWITCH_ROUNDS` rounds;
+    4. the engine's wake, in the mode it was parked in, then its usage read;
+    5. READY with the measured figures held (:func:`transitions.woke`).
+
+    An engine that fails to wake is ended and the model failed with the reason.
+    """
+    host = deployment.host
+    instance = live_instance(deployment)
+    if host is None or instance is None:
+        return start_engine(deployment, actor)
+    started = time.monotonic()
+    pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
+    claim = instance.claim_bytes
+    if claim is None:
+        claim = estimates.claim_per_gpu(deployment, device_total(host))
+    for _round in range(MAX_SWITCH_ROUNDS):
+        victims = admit_wake(deployment, host, pools, claim)
+        if victims is None:
+            return load(deployment.pk)  # woken, or stopped, by someone else meanwhile
+        if not victims:
+            break
+        make_room(victims, actor, for_name=deployment.name)
+    else:
+        raise NoCapacityError(
+            f"{deployment.name}: memory was not freed after {MAX_SWITCH_ROUNDS} rounds"
+        )
+    mode = deployment.parked_mode or RAM
+    driver = driver_for(host)
+    key = instance_key(instance)
+    try:
+        driver.wake(key, mode, deployment.setting("wake_timeout_seconds"))
+        usage = driver.usage(key)
+    except EngineError as exc:
+        end_engine_and_fail(deployment, driver, instance, f"wake failed: {exc}", actor)
+        raise EngineFailedError(f"{deployment.name}: wake failed: {exc}") from exc
+    except Exception as exc:
+        end_engine_and_fail(
+            deployment, driver, instance, f"wake failed: {type(exc).__name__}: {exc}", actor
+        )
+        raise
+    figures = snapshots.measured(host, pools, usage, claim)
+    transitions.woke(deployment, host, figures, mode, started=started, actor=actor)
+    return load(deployment.pk)
+
+
+def admit_wake(
+    deployment: Deployment, host: Host, pools: list[str], claim: int
+) -> tuple[Victim, ...] | None:
+    """Under the host lock: if the claim fits back on its own GPUs, move PARKED -> WAKING
+    and promise it (returns ``()``); else name who must make room. ``None``: it is no
+    longer a parked model that should run (another caller woke or stopped it)."""
+    with host_lock(host.pk) as locked:
+        current = (
+            Deployment.objects.filter(pk=deployment.pk)
+            .values_list("observed_state", "desired_state")
+            .first()
+        )
+        if current != (ObservedState.PARKED, "running"):
+            return None
+        # Its own entries (held residual, or unconfirmed: they still count the whole claim)
+        # are replaced by the promise, so they count as room for it.
+        mine = transitions.entries(locked, deployment.pk)
+        usage = {u.pool: u for u in pool_usage(locked)}
+        if all(usage[p].free_bytes + mine.get(p, 0) >= claim for p in pools if p in usage):
+            try:
+                won = transitions.waking(locked, deployment, dict.fromkeys(pools, claim), mine)
+            except InsufficientMemoryError as exc:
+                raise NoCapacityError(f"{deployment.name}: {exc}", lasting=False) from exc
+            return () if won else None
+        snap = snapshots.snapshot(locked)
+        residual = min((mine.get(p, 0) for p in pools), default=0)
+        others = HostSnapshot(
+            snap.host_id,
+            snap.name,
+            snap.unified,
+            {p: snap.pools[p] for p in (*pools, snap.ram_pool) if p in snap.pools},
+            [r for r in snap.residents if r.deployment_id != deployment.pk],
+            contenders=snap.contenders,
+        )
+        need = Need(deployment.pk, deployment.name, len(pools), claim - residual, 0, (host.pk,),
+                    turns.waited(deployment.pk), deployment.priority)  # fmt: skip
+        result = plan([others], need)
+        if isinstance(result, NoCapacity):
+            raise turns.refused(deployment.pk, deployment.name, result, pools=tuple(pools),
+                                priority=deployment.priority, host_id=locked.pk)  # fmt: skip
+        return result.victims or ()
