@@ -313,3 +313,8 @@ def queues_data() -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def any_deployments() -> bool:
+    """Whether any deployment is registered (a start's banner says what to try next)."""
+    return Deployment.objects.exists()

@@ -78,19 +78,19 @@ class Demo:
 def set_up_demo(username: str) -> Demo:
     """Make what the demo needs that is not there yet, and a new key for ``username``
     (revoking the one an earlier demo start made)."""
-    from capyctl.access.models import ApiKey
     from capyctl.access.services import issue_api_key, revoke_api_key
-    from capyctl.deployments.models import Deployment
     from capyctl.deployments.services import DeploymentSpec, add_deployment
+    from capyctl.reports import all_deployments, all_keys
 
     python = shlex.quote(sys.executable)
     _ensure_engine(SIM_ENGINE, "vllm", f"{python} -m hostagent.sim vllm", SIM_ENV)
     models = []
+    made = {deployment.name for deployment in all_deployments()}
     llama = tiny_llama()
     if llama is not None:
         program, model_file = llama
         _ensure_engine(LLAMA_ENGINE, "llamacpp", shlex.quote(program), {})
-        if not Deployment.objects.filter(name=REAL_MODEL).exists():
+        if REAL_MODEL not in made:
             spec = DeploymentSpec(
                 name=REAL_MODEL,
                 engine=LLAMA_ENGINE,
@@ -101,7 +101,7 @@ def set_up_demo(username: str) -> Demo:
             add_deployment(spec, actor="demo")
         models.append(REAL_MODEL)
     for name in SIM_MODELS:
-        if not Deployment.objects.filter(name=name).exists():
+        if name not in made:
             spec = DeploymentSpec(
                 name=name,
                 engine=SIM_ENGINE,
@@ -111,8 +111,12 @@ def set_up_demo(username: str) -> Demo:
             )
             add_deployment(spec, actor="demo")
         models.append(name)
-    earlier = ApiKey.objects.filter(user__username=username, name=KEY_NAME, revoked_at=None)
-    for key_id in list(earlier.values_list("key_id", flat=True)):
+    earlier = [
+        key.key_id
+        for key in all_keys(user=username)
+        if key.name == KEY_NAME and key.revoked_at is None
+    ]
+    for key_id in earlier:
         revoke_api_key(key_id, actor="demo")
     _, key = issue_api_key(username, name=KEY_NAME, actor="demo")
     return Demo(models=models, key=key, real_model=llama is not None)
@@ -120,13 +124,15 @@ def set_up_demo(username: str) -> Demo:
 
 def _ensure_engine(name: str, kind: str, command: str, env: dict[str, str]) -> None:
     """Register the engine, or point it at this installation's program if it moved."""
-    from capyctl.engines.models import Engine
-    from capyctl.engines.services import add_engine, update_engine
+    from capyctl.engines.services import add_engine, get_engine, update_engine
+    from capyctl.errors import NotFoundError
 
-    engine = Engine.objects.filter(name=name).first()
-    if engine is None:
+    try:
+        engine = get_engine(name)
+    except NotFoundError:
         add_engine(name, kind=kind, command=command, env=env, actor="demo")
-    elif engine.command != command:
+        return
+    if engine.command != command:
         update_engine(name, command=command, actor="demo")
 
 

@@ -118,8 +118,8 @@ def _upgrade_lines(upgrade: Any) -> list[str]:
 def start_standalone(args: argparse.Namespace) -> int:
     from capyctl.bootstrap import ensure_first_admin, prepare_standalone
     from capyctl.cli import demo as demo_mode
-    from capyctl.deployments.models import Deployment
-    from capyctl.hosts.models import LOCAL_HOST_NAME, Host
+    from capyctl.hosts.services import local_host
+    from capyctl.reports import any_deployments
 
     host, port = parse_listen(args.listen)
     _check_port_free(host, port)
@@ -129,7 +129,7 @@ def start_standalone(args: argparse.Namespace) -> int:
     upgrade = prepare_standalone(migrate=args.migrate)
     admin = ensure_first_admin()
     demo = demo_mode.set_up_demo(admin.username) if getattr(args, "demo", False) else None
-    local = Host.objects.get(name=LOCAL_HOST_NAME)
+    local = local_host()
     inventory = local.inventory
     gpus = inventory.get("gpus") or []
     gpu_text = ", ".join(f"{g['name']} ({format_size(g['total_bytes'])})" for g in gpus)
@@ -150,8 +150,7 @@ def start_standalone(args: argparse.Namespace) -> int:
     if demo is not None:
         lines += demo_mode.banner_lines(demo, base)
     lines.append("Stop with Ctrl-C.")
-    has_models = Deployment.objects.exists()
-    lines.append(demo_mode.next_line(demo, Path(settings.DATA_DIR), has_models))
+    lines.append(demo_mode.next_line(demo, Path(settings.DATA_DIR), any_deployments()))
     print("\n".join(lines), flush=True)
 
     from capyctl.scheduler.drivers import local_driver
@@ -313,19 +312,13 @@ def _beat(beat: Any) -> None:
     hosts (on a worker), and send again any operation whose message was lost."""
     from datetime import timedelta
 
-    from django.utils import timezone
-
     from capyctl.scheduler import tasks
-    from capyctl.scheduler.executor import SERVER_ALIVE_KEY
-    from capyctl.scheduler.models import Operation
+    from capyctl.scheduler.executor import SERVER_ALIVE_KEY, pending_operations
 
     try:
         beat.set(SERVER_ALIVE_KEY, "1", ex=15)
         tasks.poll_hosts.delay()
-        stale = timezone.now() - timedelta(seconds=BEAT_SECONDS)
-        for op_id in Operation.objects.filter(
-            status=Operation.Status.PENDING, created_at__lt=stale
-        ).values_list("pk", flat=True)[:32]:
+        for op_id in pending_operations(older_than=timedelta(seconds=BEAT_SECONDS)):
             tasks.run_operation.delay(op_id)
     except Exception as exc:  # the supervisor outlives a Redis or database hiccup
         from capyctl.scheduler.errors import is_control_plane_error

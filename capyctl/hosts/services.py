@@ -206,3 +206,8 @@ def update_host(
         host_id=host.pk,
     )
     return host
+
+
+def local_host() -> Host:
+    """The in-process host, ``local`` (standalone's start registers it)."""
+    return get_host(LOCAL_HOST_NAME)

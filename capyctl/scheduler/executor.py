@@ -57,9 +57,7 @@ class SchedulerLoop(threading.Thread):
         while not self._stopping.is_set():
             try:
                 close_old_connections()
-                for operation_id in Operation.objects.filter(
-                    status=Operation.Status.PENDING
-                ).values_list("pk", flat=True)[:32]:
+                for operation_id in pending_operations():
                     self._pool.submit(run_operation, operation_id)
                 if time.monotonic() - last_reconcile >= self.reconcile_every:
                     last_reconcile = time.monotonic()
@@ -88,6 +86,16 @@ class SchedulerLoop(threading.Thread):
         finally:
             self._reconciling.release()
             connection.close()
+
+
+def pending_operations(*, older_than: timedelta | None = None) -> list[int]:
+    """The ids of up to 32 operations nobody has taken up yet; with ``older_than``, only
+    those saved at least that long ago (server mode's beat sends them again: their
+    message to a worker may have been lost)."""
+    pending = Operation.objects.filter(status=Operation.Status.PENDING)
+    if older_than is not None:
+        pending = pending.filter(created_at__lt=timezone.now() - older_than)
+    return list(pending.values_list("pk", flat=True)[:32])
 
 
 SERVER_ALIVE_KEY = "capyctl:server-alive"  # refreshed by `capyctl start server` in Redis
