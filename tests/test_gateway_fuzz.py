@@ -12,7 +12,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -228,7 +229,8 @@ def test_a_502_names_no_internal_address(settings, db):
     nothing listens: the client is told that the engine did not answer, not where."""
     from yarl import URL
 
-    from capyctl.gateway.app import Gateway, _Outcome
+    from capyctl.gateway.app import Gateway
+    from capyctl.gateway.context import Outcome, RequestContext
     from capyctl.gateway.errors import GatewayError
     from capyctl.gateway.usage import UsageTap
     from hostagent.agent import Relay
@@ -237,18 +239,25 @@ def test_a_502_names_no_internal_address(settings, db):
 
     async def through_gateway() -> bytes:
         gateway = Gateway()
+        # What the engine call reads of a request: its method, body and route's TLS name.
+        ctx = RequestContext(
+            scope={"method": "POST"},
+            receive=None,
+            send=None,
+            key=cast("Any", None),
+            headers={},
+            body=b"{}",
+            route=cast("Any", SimpleNamespace(tls_name=None)),
+            target=cast("Any", None),
+            started=0.0,
+            outcome=Outcome(),
+        )
         try:
-            await gateway._stream(
-                "POST",
+            await gateway.forwarding.stream(
+                ctx,
                 f"http://127.0.0.1:{port}/v1/chat/completions",
-                tls_name=None,
-                tap=UsageTap(want_response_id=False),
-                outcome=_Outcome(),
-                headers=[],
-                body=b"{}",
-                send=None,
-                started=0.0,
-                waited_ms=0.0,
+                [],
+                UsageTap(want_response_id=False),
             )
         except GatewayError as error:
             failed = error

@@ -128,7 +128,7 @@ async def test_the_warm_cache_reads_once_and_keeps_names_in_use_fresh(monkeypatc
 
 
 def test_the_model_of_a_multipart_form_is_its_own_field():
-    from capyctl.gateway.app import _model_of, _rename_model
+    from capyctl.gateway.admission import _model_of, _rename_model
 
     boundary = b"------------------------d74496d66958873e"
     audio = b"RIFF\r\n\r\nnot a model\r\n\r\n" + bytes(range(256))

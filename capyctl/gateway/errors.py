@@ -1,10 +1,12 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``."""
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``, and
+:func:`respond`, which sends such an answer (or any small one) in one piece."""
 
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 # What an internal address looks like in a message (a URL, an IP address or localhost,
 # with a port or not, or a port named on its own as database drivers do): the log keeps
@@ -61,3 +63,24 @@ def model_not_found(name: str) -> GatewayError:
         "invalid_request_error",
         False,
     )
+
+
+def control_plane_down(message: str, retry_after: int = 1) -> GatewayError:
+    return GatewayError(
+        503,
+        "control_plane_unavailable",
+        message,
+        "server_error",
+        headers=[(b"retry-after", str(retry_after).encode())],
+    )
+
+
+async def respond(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
