@@ -180,6 +180,64 @@ def test_hosts_import_nothing_from_the_scheduler():
     assert found == []
 
 
+# The verbs, each importing only those after it: a verb never calls back up.
+VERB_ORDER = ["ready", "wake", "start", "evict", "park", "stop", "drain", "common"]
+
+
+def test_the_verbs_call_only_down():
+    """``capyctl.scheduler.actions``: ready → wake → start → evict → park → stop → drain, so
+    a wake read top to bottom never comes back to a module it left."""
+    verbs = {f"capyctl.scheduler.actions.{name}" for name in VERB_ORDER}
+    sources = _sources("capyctl.scheduler.actions")
+    assert set(sources) - {"capyctl.scheduler.actions"} == verbs
+    found = []
+    for name in sorted(verbs):
+        top, inner = _imports(sources[name], verbs)
+        assert not inner, f"{name} imports a verb inside a function"
+        rank = VERB_ORDER.index(name.rsplit(".", 1)[1])
+        found += [f"{name} imports {target}" for target in sorted(top)
+                  if VERB_ORDER.index(target.rsplit(".", 1)[1]) <= rank]  # fmt: skip
+    assert found == []
+
+
+def test_the_replay_runs_the_servers_step_and_asks_nothing_of_its_state():
+    """The what-if replay uses the scheduler's step, policy and errors, and reads the
+    server's constants (lazily, once); it imports none of the verbs, the writer, the
+    ledger or the database-backed snapshots: it cannot copy their decisions, only share
+    the step's."""
+    allowed = {
+        "capyctl.scheduler.steps",
+        "capyctl.scheduler.policy",
+        "capyctl.scheduler.errors",
+        "capyctl.scheduler.estimates",
+        "capyctl.scheduler.executor",
+        "capyctl.scheduler",
+    }
+    scheduler = set(_sources("capyctl.scheduler")) | {"capyctl.scheduler"}
+    found = []
+    uses_the_step = []
+    for name, source in _sources("capyctl.whatif").items():
+        top, inner = _imports(source, scheduler)
+        used = top | {module for _, module in inner}
+        found += [f"{name} imports {module}" for module in sorted(used - allowed)]
+        if "steps.until_ready(" in source:
+            uses_the_step.append(name)
+    assert found == []
+    assert uses_the_step == ["capyctl.whatif.ensure_ready"]
+
+
+def test_the_step_loads_no_django_settings_and_no_database(tmp_path):
+    """The step is plain Python over its world: importing it sets up no Django and loads
+    no model, so the replay and the server share it without a database between."""
+    code = (
+        "import sys\n"
+        "import capyctl.scheduler.steps\n"
+        "print(any(m.startswith('django.db.models') or m.endswith('.models') and "
+        "m.startswith('capyctl') for m in sys.modules))\n"
+    )
+    assert _run_cli_code(code, tmp_path).strip() == "False"
+
+
 def test_no_function_level_import_hides_a_circle():
     """An import inside a function is for a module this one need not load up front (Celery,
     Redis, certificates kept off the listings' start-up), never to break a circle: the

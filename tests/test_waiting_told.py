@@ -4,7 +4,7 @@ try, a moment later, gets past (simulated 24 GiB GPU, simulated engines, in proc
 import pytest
 
 from capyctl.events.models import Event
-from capyctl.scheduler import actions, requests_in_progress, snapshots
+from capyctl.scheduler import actions, requests_in_progress, steps
 from tests.scheduling import deployment, state, vllm_engine
 
 
@@ -17,7 +17,7 @@ def test_a_model_asked_right_after_anothers_answer_is_not_told_to_wait(
     surely falls in it), so the first try for b was refused; the next parked a. The events
     said "b ... waits for room; in the way: a (busy, its turn: 30 s left)" and, the same
     second, "parked a": a wait that never happened. Now only the park is told."""
-    monkeypatch.setattr(snapshots, "BUSY_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(steps, "BUSY_GRACE_SECONDS", 0.5)
     settings.CAPYCTL = {**settings.CAPYCTL, "MAX_TURN_SECONDS": 30}
     vllm_engine()
     a, b = deployment("a"), deployment("b")

@@ -16,6 +16,10 @@ actions               the verbs, one module each (``actions/ready``, ``start``, 
                       host lock (plan, promise, state moved in one transition), calls the
                       engine driver and the writer; they write nothing themselves.
                       ``actions.ready.ensure_ready`` is the scheduler's one retry loop.
+steps                 the step a request waits on (try, pause, try again) and its decisions
+                      (pauses, how an eviction goes, the busy grace), Django-free: the server
+                      runs it on real time (``actions.ready``), the what-if replay on its
+                      virtual clock (``capyctl.whatif``), so the two cannot drift.
 policy                placement and eviction, a pure function of plain data.
 snapshots             the host as policy sees it (reads only); estimates: figures before
                       they are measured.

@@ -12,7 +12,7 @@ from capyctl.deployments.models import Deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import device_total, pool_usage
-from capyctl.scheduler import estimates, requests_in_progress, turns
+from capyctl.scheduler import estimates, requests_in_progress, steps, turns
 from capyctl.scheduler.policy import HostSnapshot, Need, Pool, Resident
 from hostagent.kinds import get_kind
 from hostagent.probe import ProcessUsage
@@ -52,13 +52,6 @@ _RESIDENT_FIELDS = (
 )
 
 
-# A model whose last request ended this recently is still busy: a client that loops sends
-# its next one within it (standalone sees each end; elsewhere ``last_request_at``, written
-# at most once a second, says, so it gets a second more).
-BUSY_GRACE_SECONDS = 0.1
-_LAST_REQUEST_SLACK_SECONDS = 1.0
-
-
 def busy(deployment: Deployment, now: float) -> bool:
     """Whether a ready deployment has requests in flight or had one a moment ago (counts
     that cannot be read count as busy: its turn is not cut on a guess)."""
@@ -66,11 +59,10 @@ def busy(deployment: Deployment, now: float) -> bool:
     if in_flight is None or in_flight > 0:
         return True
     idle = requests_in_progress.idle_seconds(deployment.pk)
-    if idle is not None:
-        return idle < BUSY_GRACE_SECONDS
+    if idle is not None:  # each end is seen here
+        return idle < steps.busy_grace(ends_seen_here=True)
     last = deployment.last_request_at
-    grace = BUSY_GRACE_SECONDS + _LAST_REQUEST_SLACK_SECONDS
-    return last is not None and now - last.timestamp() < grace
+    return last is not None and now - last.timestamp() < steps.busy_grace(ends_seen_here=False)
 
 
 def turn_holders(waits: list[tuple[str, int, tuple[str, ...]]]) -> dict[str, list[str]]:

@@ -1,7 +1,7 @@
 """The one thing the gateway awaits: ``await wakes.ready(deployment_id, timeout)``.
 
 How a wake runs is decided here, not by the caller. Standalone runs the scheduler's
-:func:`~capyctl.scheduler.operations.ensure_ready` in this process, on a pool of threads of
+:func:`~capyctl.scheduler.actions.ensure_ready` in this process, on a pool of threads of
 its own: slow starts never take the threads that the gateway's route and key lookups run
 on, so a ready model answers while others start. Server mode sends the wake to a Celery
 worker and waits for its outcome on the channel layer, reading the database every half

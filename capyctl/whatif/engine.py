@@ -2,27 +2,29 @@
 
 What is simulated is the clock and the engines (a start, park or wake takes the model's
 timing; a request takes its service time; memory is what the ledger would count). What is
-decided is decided by production's code: every placement, every choice of victims and of
+decided is decided by the server's code: every placement, every choice of victims and of
 their park mode, and every turn comes from :func:`capyctl.scheduler.policy.plan` on a
 :class:`~capyctl.scheduler.policy.HostSnapshot` built the way
-:mod:`capyctl.scheduler.snapshots` builds it from the ledger. The loop around it follows
-:func:`capyctl.scheduler.operations.ensure_ready` step by step:
+:mod:`capyctl.scheduler.snapshots` builds it from the ledger, and the loop around it is the
+server's step itself, :func:`capyctl.scheduler.steps.until_ready` (how long it pauses, how
+an eviction goes, how long a model counts as busy):
 
 - a request for a ready model is served at once; one for another model joins that model's
   queue (refused ``queue_full`` past ``max_waiting``), and one wake runs per model,
   however many requests wait for it; every request that waits shares its outcome;
 - a wake tries (start a stopped model, wake a parked one, evicting the victims the plan
   names, each drained of its requests first, then parked or stopped, up to
-  :data:`~capyctl.scheduler.operations.MAX_SWITCH_ROUNDS` rounds); when what is in the way
+  :data:`~capyctl.scheduler.steps.MAX_SWITCH_ROUNDS` rounds); when what is in the way
   passes it notes its wait for room (what turns are decided on) and tries again after
-  :data:`~capyctl.scheduler.snapshots.BUSY_GRACE_SECONDS`, then every
-  :data:`~capyctl.scheduler.operations.ROOM_RETRY_SECONDS`, until ``max_queue_seconds``
+  :data:`~capyctl.scheduler.steps.BUSY_GRACE_SECONDS`, then every
+  :data:`~capyctl.scheduler.steps.ROOM_RETRY_SECONDS`, until ``max_queue_seconds``
   (refused ``wake_timeout``); a plan that cannot fit even with everything parked refuses
   at once (``no_capacity``);
 - a reconcile pass every :data:`~capyctl.scheduler.executor.RECONCILE_SECONDS` parks models
   idle for their ``idle_park_seconds``.
 
-Not simulated: engines that fail, parks that keep their memory, clients that leave, the
+Not simulated: engines that fail, parks that keep their memory (an engine already marked for
+that is followed: its models are stopped instead), clients that leave, the
 per-key fairness inside one model's queue, drain timeouts (a drain waits for its requests).
 """
 

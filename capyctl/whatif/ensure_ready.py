@@ -1,10 +1,12 @@
-"""A wake, read top to bottom: the loop of
-:func:`capyctl.scheduler.operations.ensure_ready`, step by step, on the virtual clock.
+"""A wake on the virtual clock: the server's step, :func:`capyctl.scheduler.steps.until_ready`,
+run in the replay's world.
 
-One wake runs per model, however many requests wait for it. It tries (start a stopped
-model, wake a parked one, evicting the victims the plan names, each drained of its
-requests first, then parked or stopped), and while what is in the way passes it waits for
-room, skipping the tries that would find the same host.
+One wake runs per model, however many requests wait for it. The step tries (start a
+stopped model, wake a parked one, evicting the victims the plan names, each drained of its
+requests first, then parked or stopped, as :func:`~capyctl.scheduler.steps.evict_how`
+says), and while what is in the way passes it pauses as the step says, here skipping the
+tries that would find the same host. What this module holds is the world only: the
+simulated engines' times, the replay's ledger, and how a pause passes on this clock.
 """
 
 from __future__ import annotations
@@ -13,45 +15,74 @@ import math
 from collections.abc import Generator
 from typing import Any
 
+from capyctl.scheduler import steps
+from capyctl.scheduler.errors import NoCapacityError, SchedulerError, UnavailableError
 from capyctl.scheduler.policy import DEEP, RAM, STOP, NoCapacity, Victim
 from capyctl.whatif.clock import _Until
 from capyctl.whatif.serving import Serving
-from capyctl.whatif.state import _constant, _Host, _Model, _pool_names, _ram
+from capyctl.whatif.state import _Host, _Model, _pool_names, _ram
 
-_FIRST_TRY_SECONDS = 0.05  # a try that found nothing in the way, waiting on a switch
+
+class _Step:
+    """The step's world for one model in the replay (:class:`steps.ReadyWorld`)."""
+
+    def __init__(self, replay: EnsureReady, model: _Model) -> None:
+        self.replay = replay
+        self.model = model
+        self.name = model.name
+
+    def now(self) -> float:
+        return self.replay.now
+
+    def state(self) -> str | None:
+        return self.model.state
+
+    def try_lock(self) -> bool:
+        return not self.model.operating  # an eviction or an idle park has it
+
+    def unlock(self) -> None:
+        return None
+
+    def try_once(self) -> Generator[Any, Any, NoCapacity | None]:
+        return self.replay._try_once(self.model)
+
+    def waits_on(self, no_room: object) -> None:
+        return None  # the replay keeps no events
+
+    def wanted(self) -> bool:
+        return bool(self.model.queue)
 
 
 class EnsureReady(Serving):
     """A model's wake, and the parks and stops that make room for it."""
 
+    def _busy_grace(self) -> float:
+        return steps.busy_grace(ends_seen_here=not self.scenario.server_mode)
+
     def _ensure_ready(self, model: _Model) -> Generator[Any, Any, None]:
         deadline = self.now + model.spec.max_queue_seconds
-        no_room: NoCapacity | None = None
-        tries = 0
+        step = steps.until_ready(_Step(self, model), deadline)
         try:
             while True:
-                if model.state == "ready":
+                try:
+                    waits = next(step)
+                except StopIteration:
                     self._release_queue(model, None)
                     return
-                if not model.operating:
-                    outcome = yield from self._try_once(model)
-                    if isinstance(outcome, NoCapacity) and outcome.lasting:
-                        self._release_queue(model, "no_capacity", 503)
-                        return
-                    no_room = outcome
-                    tries = tries + 1 if no_room is not None else 0
-                    if model.state == "ready":
-                        self._release_queue(model, None)
-                        return
-                if self.now >= deadline:
+                except NoCapacityError:  # lasting: waiting cannot help
+                    self._release_queue(model, "no_capacity", 503)
+                    return
+                except UnavailableError:  # nobody waits for it any more
+                    return
+                except SchedulerError:  # past its deadline
                     self._release_queue(model, "wake_timeout", 504)
                     return
-                if no_room is None:
-                    yield from self._until_switch_ends(model, deadline)
+                if not isinstance(waits, steps.Pause):
+                    yield waits  # a simulated engine's time, or a drain
+                elif waits.for_room:
+                    yield from self._until_room_may_change(model, waits, deadline)
                 else:
-                    yield from self._until_room_may_change(model, tries, deadline)
-                if no_room is not None and not model.queue:
-                    return  # nobody waits for it any more
+                    yield from self._until_switch_ends(model, deadline, waits.seconds)
         finally:
             model.waking = False
             if model.wait_host is not None:
@@ -59,33 +90,34 @@ class EnsureReady(Serving):
                 self._bump(model.wait_host)
             model.wait_since, model.wait_host, model.wait_pools = None, None, ()
 
-    def _until_switch_ends(self, model: _Model, deadline: float) -> Generator[Any, Any, None]:
+    def _until_switch_ends(
+        self, model: _Model, deadline: float, poll: float
+    ) -> Generator[Any, Any, None]:
         """Nothing to try until its own switch ends (it starts, wakes, drains or parks): the
-        loop polls every 0.05 s; it is woken at the first poll after the change, or at the
-        deadline's."""
+        step polls every ``poll`` seconds; it is woken at the first poll after the change,
+        or at the deadline's."""
         if self.every_try:
-            yield _FIRST_TRY_SECONDS
+            yield poll
             return
         began = self.now
         left = max(deadline - began, 0.0)
-        yield _Until(
-            model.changed, math.ceil(left / _FIRST_TRY_SECONDS + 1e-9) * _FIRST_TRY_SECONDS
-        )
-        ticks = max(math.ceil((self.now - began) / _FIRST_TRY_SECONDS - 1e-9), 1)
-        rest = began + ticks * _FIRST_TRY_SECONDS - self.now
+        yield _Until(model.changed, math.ceil(left / poll + 1e-9) * poll)
+        ticks = max(math.ceil((self.now - began) / poll - 1e-9), 1)
+        rest = began + ticks * poll - self.now
         if rest > 1e-9:
             yield rest
 
     def _until_room_may_change(
-        self, model: _Model, tries: int, deadline: float
+        self, model: _Model, pause: steps.Pause, deadline: float
     ) -> Generator[Any, Any, None]:
-        """Wait as the loop does between tries for room (after 0.1 s, then every 0.25 s),
+        """Wait as the step does between tries for room (``pause``, then every
+        :data:`~capyctl.scheduler.steps.ROOM_RETRY_SECONDS`),
         skipping the tries that would find the same host: it wakes at the first try after
         anything the plan decides on may have changed (a change of state or of a request on
         the host, a min_ready_seconds or turn running out, a model no longer busy), or at
         its deadline. A skipped try is one the plan would have answered as before."""
-        first = _constant("room_retry") if tries > 1 else _constant("busy_grace")
-        step = _constant("room_retry")
+        first = pause.seconds
+        step = steps.ROOM_RETRY_SECONDS
         host = model.wait_host
         began = self.now
         if host is None or (model.host is None and len(self.hosts) > 1) or self.every_try:
@@ -108,7 +140,7 @@ class EnsureReady(Serving):
         """The first moment at which time alone changes something the plan decides on."""
         soonest = math.inf
         since = model.wait_since if model.wait_since is not None else self.now
-        grace = _constant("busy_grace")
+        grace = self._busy_grace()
         for other in host.models.values():
             if other is model:
                 continue
@@ -160,7 +192,7 @@ class EnsureReady(Serving):
         host = self._source_host(model)
         if host is None:
             return NoCapacity(f"no host can run {model.name}: there are no hosts")
-        for _round in range(int(_constant("rounds"))):
+        for _round in range(steps.MAX_SWITCH_ROUNDS):
             need = self._need(model, host)
             result = self._plan_on(host, model, need)
             if isinstance(result, NoCapacity):
@@ -196,7 +228,7 @@ class EnsureReady(Serving):
             return (yield from self._start(model))
         claim = model.spec.claim_bytes
         pools = model.pools
-        for _round in range(int(_constant("rounds"))):
+        for _round in range(steps.MAX_SWITCH_ROUNDS):
             used = self._used(host)
             mine = model.entries
             if all(host.capacity[p] - used[p] + mine.get(p, 0) >= claim for p in pools):
@@ -232,12 +264,14 @@ class EnsureReady(Serving):
         model = self.models[victim.deployment_id - 1]
         cause = f"to make room for {for_model.name}" + (", its turn over" if victim.turn_over
                                                           else "")  # fmt: skip
-        if model.state == "parked" and victim.mode == STOP:
+        how = steps.evict_how(victim.mode, model.state)
+        if how == steps.STOP_PARKED:
             yield from self._stop(model, f"{victim.reason} ({for_model.name})")
             return
-        if model.state != "ready" or model.operating:
+        if how is None or model.operating:
             return
-        yield from self._park(model, victim.mode, cause)
+        # Parked in its mode, or (a STOP mode) drained, then stopped.
+        yield from self._park(model, victim.mode if how == steps.PARK else STOP, cause)
 
     def _park(self, model: _Model, mode: str, cause: str) -> Generator[Any, Any, None]:
         host = model.host

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from capyctl.scheduler import steps
 from capyctl.scheduler.policy import (
     RAM,
     Contender,
@@ -20,8 +21,9 @@ from capyctl.scheduler.policy import (
     turn_left,
 )
 from capyctl.whatif.clock import Clock
+from capyctl.whatif.model import Scenario
 from capyctl.whatif.outcome import Hold, Outcome, Switch
-from capyctl.whatif.state import _constant, _Host, _Model, _phase, _ram
+from capyctl.whatif.state import _Host, _Model, _phase, _ram
 
 
 class Ledger(Clock):
@@ -29,6 +31,7 @@ class Ledger(Clock):
     what the ledger reads and writes of them."""
 
     every_try: bool
+    scenario: Scenario
     hosts: list[_Host]
     models: list[_Model]
     out: Outcome
@@ -49,7 +52,8 @@ class Ledger(Clock):
     def _busy(self, model: _Model) -> bool:
         if model.in_flight > 0:
             return True
-        return model.last_end is not None and self.now - model.last_end < _constant("busy_grace")
+        grace = steps.busy_grace(ends_seen_here=not self.scenario.server_mode)
+        return model.last_end is not None and self.now - model.last_end < grace
 
     def _snapshot(self, host: _Host, leave_out: int | None = None) -> HostSnapshot:
         used = self._used(host)
@@ -71,7 +75,7 @@ class Ledger(Clock):
                     state=model.state,
                     gpu_bytes=gpu,
                     weights_bytes=spec.weights_bytes,
-                    residual_bytes=None,
+                    residual_bytes=None,  # as the server plans: the policy's guess
                     park_policy=spec.park,
                     can_park_ram=spec.can_park_ram,
                     can_park_deep=spec.can_park_deep,
@@ -83,6 +87,7 @@ class Ledger(Clock):
                     ram_bytes=model.entries.get("ram", 0),
                     busy=model.state == "ready" and self._busy(model),
                     max_turn_seconds=spec.max_turn_seconds,
+                    parks_unverified=spec.parks_unverified,
                 )
             )
         contenders = tuple(

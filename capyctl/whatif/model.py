@@ -119,6 +119,7 @@ class SimModel:
     idle_park_seconds: float = _seconds("idle_park_seconds")
     can_park_ram: bool = True
     can_park_deep: bool = True
+    parks_unverified: bool = False  # its engine's parks kept their memory: it is stopped instead
     desired: str = "running"
     aliases: list[str] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
@@ -133,6 +134,9 @@ class Scenario:
     hosts: list[SimHost]
     models: list[SimModel]
     name: str = "current"
+    # Server mode sees a request's end only through ``last_request_at``, so a model counts
+    # as busy a second longer after it (:func:`capyctl.scheduler.steps.busy_grace`).
+    server_mode: bool = False
 
     def model(self, name: str) -> SimModel | None:
         return next((m for m in self.models if m.name == name or name in m.aliases), None)

@@ -91,7 +91,7 @@ def current() -> dict[str, Any]:
                 row["can_park_ram"] = row["can_park_deep"] = False
         if row["name"] in measured:
             row["timings"] = measured[row["name"]]
-    return {key: data[key] for key in ("hosts", "engines", "deployments", "ledger")}
+    return {key: data[key] for key in ("mode", "hosts", "engines", "deployments", "ledger")}
 
 
 def measured_timings() -> dict[str, dict[str, float]]:
@@ -293,7 +293,7 @@ def build(data: dict[str, Any], name: str = "current", *, warm: bool = False) ->
         if model.host is not None and model.host not in sizes:
             raise UserError(f"model {model.name}: no host {model.host!r} in the scenario")
         models.append(model)
-    return Scenario(hosts, models, name)
+    return Scenario(hosts, models, name, server_mode=data.get("mode") == "server")
 
 
 def _host(row: dict[str, Any]) -> SimHost:
@@ -358,6 +358,7 @@ def _model(
             can_ram = can_deep = False
         if engines.get(row.get("engine"), {}).get("parks") == "no":
             can_ram = can_deep = False
+    unverified = engines.get(row.get("engine"), {}).get("parks") == "kept memory"
     timings = Timings.for_kind(kind)
     for step, seconds in (row.get("timings") or {}).items():
         if step in TIMING_NAMES and isinstance(seconds, int | float) and seconds >= 0:
@@ -384,6 +385,7 @@ def _model(
         idle_park_seconds=float(row.get("idle_park_seconds") or 0),
         can_park_ram=can_ram,
         can_park_deep=can_deep,
+        parks_unverified=unverified,
         desired=str(row.get("desired_state") or "running"),
         aliases=[str(a) for a in row.get("aliases") or []],
         timings=timings,

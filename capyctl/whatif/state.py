@@ -1,5 +1,6 @@
 """The replay's models and hosts, as the ledger and the gateway would see them, with the
-production loop's constants the replay follows."""
+server's constants the replay's world follows (the step's own are in
+:mod:`capyctl.scheduler.steps`)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,16 @@ from capyctl.scheduler.policy import Placement, Resident, expected_residual
 from capyctl.whatif.clock import _Signal
 from capyctl.whatif.model import Request, SimHost, SimModel
 
-# The production loop's constants (read once: importing them needs Django's settings).
+# The server's constants (read once: importing them needs Django's settings).
 _constants: dict[str, float] = {}
 
 
 def _constant(name: str) -> float:
     if not _constants:
-        from capyctl.scheduler import actions, executor, snapshots  # noqa: PLC0415 - Django set up by then
+        from capyctl.scheduler import executor  # noqa: PLC0415 - Django set up by then
         from capyctl.scheduler.estimates import ENGINE_RAM_ESTIMATE  # noqa: PLC0415
 
-        _constants.update(
-            busy_grace=snapshots.BUSY_GRACE_SECONDS,
-            room_retry=actions.ROOM_RETRY_SECONDS,
-            rounds=actions.MAX_SWITCH_ROUNDS,
-            reconcile=executor.RECONCILE_SECONDS,
-            engine_ram=ENGINE_RAM_ESTIMATE,
-        )
+        _constants.update(reconcile=executor.RECONCILE_SECONDS, engine_ram=ENGINE_RAM_ESTIMATE)
     return _constants[name]
 
 

@@ -1,5 +1,5 @@
 """What every verb reads: a deployment's row and its live engine process, and the bounds
-they share."""
+they share (:data:`MAX_SWITCH_ROUNDS` is the step's, :mod:`capyctl.scheduler.steps`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, Instance
 from capyctl.scheduler.errors import SchedulerError
+from capyctl.scheduler.steps import MAX_SWITCH_ROUNDS
 
-# A start or wake evicts the victims its plan names and plans again, this many times at
-# most: others may take what was freed meanwhile.
-MAX_SWITCH_ROUNDS = 4
 # How long an engine has to end after SIGTERM before it is killed.
 STOP_GRACE_SECONDS = 10.0
 
@@ -46,3 +44,13 @@ def touch(deployment_id: int) -> None:
     Deployment.objects.filter(pk=deployment_id).exclude(
         last_request_at__gt=now - timedelta(seconds=1)
     ).update(last_request_at=now)
+
+
+__all__ = [
+    "MAX_SWITCH_ROUNDS",
+    "STOP_GRACE_SECONDS",
+    "instance_key",
+    "live_instance",
+    "load",
+    "touch",
+]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from capyctl.deployments.models import ObservedState
 from capyctl.events.models import Event
+from capyctl.scheduler import steps
 from capyctl.scheduler.actions.common import load
 from capyctl.scheduler.actions.park import park_ready
 from capyctl.scheduler.actions.stop import drain_and_stop, stop_engine
-from capyctl.scheduler.policy import STOP, Victim
+from capyctl.scheduler.policy import Victim
 
 logger = logging.getLogger("capyctl.scheduler")
 
@@ -22,20 +22,21 @@ def make_room(victims: tuple[Victim, ...], actor: str, *, for_name: str) -> None
 
 
 def evict(victim: Victim, actor: str, *, for_name: str) -> None:
-    """Park or stop one victim, draining it first; one no longer ready is left alone (the
-    next round plans again on what it became)."""
+    """Park or stop one victim, draining it first, as :func:`steps.evict_how` says; one no
+    longer ready is left alone (the next round plans again on what it became)."""
     deployment = load(victim.deployment_id)
     reason = f"to make room for {for_name}" + (", its turn over" if victim.turn_over else "")
-    if deployment.observed_state == ObservedState.PARKED and victim.mode == STOP:
+    how = steps.evict_how(victim.mode, deployment.observed_state)
+    if how == steps.STOP_PARKED:
         # A parked copy in host RAM that another engine needs: no request is in flight on
         # a parked model, so there is nothing to drain.
         message = f"stopped {deployment.name} (parked): {victim.reason} ({for_name})"
         logger.info(message)
         stop_engine(deployment, actor, reason=message)
         return
-    if deployment.observed_state != ObservedState.READY:
+    if how is None:
         return
-    if victim.mode != STOP:
+    if how == steps.PARK:
         park_ready(deployment, victim.mode, actor=actor, reason=reason)
         return
     level = Event.Level.WARNING if "copy" in victim.reason else Event.Level.INFO

@@ -1,42 +1,33 @@
 """Ready: what a request for a model, or a person's "start it", waits on.
 
-:func:`ensure_ready` starts a stopped model or wakes a parked one, evicting others as the
-plan says, and while what is in the way passes (a model inside its ``min_ready_seconds``
-or its turn, one switching, memory not yet confirmed free) tries again until its deadline.
-Its loop is the only retry frame of the scheduler: each try runs one verb
-(:func:`~capyctl.scheduler.actions.start.start_engine` or
-:func:`~capyctl.scheduler.actions.wake.wake`) under the model's lock.
+:func:`ensure_ready` runs the scheduler's step (:func:`capyctl.scheduler.steps.until_ready`,
+the same loop the what-if replay runs on its virtual clock) on real time: each try runs one
+verb (:func:`~capyctl.scheduler.actions.start.start_engine` or
+:func:`~capyctl.scheduler.actions.wake.wake`) under the model's lock, and while what is in
+the way passes (a model inside its ``min_ready_seconds`` or its turn, one switching, memory
+not yet confirmed free) it sleeps and tries again until its deadline.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import Any
 
 from capyctl.deployments.models import Deployment, DesiredState, ObservedState
-from capyctl.scheduler import deployment_locks, snapshots, transitions, turns
+from capyctl.scheduler import deployment_locks, steps, transitions, turns
 from capyctl.scheduler.actions.common import load
 from capyctl.scheduler.actions.park import best_mode, engine_marked, park_ready
 from capyctl.scheduler.actions.start import start_engine
 from capyctl.scheduler.actions.wake import wake
-from capyctl.scheduler.errors import (
-    ModelStoppedError,
-    NoCapacityError,
-    SchedulerError,
-    UnavailableError,
-    WakeTimeoutError,
-)
+from capyctl.scheduler.errors import ModelStoppedError, NoCapacityError, SchedulerError
 from capyctl.scheduler.policy import STOP
+from capyctl.scheduler.steps import ROOM_RETRY_SECONDS
 
-# While what is in the way of a start or wake will pass, the request tries again this
-# often, within its wake timeout (the first time again sooner: see BUSY_GRACE_SECONDS).
-ROOM_RETRY_SECONDS = 0.25
-# While another caller's switch of the same model is under way, how often to look again.
-SWITCH_POLL_SECONDS = 0.05
 _NEEDS_START = (ObservedState.STOPPED, ObservedState.FAILED, ObservedState.DOWNLOADING)
 
 
-def ensure_ready(  # noqa: PLR0912, PLR0915 - one retry loop, read top to bottom
+def ensure_ready(
     deployment_id: int,
     actor: str = "system",
     timeout: float | None = None,
@@ -44,14 +35,11 @@ def ensure_ready(  # noqa: PLR0912, PLR0915 - one retry loop, read top to bottom
 ) -> Deployment:
     """Make the deployment ready (start it, or wake it), evicting others if needed.
 
-    Any number of concurrent calls for one deployment cause one start or wake: each try
-    takes the model's lock (waiting at most :data:`SWITCH_POLL_SECONDS` for it), so the
-    others wait for the one that has it and find the model ready. A try that finds no room
-    for what passes is tried again (after ``BUSY_GRACE_SECONDS``, then every
-    :data:`ROOM_RETRY_SECONDS`), one that waiting cannot help is raised at once. ``wanted``
-    says whether anyone still waits (the gateway's queue): once nobody does, it gives up
-    before it moves anything (UnavailableError). Past the deadline (``timeout``, else its
-    ``max_queue_seconds``): WakeTimeoutError naming what it waited for.
+    Any number of concurrent calls for one deployment cause one start or wake; the others
+    wait for it and share its outcome. While what is in the way passes, it tries again;
+    ``wanted`` says whether anyone still waits (the gateway's queue): once nobody does, it
+    gives up before it moves anything (UnavailableError). Past the deadline (``timeout``,
+    else its ``max_queue_seconds``): WakeTimeoutError naming what it waited for.
     """
     deployment = load(deployment_id)
     if deployment.desired_state == DesiredState.STOPPED:
@@ -59,75 +47,84 @@ def ensure_ready(  # noqa: PLR0912, PLR0915 - one retry loop, read top to bottom
     if deployment.observed_state == ObservedState.READY:
         return deployment
     deadline = time.monotonic() + (timeout or deployment.setting("max_queue_seconds"))
-    flight = deployment_locks.flight(deployment_id)
-    no_room: NoCapacityError | None = None  # the last try's: what is in the way will pass
-    tries = 0  # tries in a row that found no room
-    observed: str | None = deployment.observed_state
-    desired: str | None = deployment.desired_state
+    here = _Here(deployment, actor, wanted)
     try:
-        while True:
-            if observed == ObservedState.READY:
-                return load(deployment_id)
-            if desired == DesiredState.STOPPED:
-                raise ModelStoppedError(f"{deployment.name} was stopped meanwhile")
-            if flight.acquire(timeout=SWITCH_POLL_SECONDS):
-                try:
-                    now_is = (
-                        Deployment.objects.filter(pk=deployment_id)
-                        .values_list("observed_state", "parked_mode")
-                        .first()
-                    )
-                    if now_is is None:
-                        raise SchedulerError(f"deployment {deployment_id} no longer exists")
-                    if now_is != (deployment.observed_state, deployment.parked_mode):
-                        deployment = load(deployment_id)
-                    try:
-                        if deployment.observed_state in _NEEDS_START:
-                            # DOWNLOADING: join the fetch on its host, or pick up one whose
-                            # asker is gone (a restart); only one caller gets to place it.
-                            deployment = start_engine(deployment, actor)
-                        elif deployment.observed_state == ObservedState.PARKED:
-                            deployment = wake(deployment, actor)
-                        no_room = None
-                    except NoCapacityError as exc:
-                        if exc.lasting:  # waiting cannot help: refused at once
-                            raise
-                        no_room = exc
-                        deployment = load(deployment_id)
-                    tries = tries + 1 if no_room is not None else 0
-                    if deployment.observed_state == ObservedState.READY:
-                        return deployment
-                    # Told once the wait lasts past its first try again: a first refusal
-                    # often passes a moment later (the holder's last request had just
-                    # ended), and "waits for room" beside the park that came at once
-                    # promised a wait that never happened.
-                    if tries == 2:
-                        transitions.record(
-                            deployment, "deployment.waiting", f"{no_room}", actor=actor
-                        )
-                finally:
-                    flight.release()
-            if time.monotonic() >= deadline:
-                if no_room is not None:
-                    raise WakeTimeoutError(str(no_room))  # what it waited for, to its end
-                raise SchedulerError(
-                    f"{deployment.name} is still {deployment.observed_state} after waiting"
-                )
-            # The first try again comes as soon as a model that was busy a moment ago (its
-            # last request just ended) may give way; later ones every quarter second.
-            if no_room is None:
-                time.sleep(SWITCH_POLL_SECONDS)
-            else:
-                time.sleep(ROOM_RETRY_SECONDS if tries > 1 else snapshots.BUSY_GRACE_SECONDS)
-                if wanted is not None and not wanted():
-                    raise UnavailableError(f"{deployment.name}: nobody waits for it any more")
-            observed, desired = (
-                Deployment.objects.filter(pk=deployment_id)
-                .values_list("observed_state", "desired_state")
-                .first()
-            ) or (None, None)
+        for pause in steps.until_ready(here, deadline):
+            time.sleep(pause.seconds)
     finally:
         turns.done(deployment_id)  # its wait for room, if it had one, is over
+    if here.deployment.observed_state == ObservedState.READY:
+        return here.deployment  # as its own try left it
+    return load(deployment_id)  # made ready by another caller
+
+
+class _Here:
+    """The step's world in this process: the database, the model's lock, the verbs."""
+
+    def __init__(
+        self, deployment: Deployment, actor: str, wanted: Callable[[], bool] | None
+    ) -> None:
+        self.deployment = deployment
+        self.name = deployment.name
+        self.actor = actor
+        self._wanted = wanted
+        self._flight = deployment_locks.flight(deployment.pk)
+        self._known = True  # the row held is as it is now (just read, or just tried)
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def state(self) -> str | None:
+        if self._known:  # no need to read it again
+            self._known = False
+            return self.deployment.observed_state
+        row = (
+            Deployment.objects.filter(pk=self.deployment.pk)
+            .values_list("observed_state", "desired_state")
+            .first()
+        )
+        if row is None:
+            return None  # the try says it no longer exists
+        if row[1] == DesiredState.STOPPED:
+            raise ModelStoppedError(f"{self.name} was stopped meanwhile")
+        return row[0]
+
+    def try_lock(self) -> bool:
+        return self._flight.acquire(timeout=steps.SWITCH_POLL_SECONDS)
+
+    def unlock(self) -> None:
+        self._flight.release()
+
+    def try_once(self) -> Generator[Any, Any, NoCapacityError | None]:
+        yield from ()  # it runs on real time: it never pauses the loop
+        current = (
+            Deployment.objects.filter(pk=self.deployment.pk)
+            .values_list("observed_state", "parked_mode")
+            .first()
+        )
+        if current is None:
+            raise SchedulerError(f"deployment {self.deployment.pk} no longer exists")
+        if current != (self.deployment.observed_state, self.deployment.parked_mode):
+            self.deployment = load(self.deployment.pk)
+        self._known = True
+        try:
+            if self.deployment.observed_state in _NEEDS_START:
+                # DOWNLOADING: join the fetch on its host, or pick up one whose asker is
+                # gone (a restart); only one caller gets to place it.
+                self.deployment = start_engine(self.deployment, self.actor)
+            elif self.deployment.observed_state == ObservedState.PARKED:
+                self.deployment = wake(self.deployment, self.actor)
+        except NoCapacityError as exc:
+            if not exc.lasting:
+                self.deployment = load(self.deployment.pk)
+            return exc
+        return None
+
+    def waits_on(self, no_room: object) -> None:
+        transitions.record(self.deployment, "deployment.waiting", f"{no_room}", actor=self.actor)
+
+    def wanted(self) -> bool:
+        return self._wanted is None or self._wanted()
 
 
 def start(deployment_id: int, actor: str = "system") -> Deployment:
@@ -156,3 +153,6 @@ def check_park(deployment_id: int, actor: str = "system") -> bool:
         return False
     ensure_ready(deployment_id, actor)
     return True
+
+
+__all__ = ["ROOM_RETRY_SECONDS", "check_park", "ensure_ready", "start"]
