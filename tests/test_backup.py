@@ -64,7 +64,10 @@ def test_a_backup_taken_while_requests_are_served_restores_whole(tmp_path):
                 assert time.monotonic() < deadline, "no trace was written"
                 time.sleep(0.05)
             copy = tmp_path / "during.sqlite3"
+            count = "SELECT count(*) FROM traces_requesttrace"
+            live_at_start = _rows(database, count)[0][0]
             taken = _program(server, "backup", str(copy))
+            live_at_end = _rows(database, count)[0][0]
             answered_by_then = answered
             busy_later = _program(server, "restore", str(copy))  # a server holds the data dir
         finally:
@@ -83,6 +86,9 @@ def test_a_backup_taken_while_requests_are_served_restores_whole(tmp_path):
         assert not (server.data / "backups").exists()
         in_copy = _rows(copy, "SELECT count(*) FROM traces_requesttrace")[0][0]
         assert 1 <= in_copy <= answered_by_then
+        # The copy is the database of one moment while the backup ran: every row written
+        # before it began, none written after it ended (rows go on being written meanwhile).
+        assert live_at_start <= in_copy <= live_at_end
         assert _rows(copy, "PRAGMA integrity_check") == [("ok",)]
 
         server.process.terminate()  # type: ignore[union-attr]
