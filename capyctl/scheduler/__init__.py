@@ -21,6 +21,8 @@ steps                 the step a request waits on (try, pause, try again) and it
                       runs it on real time (``actions.ready``), the what-if replay on its
                       virtual clock (``capyctl.whatif``), so the two cannot drift.
 policy                placement and eviction, a pure function of plain data.
+routing               which replica of a deployment a request goes to (fewest in flight, or
+                      its affinity key's on a hash ring within a bounded load), Django-free.
 snapshots             the host as policy sees it (reads only); estimates: figures before
                       they are measured.
 reconcile             finds out what is true (dead engines, stuck states, memory seen
