@@ -4,6 +4,7 @@ and model info; vLLM's sleep mode and SGLang's memory saver (park, wake, reload)
 from __future__ import annotations
 
 import asyncio
+import json
 
 from aiohttp import web
 
@@ -84,6 +85,7 @@ class ControlRoutes(EngineState):
         return _json({"results": [None]})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.prefix_cache.clear()
         return web.Response(status=200)
 
     # -- SGLang memory saver (guarded by the API key, as in SGLang) -----------------------------
@@ -118,10 +120,25 @@ class ControlRoutes(EngineState):
     # -- what some engines add: metrics, ping, version, model info ---------------------------
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text, open like /health (as each engine serves it)."""
+        """Prometheus text, open like /health (as each engine serves it): the requests
+        taken, those running and waiting, and the prefix cache's queries and hits in
+        prompt tokens (hostagent/sim/load.py), under vLLM's own names and labels on the
+        vLLM kind (vllm/v1/metrics/loggers.py) and the same names under ``sim:`` on the
+        others."""
         name = f"{self.options.kind}_requests_total"
-        text = f"# TYPE {name} counter\n{name} {self.requests}\n"
-        return web.Response(text=text, content_type="text/plain")
+        lines = [f"# TYPE {name} counter", f"{name} {self.requests}"]
+        model = json.dumps(self.options.served_name)
+        vllm = self.options.kind == "vllm"
+        prefix, labels = ("vllm", f'{{model_name={model},engine="0"}}') if vllm else ("sim", "")
+        for metric, kind, value in (
+            ("num_requests_running", "gauge", self.scheduler.running),
+            ("num_requests_waiting", "gauge", self.scheduler.waiting),
+            ("prefix_cache_queries", "counter", self.prefix_cache.queries),
+            ("prefix_cache_hits", "counter", self.prefix_cache.hits),
+        ):
+            sample = f"{prefix}:{metric}{'_total' if kind == 'counter' else ''}"
+            lines += [f"# TYPE {prefix}:{metric} {kind}", f"{sample}{labels} {float(value)}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def ping(self, request: web.Request) -> web.Response:
         return await self.health(request)

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hostagent.sim.load import PrefixCache, Scheduler
 from hostagent.sim.memory import SimMemory
 from hostagent.sim.options import Knobs, SimOptions
 from hostagent.sim.validation import missing_field
@@ -53,6 +54,8 @@ class EngineState:
         self.options = options
         self.knobs = knobs
         self.memory = SimMemory(options, knobs)
+        self.scheduler = Scheduler(knobs.max_concurrency)
+        self.prefix_cache = PrefixCache(knobs.prefix_cache_tokens)
         self.requests = 0
         self.responses: dict[str, dict[str, Any]] = {}
         self.created = int(time.time())

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hostagent.sim.engine_state import EngineState, _error, _json
+from hostagent.sim.engine_state import EngineState, _error, _held_at, _json
 from hostagent.sim.media import load_media
 from hostagent.sim.responses import ResponseStream, final_status
 
@@ -54,6 +54,27 @@ class InferenceRoutes(EngineState):
         return await self._generate(request, body, str(body.get("prompt", "")), chat=False)
 
     async def _generate(
+        self, request: web.Request, body: dict[str, Any], prompt: str, *, chat: bool
+    ) -> web.StreamResponse:
+        """The answer once the request runs (hostagent/sim/load.py): its turn in the queue,
+        then the prefill of what the prefix cache misses, both before the first token."""
+
+        def gone() -> bool:
+            return request.transport is None or request.transport.is_closing()
+
+        async with self.scheduler.slot(gone) as held:
+            if not held:
+                print("a queued request left: its client went away", flush=True)
+                return web.Response(status=499)  # nobody is there to read it
+            tokens = prompt.split()
+            cached = self.prefix_cache.lookup(tokens)
+            if self.knobs.prefill_tokens_per_second > 0:
+                await asyncio.sleep((len(tokens) - cached) / self.knobs.prefill_tokens_per_second)
+            self.prefix_cache.insert(tokens)
+            await _held_at(self.knobs.request_gate)
+            return await self._answer(request, body, prompt, chat=chat)
+
+    async def _answer(
         self, request: web.Request, body: dict[str, Any], prompt: str, *, chat: bool
     ) -> web.StreamResponse:
         count = self._tokens(body)

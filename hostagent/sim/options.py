@@ -58,6 +58,13 @@ class Knobs:
     # reads them as TensorFold does): the cap on its budget, and its reserve's GiB.
     memory_limit_gb: str | None = None  # TENSORFOLD_CUDA_MEMORY_LIMIT_GB
     memory_reserve_gib: str | None = None  # TENSORFOLD_MEMORY_RESERVE_GIB
+    # Saturation (hostagent.sim.load): requests generated at once (0: no limit), a prefix
+    # cache's tokens (0: none) and the prefill pace of what it misses (0: no prefill time),
+    # and a gate that holds each running chat or completion request until its file exists.
+    max_concurrency: int = 0
+    prefix_cache_tokens: int = 0
+    prefill_tokens_per_second: float = 0.0
+    request_gate: Path | None = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -350,4 +357,8 @@ def read_knobs() -> Knobs:
         deep_wake_seconds=_optional_float("CAPYCTL_SIM_DEEP_WAKE_SECONDS"),
         memory_limit_gb=os.environ.get("TENSORFOLD_CUDA_MEMORY_LIMIT_GB"),
         memory_reserve_gib=os.environ.get("TENSORFOLD_MEMORY_RESERVE_GIB", "").strip() or None,
+        max_concurrency=int(_float("CAPYCTL_SIM_MAX_CONCURRENCY", 0)),
+        prefix_cache_tokens=int(_float("CAPYCTL_SIM_PREFIX_CACHE", 0)),
+        prefill_tokens_per_second=_float("CAPYCTL_SIM_PREFILL_TOKENS_PER_SECOND", 0.0),
+        request_gate=_path("CAPYCTL_SIM_REQUEST_GATE"),
     )
