@@ -124,11 +124,15 @@ async def test_a_queued_client_that_leaves_takes_no_slot_and_the_rest_complete(
     ) as client:
         first = asyncio.create_task(ask(client))
         await until(client, lambda m: load(m) == (1, 0))
-        leaving = asyncio.create_task(ask(client, stream=True))
+        # The one that leaves has a connection of its own, closed when it goes: a cancelled
+        # request alone may leave its connection to the client's pool, open.
+        leaver = aiohttp.ClientSession(client._base_url)
+        leaving = asyncio.create_task(ask(leaver, stream=True))
         await until(client, lambda m: load(m) == (1, 1))
         last = asyncio.create_task(ask(client))
         await until(client, lambda m: load(m) == (1, 2))
-        leaving.cancel()  # its connection closes while it waits
+        leaving.cancel()
+        await leaver.close()  # its connection closes while it waits
         found = await until(client, lambda m: load(m) != (1, 2))
         assert load(found) == (1, 1)  # the first still runs alone, the last still waits
         gate.touch()
