@@ -55,33 +55,61 @@ def reserve_for(host: Host, pool: str) -> int:
 
 def pool_usage(host: Host) -> list[PoolUsage]:
     """Every pool of ``host`` with what the ledger counts in it now."""
-    sums: dict[tuple[str, str], int] = {}
-    # Read on every admission, inside the host lock: one plain aggregate, not the ORM's
-    # query building (several ms a call on a small machine).
+    return read_ledger(host).usage()
+
+
+@dataclass(frozen=True)
+class LedgerRead:
+    """A host's ledger entries as one query read them: ``(deployment id or None, pool,
+    status, bytes)`` each. Read under the host lock, it stands for the ledger until this
+    lock hold writes an entry: a step that needs the pools' usage, a deployment's entries
+    and the residents' reads them once."""
+
+    host: Host
+    rows: tuple[tuple[int | None, str, str, int], ...]
+
+    def usage(self) -> list[PoolUsage]:
+        """As :func:`pool_usage`."""
+        sums: dict[tuple[str, str], int] = {}
+        for _, pool, status, num_bytes in self.rows:
+            sums[(pool, status)] = sums.get((pool, status), 0) + num_bytes
+        result = []
+        for each in self.host.pools():
+            name = each["pool"]
+            total = int(each["total_bytes"])
+            reserve = min(reserve_for(self.host, name), total)
+            result.append(
+                PoolUsage(
+                    pool=name,
+                    total_bytes=total,
+                    reserve_bytes=reserve,
+                    capacity_bytes=total - reserve,
+                    held_bytes=sums.get((name, LedgerEntry.Status.HELD), 0),
+                    promised_bytes=sums.get((name, LedgerEntry.Status.PROMISED), 0),
+                    unconfirmed_bytes=sums.get((name, LedgerEntry.Status.UNCONFIRMED), 0),
+                    foreign_bytes=sums.get((name, LedgerEntry.Status.FOREIGN), 0),
+                )
+            )
+        return result
+
+    def entries(self, deployment_id: int) -> dict[str, int]:
+        """The deployment's entries (pool -> bytes)."""
+        return {pool: b for owner, pool, _, b in self.rows if owner == deployment_id}
+
+
+def read_ledger(host: Host) -> LedgerRead:
+    """Every ledger entry of ``host`` now, in one plain query."""
+    # Read on every admission, inside the host lock: one plain query, not the ORM's query
+    # building (several ms a call on a small machine).
     table = connection.ops.quote_name(LedgerEntry._meta.db_table)
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT pool, status, SUM(bytes) FROM {table} "  # noqa: S608 - our own table name
-            "WHERE host_id = %s GROUP BY pool, status",
+            f"SELECT deployment_id, pool, status, bytes FROM {table} "  # noqa: S608 - our own table name
+            "WHERE host_id = %s",
             [host.pk],
         )
-        for pool, status, total in cursor.fetchall():
-            sums[(pool, status)] = int(total or 0)
-    result = []
-    for pool in host.pools():
-        name = pool["pool"]
-        total = int(pool["total_bytes"])
-        reserve = min(reserve_for(host, name), total)
-        result.append(
-            PoolUsage(
-                pool=name,
-                total_bytes=total,
-                reserve_bytes=reserve,
-                capacity_bytes=total - reserve,
-                held_bytes=sums.get((name, LedgerEntry.Status.HELD), 0),
-                promised_bytes=sums.get((name, LedgerEntry.Status.PROMISED), 0),
-                unconfirmed_bytes=sums.get((name, LedgerEntry.Status.UNCONFIRMED), 0),
-                foreign_bytes=sums.get((name, LedgerEntry.Status.FOREIGN), 0),
-            )
+        rows = tuple(
+            (None if owner is None else int(owner), pool, status, int(num_bytes or 0))
+            for owner, pool, status, num_bytes in cursor.fetchall()
         )
-    return result
+    return LedgerRead(host, rows)

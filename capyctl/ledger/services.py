@@ -9,7 +9,7 @@ never add up to more than its capacity.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,7 +19,7 @@ from django.utils import timezone
 from capyctl.errors import UserError
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.ledger.pools import PoolUsage, pool_usage
+from capyctl.ledger.pools import LedgerRead, PoolUsage, pool_usage, read_ledger
 from hostagent.units import format_size
 
 Status = LedgerEntry.Status
@@ -34,10 +34,22 @@ class InsufficientMemoryError(UserError):
 
 
 @contextmanager
-def host_lock(host_id: int) -> Iterator[Host]:
-    """Hold the host's ledger lock for the duration of the block (one transaction)."""
+def host_lock(host: int | Host) -> Iterator[Host]:
+    """Hold the host's ledger lock for the duration of the block (one transaction); yields
+    the host's row.
+
+    Given by id, the row is read under the lock. Given as a row the caller read during
+    this operation, that row stands for it where the lock is the transaction itself
+    (SQLite: its BEGIN IMMEDIATE takes the write lock, and reading the row again adds
+    nothing to it); where the lock is the row's ``SELECT … FOR UPDATE`` (PostgreSQL), the
+    row is read as it is taken.
+    """
     with transaction.atomic():
-        yield Host.objects.select_for_update().get(pk=host_id)
+        if isinstance(host, Host) and not connection.features.has_select_for_update:
+            yield host
+        else:
+            host_id = host.pk if isinstance(host, Host) else host
+            yield Host.objects.select_for_update().get(pk=host_id)
 
 
 def admit(
@@ -48,15 +60,21 @@ def admit(
     status: str = Status.PROMISED,
     note: str = "",
     current_entries: Mapping[str, int] | None = None,
+    read: LedgerRead | None = None,
 ) -> None:
     """Promise ``need`` (pool → bytes) to a deployment, or raise InsufficientMemoryError.
 
     Must run inside :func:`host_lock`; ``current_entries`` (pool -> bytes of the
-    deployment's entries) saves a query when the caller has just read them. An entry the
-    deployment already has in a pool is replaced (its old bytes are not counted twice):
-    admission asks for the total it will hold there, not an increment.
+    deployment's entries) saves a query when the caller has just read them, and ``read``
+    (the host's entries, read under this lock hold, none written since) saves both. An
+    entry the deployment already has in a pool is replaced (its old bytes are not counted
+    twice): admission asks for the total it will hold there, not an increment.
     """
-    usage = {p.pool: p for p in pool_usage(host)}
+    if read is not None:
+        usage = {p.pool: p for p in read.usage()}
+        current_entries = read.entries(deployment_id)
+    else:
+        usage = {p.pool: p for p in pool_usage(host)}
     if current_entries is None:  # the caller may pass the deployment's entries it just read
         current_entries = dict(
             LedgerEntry.objects.filter(host=host, deployment_id=deployment_id).values_list(
@@ -119,20 +137,51 @@ def set_measured(
     reserve is what absorbs such an overshoot on the device itself. Must run inside
     :func:`host_lock`.
     """
-    usage = {p.pool: p for p in pool_usage(host)}
-    mine = dict(
-        LedgerEntry.objects.filter(host=host, deployment_id=deployment_id).values_list(
-            "pool", "bytes"
-        )
-    )
+    read = read_ledger(host)  # the pools' usage and its own entries, in one query
+    usage = {p.pool: p for p in read.usage()}
+    mine = read.entries(deployment_id)
     over: dict[str, int] = {}
+    recorded: dict[str, int] = {}
     for pool, measured in figures.items():
         room = usage[pool].free_bytes + mine.get(pool, 0) if pool in usage else measured
-        recorded = min(max(measured, 0), max(room, 0))
-        if measured > recorded:
-            over[pool] = measured - recorded
-        _put(host, deployment_id, pool, recorded, status=Status.HELD, note=note)
+        recorded[pool] = min(max(measured, 0), max(room, 0))
+        if measured > recorded[pool]:
+            over[pool] = measured - recorded[pool]
+    _put_all(host, deployment_id, recorded, status=Status.HELD, note=note, existing=mine)
     return over
+
+
+def _put_all(
+    host: Host,
+    deployment_id: int,
+    figures: Mapping[str, int],
+    *,
+    status: str,
+    note: str,
+    existing: Collection[str],
+) -> None:
+    """:func:`_put` for several pools of one deployment: the entries it has (``existing``,
+    read under this lock hold) in one UPDATE, the others created."""
+    pools = [pool for pool in figures if pool in existing]
+    rest = [pool for pool in figures if pool not in existing]
+    if len(pools) > 1:
+        table = connection.ops.quote_name(LedgerEntry._meta.db_table)
+        cases = " ".join("WHEN %s THEN CAST(%s AS BIGINT)" for _ in pools)
+        marks = ", ".join("%s" for _ in pools)
+        params: list[Any] = [value for pool in pools for value in (pool, figures[pool])]
+        params += [status, note, timezone.now(), host.pk, deployment_id, *pools]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {table} SET bytes = CASE pool {cases} END, status = %s, note = %s, "  # noqa: S608 - our own table name
+                f"updated_at = %s WHERE host_id = %s AND deployment_id = %s AND pool IN ({marks})",
+                params,
+            )
+            if cursor.rowcount != len(pools):  # not as read: each on its own
+                rest = list(figures)
+    else:
+        rest = list(figures)
+    for pool in rest:
+        _put(host, deployment_id, pool, figures[pool], status=status, note=note)
 
 
 def release(host: Host, deployment_id: int, pools: list[str] | None = None) -> None:

@@ -7,11 +7,12 @@ Plain reads of the ledger and deployments, turned into the policy's data (see
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from capyctl.deployments.models import Deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.ledger.pools import device_total, pool_usage
+from capyctl.ledger.pools import LedgerRead, device_total, pool_usage
 from capyctl.scheduler import estimates, requests_in_progress, steps, turns
 from capyctl.scheduler.policy import HostSnapshot, Need, Pool, Resident
 from hostagent.kinds import get_kind
@@ -36,6 +37,7 @@ _RESIDENT_FIELDS = (
     "pinned",
     "priority",
     "source",
+    "source_bytes",
     "weights_bytes",
     "measured_weights_bytes",
     "min_ready_seconds",
@@ -85,11 +87,17 @@ def turn_holders(waits: list[tuple[str, int, tuple[str, ...]]]) -> dict[str, lis
     }  # fmt: skip
 
 
-def residents(host: Host, now: float) -> list[Resident]:
+def residents(host: Host, now: float, read: LedgerRead | None = None) -> list[Resident]:
+    """The deployments with ledger entries on ``host`` (``read``: its entries, when the
+    caller read them under this lock hold)."""
     entries: dict[int, dict[str, int]] = {}
-    rows = LedgerEntry.objects.filter(host=host, deployment__isnull=False).values_list(
-        "deployment_id", "pool", "bytes"
-    )
+    rows: Iterable[tuple[int, str, int]]
+    if read is not None:
+        rows = [(owner, pool, b) for owner, pool, _, b in read.rows if owner is not None]
+    else:
+        rows = LedgerEntry.objects.filter(host=host, deployment__isnull=False).values_list(
+            "deployment_id", "pool", "bytes"
+        )
     ram: dict[int, int] = {}
     for deployment_id, pool, num_bytes in rows:
         if pool != "ram":
@@ -131,18 +139,19 @@ def residents(host: Host, now: float) -> list[Resident]:
     return residents
 
 
-def snapshot(host: Host) -> HostSnapshot:
-    """The host as the policy sees it: pools with what the ledger counts, and residents."""
+def snapshot(host: Host, read: LedgerRead | None = None) -> HostSnapshot:
+    """The host as the policy sees it: pools with what the ledger counts, and residents.
+    ``read``: the host's ledger entries, when the caller read them under this lock hold."""
     pools = {
         u.pool: Pool(u.pool, u.capacity_bytes, u.used_bytes, u.foreign_bytes)
-        for u in pool_usage(host)
+        for u in (read.usage() if read is not None else pool_usage(host))
     }
     return HostSnapshot(
         host_id=host.pk,
         name=host.name,
         unified=bool((host.inventory or {}).get("unified")),
         pools=pools,
-        residents=residents(host, time.time()),
+        residents=residents(host, time.time(), read),
         online=host.state != Host.State.UNREACHABLE,
         contenders=tuple(turns.contenders(host.pk)),
     )

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 
+from capyctl.deployments.models import Deployment
 from capyctl.events.models import Event
-from capyctl.scheduler import steps
+from capyctl.scheduler import deployment_locks, steps
 from capyctl.scheduler.actions.common import load
 from capyctl.scheduler.actions.park import park_ready
 from capyctl.scheduler.actions.stop import drain_and_stop, stop_engine
@@ -23,8 +24,13 @@ def make_room(victims: tuple[Victim, ...], actor: str, *, for_name: str) -> None
 
 def evict(victim: Victim, actor: str, *, for_name: str) -> None:
     """Park or stop one victim, draining it first, as :func:`steps.evict_how` says; one no
-    longer ready is left alone (the next round plans again on what it became)."""
-    deployment = load(victim.deployment_id)
+    longer ready is left alone (the next round plans again on what it became). Decided
+    under its operating lock, on its row as it is then."""
+    with deployment_locks.operating(victim.deployment_id, victim.name):
+        _evict(load(victim.deployment_id), victim, actor, for_name=for_name)
+
+
+def _evict(deployment: Deployment, victim: Victim, actor: str, *, for_name: str) -> None:
     reason = f"to make room for {for_name}" + (", its turn over" if victim.turn_over else "")
     how = steps.evict_how(victim.mode, deployment.observed_state)
     if how == steps.STOP_PARKED:
@@ -37,7 +43,7 @@ def evict(victim: Victim, actor: str, *, for_name: str) -> None:
     if how is None:
         return
     if how == steps.PARK:
-        park_ready(deployment, victim.mode, actor=actor, reason=reason)
+        park_ready(deployment, victim.mode, actor=actor, reason=reason, current=True)
         return
     level = Event.Level.WARNING if "copy" in victim.reason else Event.Level.INFO
     message = f"stopped {deployment.name} instead of parking: {victim.reason}"

@@ -16,6 +16,7 @@ from capyctl.engines import services as engines
 from capyctl.engines.models import Engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
+from capyctl.ledger.pools import read_ledger
 from capyctl.ledger.services import host_lock
 from capyctl.scheduler import deployment_locks, estimates, snapshots, transitions
 from capyctl.scheduler.actions.common import instance_key, live_instance, load
@@ -47,6 +48,7 @@ def park_ready(  # noqa: PLR0911, PLR0912, PLR0915 - one operation, read top to 
     actor: str,
     reason: str,
     checking_park: bool = False,
+    current: bool = False,
 ) -> bool:
     """Park (or, where it cannot park, stop) a ready deployment. False: it was not ready
     when this call had it alone, and nothing was done. Under its operating lock:
@@ -64,9 +66,12 @@ def park_ready(  # noqa: PLR0911, PLR0912, PLR0915 - one operation, read top to 
     rather than parked until a park of it frees memory again, and the model is stopped
     (an ended process's memory is surely back). ``checking_park``: this park is that check
     (:func:`capyctl.scheduler.actions.ready.check_park`), and a park that kept its memory
-    leaves the model parked for the check to wake."""
+    leaves the model parked for the check to wake. ``current``: the caller read
+    ``deployment`` under its operating lock, which it still holds (no need to read it
+    again)."""
     with deployment_locks.operating(deployment.pk, deployment.name):
-        deployment = load(deployment.pk)  # decide on the row as it is now
+        if not current:
+            deployment = load(deployment.pk)  # decide on the row as it is now
         host = deployment.host
         instance = live_instance(deployment)
         if host is None or instance is None or deployment.observed_state != ObservedState.READY:
@@ -80,16 +85,17 @@ def park_ready(  # noqa: PLR0911, PLR0912, PLR0915 - one operation, read top to 
                     level=Event.Level.INFO,
                 )  # fmt: skip
         started = time.monotonic()
-        mine = transitions.entries(host, deployment.pk)
-        engine_ram = mine.get("ram", 0)
-        copy = None
-        if mode == RAM and snapshots.ram_pool(host) == "ram":
-            gpu_held = sum(b for p, b in mine.items() if p != "ram")
-            copy = estimates.weights_bytes(deployment, gpu_held)
         if not drain(deployment, "parking"):
             return False
-        with host_lock(host.pk) as locked:
-            parking = transitions.parking(locked, deployment, copy)
+        with host_lock(host) as locked:  # the host as read with its row, just now
+            read = read_ledger(locked)  # its entries, and the pools' usage for a copy
+            mine = read.entries(deployment.pk)
+            engine_ram = mine.get("ram", 0)
+            copy = None
+            if mode == RAM and snapshots.ram_pool(host) == "ram":
+                gpu_held = sum(b for p, b in mine.items() if p != "ram")
+                copy = estimates.weights_bytes(deployment, gpu_held)
+            parking = transitions.parking(locked, deployment, copy, read)
         if parking is False:
             return False
         if parking is None:
@@ -133,7 +139,10 @@ def park_ready(  # noqa: PLR0911, PLR0912, PLR0915 - one operation, read top to 
             deployment, host, mode, figures, reason=reason, started=started, actor=actor,
             **remembered,
         )  # fmt: skip
-        if engine_marked(deployment.engine_id):  # this park freed its memory: trusted again
+        # This park freed its memory: the engine is trusted again. Looked up only where it
+        # was marked when its row was read (a mark set since is as one set after the look).
+        marked = deployment.engine.park_unverified_at is not None
+        if marked and engine_marked(deployment.engine_id):
             engines.clear_park_unverified(
                 deployment.engine_id, f"a {mode} park of {deployment.name}", actor=actor
             )

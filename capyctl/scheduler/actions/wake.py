@@ -11,7 +11,7 @@ import time
 
 from capyctl.deployments.models import Deployment, ObservedState
 from capyctl.hosts.models import Host
-from capyctl.ledger.pools import device_total, pool_usage
+from capyctl.ledger.pools import device_total, read_ledger
 from capyctl.ledger.services import InsufficientMemoryError, host_lock
 from capyctl.scheduler import estimates, snapshots, transitions, turns
 from capyctl.scheduler.actions.common import MAX_SWITCH_ROUNDS, instance_key, live_instance, load
@@ -72,7 +72,8 @@ def wake(deployment: Deployment, actor: str) -> Deployment:
         )
         raise
     figures = snapshots.measured(host, pools, usage, claim)
-    transitions.woke(deployment, host, figures, mode, started=started, actor=actor)
+    if transitions.woke(deployment, host, figures, mode, started=started, actor=actor):
+        return deployment  # as the transition wrote it
     return load(deployment.pk)
 
 
@@ -83,6 +84,20 @@ def admit_wake(
     and promise it (returns ``()``); else name who must make room. ``None``: it is no
     longer a parked model that should run (another caller woke or stopped it)."""
     with host_lock(host.pk) as locked:
+        # Its own entries (held residual, or unconfirmed: they still count the whole claim)
+        # are replaced by the promise, so they count as room for it. One read of the
+        # host's entries serves the check, the promise and the plan.
+        read = read_ledger(locked)
+        mine = read.entries(deployment.pk)
+        usage = {u.pool: u for u in read.usage()}
+        if all(usage[p].free_bytes + mine.get(p, 0) >= claim for p in pools if p in usage):
+            # waking() moves it only while it is still parked and wanted running (else: None)
+            try:
+                won = transitions.waking(locked, deployment, dict.fromkeys(pools, claim),
+                                         read=read)  # fmt: skip
+            except InsufficientMemoryError as exc:
+                raise NoCapacityError(f"{deployment.name}: {exc}", lasting=False) from exc
+            return () if won else None
         current = (
             Deployment.objects.filter(pk=deployment.pk)
             .values_list("observed_state", "desired_state")
@@ -90,17 +105,7 @@ def admit_wake(
         )
         if current != (ObservedState.PARKED, "running"):
             return None
-        # Its own entries (held residual, or unconfirmed: they still count the whole claim)
-        # are replaced by the promise, so they count as room for it.
-        mine = transitions.entries(locked, deployment.pk)
-        usage = {u.pool: u for u in pool_usage(locked)}
-        if all(usage[p].free_bytes + mine.get(p, 0) >= claim for p in pools if p in usage):
-            try:
-                won = transitions.waking(locked, deployment, dict.fromkeys(pools, claim), mine)
-            except InsufficientMemoryError as exc:
-                raise NoCapacityError(f"{deployment.name}: {exc}", lasting=False) from exc
-            return () if won else None
-        snap = snapshots.snapshot(locked)
+        snap = snapshots.snapshot(locked, read)
         residual = min((mine.get(p, 0) for p in pools), default=0)
         others = HostSnapshot(
             snap.host_id,

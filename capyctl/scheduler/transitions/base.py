@@ -51,12 +51,14 @@ def move(
     wanted: bool = False,
     since: datetime | None = None,
     instance_id: int | None = None,
+    row: Deployment | None = None,
     **fields: object,
 ) -> bool:
     """The conditional update: ``new`` only from one of ``expected`` (with ``wanted``, only
     while its desired state is running; with ``since``, only if it has not changed since;
     with ``instance_id``, only while no other engine process of it lives: a newer start's
-    or wake's is not the caller's to change)."""
+    or wake's is not the caller's to change). ``row``: the caller's copy of the
+    deployment, given what was written when the update wins (no need to read it again)."""
     rows = Deployment.objects.filter(pk=deployment_id, observed_state__in=list(expected))
     if wanted:
         rows = rows.filter(desired_state="running")
@@ -65,7 +67,13 @@ def move(
     if instance_id is not None:
         others = Instance.objects.filter(deployment_id=OuterRef("pk")).exclude(pk=instance_id)
         rows = rows.exclude(Exists(others.exclude(state=Instance.State.EXITED)))
-    updated = rows.update(observed_state=new, state_changed_at=timezone.now(), **fields)
+    now = timezone.now()
+    updated = rows.update(observed_state=new, state_changed_at=now, **fields)
+    if updated == 1 and row is not None:
+        row.observed_state = new
+        row.state_changed_at = now
+        for field, value in fields.items():
+            setattr(row, field, value)
     if updated == 1 and new == ObservedState.READY:
         requests_in_progress.reopen(deployment_id)  # the drain gate, closed while it drained
     return updated == 1
@@ -131,17 +139,20 @@ def entries(host: Host, deployment_id: int) -> dict[str, int]:
 
 def to_ready(
     deployment: Deployment,
-    host: Host,
+    host: Host | int,
     expected: str,
     figures: Mapping[str, int],
     claim_bytes: int | None = None,
+    *,
+    row: Deployment | None = None,
     **fields: Any,
 ) -> bool:
     """``expected`` -> READY under the host lock, the measured figures held in place of
     the promise (with ``claim_bytes``, its live instance's claim changed too), waiters
-    told; whether this call won."""
-    with host_lock(host.pk) as locked:
-        won = move(deployment.pk, [expected], ObservedState.READY, **fields)
+    told; whether this call won. ``row``: as :func:`move`'s. ``host``: as the caller read
+    it in this operation, or its id to read it under the lock (see :func:`host_lock`)."""
+    with host_lock(host) as locked:
+        won = move(deployment.pk, [expected], ObservedState.READY, row=row, **fields)
         if won:
             if claim_bytes is not None:
                 Instance.objects.filter(deployment_id=deployment.pk).exclude(

@@ -112,7 +112,8 @@ def ready(
     new_claim = raised_claim[1] if raised_claim is not None else None
     if new_claim is not None:
         fields.update(gpu_memory_bytes=new_claim, gpu_memory_fraction=None)
-    won = to_ready(deployment, host, ObservedState.STARTING, figures, new_claim, **fields)
+    # The host read again under the lock: a start's engine may have taken minutes to load.
+    won = to_ready(deployment, host.pk, ObservedState.STARTING, figures, new_claim, **fields)
     if won and raised_claim is not None:
         was_bytes, raised_bytes = raised_claim
         message = (

@@ -11,6 +11,7 @@ from capyctl.deployments.models import Deployment, ObservedState
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
+from capyctl.ledger.pools import LedgerRead, read_ledger
 from capyctl.ledger.services import (
     InsufficientMemoryError,
     admit,
@@ -54,23 +55,27 @@ def drain_abandoned(
     return won
 
 
-def parking(locked: Host, deployment: Deployment, copy_bytes: int | None) -> bool | None:
+def parking(
+    locked: Host, deployment: Deployment, copy_bytes: int | None, read: LedgerRead | None = None
+) -> bool | None:
     """DRAINING -> PARKING, under the host lock. ``copy_bytes``: a RAM park's weights copy,
     promised in host RAM here; returns None when it no longer fits (park deep instead:
-    the state is PARKING all the same). False: it was no longer draining."""
+    the state is PARKING all the same). False: it was no longer draining. ``read``: the
+    host's entries, when the caller read them under this lock."""
     if not move(deployment.pk, [ObservedState.DRAINING], ObservedState.PARKING):
         return False
     if copy_bytes is None:
         return True
-    mine = entries(locked, deployment.pk)
+    if read is None:
+        read = read_ledger(locked)  # its entries and the pools' usage, in one query
     try:
         # admit() checks every pool before writing, so a refusal changes nothing.
         admit(
             locked,
             deployment.pk,
-            {"ram": mine.get("ram", 0) + copy_bytes},
+            {"ram": read.entries(deployment.pk).get("ram", 0) + copy_bytes},
             note="promised for a copy",
-            current_entries=mine,
+            read=read,
         )
     except InsufficientMemoryError:
         record(
@@ -84,8 +89,9 @@ def parking(locked: Host, deployment: Deployment, copy_bytes: int | None) -> boo
 
 
 def park_refused(deployment: Deployment, host: Host, engine_ram: int) -> bool:
-    """PARKING -> READY: the engine could not park; its RAM is what it held before."""
-    with host_lock(host.pk) as locked:
+    """PARKING -> READY: the engine could not park; its RAM is what it held before
+    (``host``: as the park read it, see :func:`host_lock`)."""
+    with host_lock(host) as locked:
         won = move(deployment.pk, [ObservedState.PARKING], ObservedState.READY)
         if won:
             set_measured(locked, deployment.pk, {"ram": engine_ram}, note="measured")
@@ -105,8 +111,9 @@ def parked(
 ) -> bool:
     """PARKING -> PARKED in ``mode``. ``figures``: what the probe measured it holding now;
     None: the engine answered but its memory is not seen free, so what it held stays
-    counted, as unconfirmed (``reason`` says why)."""
-    with host_lock(host.pk) as locked:
+    counted, as unconfirmed (``reason`` says why). ``host``: as the park read it (see
+    :func:`host_lock`)."""
+    with host_lock(host) as locked:
         won = move(
             deployment.pk,
             [ObservedState.PARKING],
@@ -205,16 +212,18 @@ def waking(
     deployment: Deployment,
     claim: Mapping[str, int],
     mine: Mapping[str, int] | None = None,
+    read: LedgerRead | None = None,
 ) -> bool:
     """PARKED -> WAKING with ``claim`` promised (its own entries, held or unconfirmed,
     replaced by the promise). Runs inside the :func:`host_lock` that checked the claim fits;
     an InsufficientMemoryError rolls it back. False: no longer parked, or no longer wanted.
-    ``mine``: its entries, when the caller read them under this lock."""
-    if mine is None:
+    ``mine``: its entries, when the caller read them under this lock; ``read``: the host's
+    entries, read under this lock (its own and the pools' usage)."""
+    if mine is None and read is None:
         mine = entries(locked, deployment.pk)
     if not move(deployment.pk, [ObservedState.PARKED], ObservedState.WAKING, wanted=True):
         return False
-    admit(locked, deployment.pk, claim, note="promised", current_entries=mine)
+    admit(locked, deployment.pk, claim, note="promised", current_entries=mine, read=read)
     return True
 
 
@@ -227,8 +236,12 @@ def woke(
     started: float,
     actor: str,
 ) -> bool:
-    """WAKING -> READY with the measured figures held."""
-    won = to_ready(deployment, host, ObservedState.WAKING, figures, parked_mode="", state_reason="")
+    """WAKING -> READY with the measured figures held; ``deployment`` is given what was
+    written when it wins."""
+    won = to_ready(
+        deployment, host, ObservedState.WAKING, figures,
+        row=deployment, parked_mode="", state_reason="",
+    )  # fmt: skip
     if won:
         record(
             deployment,
