@@ -9,6 +9,10 @@ BIN := $(VENV)/bin
 ARGS ?=
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/capyctl
 PYTEST_ARGS ?= --durations=25
+# Test files run side by side in this many processes (pytest-xdist): most tests wait on the
+# engines and servers they start, so a 2-core machine gains from more than 2.
+TEST_WORKERS ?= 3
+PYTEST := $(BIN)/python -m pytest -p tests.pytest_workers -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: help venv dev dist run demo test lint typecheck djangocheck test-sqlite test-postgres test-loaded gpu-wheels clean
 
@@ -94,12 +98,12 @@ djangocheck: dev
 	CAPYCTL_DATA_DIR=$$(mktemp -d) $(BIN)/python manage.py makemigrations --check --dry-run
 
 test-sqlite: dev
-	CAPYCTL_DATA_DIR=$$(mktemp -d) $(BIN)/pytest $(PYTEST_ARGS)
+	CAPYCTL_DATA_DIR=$$(mktemp -d) $(PYTEST) $(PYTEST_ARGS)
 
 test-postgres: dev
 	@$(BIN)/python -c 'import psycopg; psycopg.connect("$(PG_TEST_URL:/capyctl=/postgres)", connect_timeout=5).close()' \
 	  || { echo "PostgreSQL is not answering at $(PG_TEST_URL:/capyctl=)"; exit 1; }
-	CAPYCTL_DATA_DIR=$$(mktemp -d) CAPYCTL_DATABASE_URL=$(PG_TEST_URL) $(BIN)/pytest --create-db -m database $(PYTEST_ARGS)
+	CAPYCTL_DATA_DIR=$$(mktemp -d) CAPYCTL_DATABASE_URL=$(PG_TEST_URL) $(PYTEST) --create-db -m database $(PYTEST_ARGS)
 
 test: lint typecheck djangocheck test-sqlite test-postgres
 

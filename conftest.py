@@ -54,7 +54,27 @@ DATABASE_MODULES = frozenset(
 )
 
 
+# The modules that take longest (`--durations`), slowest first: `make test` runs test files
+# side by side (pytest-xdist, a file to a process), and one of these started last would
+# keep the run going alone for minutes after the others finished.
+SLOW_FIRST = (
+    "test_whatif_agreement.py",
+    "test_outages.py",
+    "test_browser.py",
+    "test_install.py",
+    "test_server_mode.py",
+    "test_stress_processes.py",
+    "test_waiting_for_room.py",
+    "test_live_replay.py",
+    "test_turns.py",
+    "test_gateway.py",
+    "test_hosts_join.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.path)).name in DATABASE_MODULES:
             item.add_marker(pytest.mark.database)
+    rank = {name: n for n, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.path)).name, len(SLOW_FIRST)))

@@ -154,7 +154,12 @@ def test_llama_server_reads_its_key_from_its_environment_not_its_command_line(
                 .post(
                     "/v1/chat/completions",
                     headers=headers,
-                    json={"model": "smollm", "messages": [{"role": "user", "content": "hi"}]},
+                    # One token: the key is the point, not how long the model talks.
+                    json={
+                        "model": "smollm",
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 1,
+                    },
                     timeout=60,
                 )
                 .status_code

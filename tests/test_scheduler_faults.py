@@ -254,7 +254,9 @@ def test_a_stop_during_a_start_waits_for_it_then_ends_it(gpu24, tmp_path):
 
     starter = threading.Thread(target=run, args=("start", actions.ensure_ready))
     starter.start()
+    # Its process may touch the gate's file before the driver has noted the launch.
     wait_for(gate.with_name("load-gate.waiting").exists, "the engine to load")
+    wait_for(lambda: len(gpu24.instances()) == 1, "the driver to note the launch")
     (loading,) = gpu24.instances()
     stopper = threading.Thread(target=run, args=("stop", actions.stop))
     stopper.start()

@@ -159,9 +159,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 
 def engine_hits(fleet: Fleet, model: str, since: int) -> list[dict[str, object]]:
-    """What the model's engine received after its ``since``-th request, health probes
-    aside."""
-    return [r for r in fleet.received(model)[since:] if r["path"] != "/health"]
+    """What the model's engine received after its ``since``-th request, CapyCTL's own
+    engine control aside: health probes, and reconcile's ``GET /is_sleeping`` (whether it
+    was parked behind CapyCTL's back), which may come at any moment."""
+    return [
+        r
+        for r in fleet.received(model)[since:]
+        if r["path"] != "/health" and (r["method"], r["path"]) != ("GET", "/is_sleeping")
+    ]
 
 
 @pytest.mark.parametrize("escape", ESCAPES, ids=range(len(ESCAPES)))
