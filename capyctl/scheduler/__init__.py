@@ -23,6 +23,11 @@ steps                 the step a request waits on (try, pause, try again) and it
 policy                placement and eviction, a pure function of plain data.
 routing               which replica of a deployment a request goes to (fewest in flight, or
                       its affinity key's on a hash ring within a bounded load), Django-free.
+scaling               when a model of ``--replicas MIN:MAX`` brings a replica up (a parked one
+                      woken first, else a stopped one started) or parks an idle one beyond
+                      MIN, the most recently started first: one step at a time, with its
+                      reason and figures, the standard library only (the reconcile timer and
+                      the what-if simulator call the same decision).
 snapshots             the host as policy sees it (reads only); estimates: figures before
                       they are measured.
 reconcile             finds out what is true (dead engines, stuck states, memory seen
