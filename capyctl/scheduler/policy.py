@@ -17,11 +17,21 @@ must give memory back first, and how each of them should do it:
 - Park mode per victim (DESIGN §5): ``ram`` if its engine can and its weights copy fits
   in the RAM pool (never on unified memory, where the copy would come out of the pool it
   is meant to free); else ``deep`` if its engine can; else ``stop``.
+- Replicas: a model's replicas are placed one at a time, each like a model of its own;
+  ``Need.siblings`` names the others. A replica never goes on a GPU pool where a sibling
+  holds memory, in any state (replicas are on distinct GPUs: on unified memory, one per
+  host), and a sibling is never a victim for it. A replica does not wait for a sibling to
+  leave: when only the siblings' GPUs could take it, the answer is a lasting
+  ``NoCapacity`` that says so. With ``spread="hosts"`` a host with fewer siblings comes
+  first among options that evict as much (as many victims, as many stops): spreading
+  outranks tightness of fit (slack, evicted bytes), since a host lost or busy then takes
+  fewer replicas with it, but never costs an eviction. ``spread="gpus"`` only asks for
+  distinct GPUs and leaves the choice of host to fit alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 
 STOP = "stop"
@@ -34,6 +44,9 @@ RESIDUAL_SHARE = 0.1
 MIN_RESIDUAL_BYTES = 512 * 1024**2
 # Among contenders for the same GPUs, each point of priority counts as this much waiting.
 TURN_PRIORITY_SECONDS = 10.0
+# How a model's replicas are spread (Need.spread): over hosts first, or only over GPUs.
+SPREAD_HOSTS = "hosts"
+SPREAD_GPUS = "gpus"
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,16 @@ class Need:
     host_ids: tuple[int, ...] | None = None  # where it may run; None = any host
     waited_seconds: float = 0.0  # how long it has waited for room so far
     priority: int = 0
+    # The deployment ids of the same model's other replicas: never on the same GPU pool,
+    # never evicted for this one.
+    siblings: frozenset[int] = frozenset()
+    spread: str = SPREAD_HOSTS  # "hosts": fewer siblings on a host first; "gpus": no host order
+
+    def __post_init__(self) -> None:
+        if self.spread not in (SPREAD_HOSTS, SPREAD_GPUS):
+            raise ValueError(
+                f"spread must be {SPREAD_HOSTS!r} or {SPREAD_GPUS!r}, not {self.spread!r}"
+            )
 
     @property
     def standing(self) -> float:
@@ -216,7 +239,8 @@ def _gib(num_bytes: int) -> str:
 
 def _evictable(resident: Resident, need: Need) -> bool:
     return (
-        resident.state == "ready"
+        resident.deployment_id not in need.siblings
+        and resident.state == "ready"
         and not resident.pinned
         and resident.ready_for_seconds >= resident.min_ready_seconds
         and not _in_its_turn(resident, need)
@@ -230,6 +254,22 @@ def turn_left(busy: bool, max_turn_seconds: float, waited: float, ready_for: flo
     if not busy:
         return 0.0
     return max_turn_seconds - min(waited, ready_for)
+
+
+def _sibling_pools(host: HostSnapshot, need: Need) -> set[str]:
+    """The GPU pools of ``host`` where another replica of ``need`` holds memory."""
+    return {
+        pool
+        for r in host.residents
+        if r.deployment_id in need.siblings
+        for pool, held in r.gpu_bytes.items()
+        if held > 0
+    }
+
+
+def _siblings_on(host: HostSnapshot, need: Need) -> int:
+    """How many other replicas of ``need`` are on ``host``, in any state."""
+    return len({r.deployment_id for r in host.residents if r.deployment_id in need.siblings})
 
 
 def _turn_left(resident: Resident, need: Need) -> float:
@@ -301,7 +341,7 @@ def _try_victims(
     if host.ram_pool in missing and not host.unified:
         # Parking frees GPU memory, never host RAM; parked copies in host RAM do: the least
         # recently used are stopped (a sleeping engine cannot drop its copy otherwise).
-        copies = _copies_to_drop(host, remaining)
+        copies = _copies_to_drop(host, remaining, need)
         if copies is None:
             return None
         chosen = copies
@@ -337,12 +377,22 @@ def _try_victims(
     return tuple(chosen)
 
 
-def _copies_to_drop(host: HostSnapshot, remaining: dict[str, int]) -> list[Victim] | None:
+def _copies_to_drop(
+    host: HostSnapshot, remaining: dict[str, int], need: Need
+) -> list[Victim] | None:
     """Parked models whose copies in host RAM, dropped, cover its shortfall (they are
     stopped: what they held comes back, RAM and GPU), least recently used first; None when
-    all of them would not be enough. ``remaining`` is reduced by what they free."""
+    all of them would not be enough. ``remaining`` is reduced by what they free. Other
+    replicas of ``need`` keep theirs."""
     copies = sorted(
-        (r for r in host.residents if r.state == "parked" and not r.pinned and r.ram_bytes > 0),
+        (
+            r
+            for r in host.residents
+            if r.state == "parked"
+            and not r.pinned
+            and r.ram_bytes > 0
+            and r.deployment_id not in need.siblings
+        ),
         key=lambda r: (r.priority, r.last_used),
     )
     chosen: list[Victim] = []
@@ -374,14 +424,18 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
     ]
     if not candidates:
         return NoCapacity(f"no online host can run {need.name}")
-    options: list[tuple[tuple[int, int, int, int], Placement]] = []
+    options: list[tuple[tuple[int, int, int, int, int], Placement]] = []
     waits_behind: list[tuple[Contender, tuple[str, ...]]] = []
     for host in candidates:
         gpu_pools = host.gpu_pools
         count = 1 if host.unified and need.gpus else need.gpus
         if count > len(gpu_pools):
             continue
+        taken = _sibling_pools(host, need)
+        spread = _siblings_on(host, need) if need.spread == SPREAD_HOSTS else 0
         for pools in combinations(gpu_pools, count):
+            if taken.intersection(pools):  # another replica is on one of these GPUs
+                continue
             victims = _try_victims(host, pools, need)
             if victims is None:
                 continue
@@ -393,7 +447,10 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
             evicted = sum(sum(v.frees.values()) for v in victims)
             stops = sum(1 for v in victims if v.mode == STOP)
             options.append(
-                ((len(victims), stops, evicted, slack), Placement(host.host_id, pools, victims))
+                (
+                    (len(victims), stops, spread, evicted, slack),
+                    Placement(host.host_id, pools, victims),
+                )
             )
     if options:
         options.sort(key=lambda item: item[0])
@@ -407,7 +464,26 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
             lasting=False,
             pools=pools,
         )
-    return _why_not(candidates, need)
+    result = _why_not(candidates, need)
+    if need.siblings and result.lasting:
+        # Siblings are the cause when, without them, it would fit or wait for room.
+        alone = plan(hosts, replace(need, siblings=frozenset()))
+        if isinstance(alone, Placement) or not alone.lasting:
+            return NoCapacity(_replicas_reason(candidates, need), result.blockers)
+    return result
+
+
+def _replicas_reason(hosts: list[HostSnapshot], need: Need) -> str:
+    """Why ``need`` does not fit where no other replica of it is (one line)."""
+    name, size = need.name, _gib(need.claim_per_gpu_bytes)
+    if all(h.unified for h in hosts) and need.gpus:
+        return f"{name} needs {size}; no host without another replica of {name} has room"
+    if need.gpus > 1:
+        return (
+            f"{name} needs {need.gpus} GPUs of {size}; no host has {need.gpus} GPUs without "
+            f"another replica of {name} with room"
+        )
+    return f"{name} needs {size} per GPU; no GPU without another replica of {name} has room"
 
 
 def _staying(resident: Resident, pool: str) -> int:
@@ -428,16 +504,33 @@ def _pools_once_unpinned_gone(host: HostSnapshot, need: Need) -> tuple[str, ...]
     pinned models, parked residuals and foreign use stay), or None. A CPU deployment (no
     GPUs) never waits for GPU room."""
     count = 1 if host.unified and need.gpus else need.gpus
-    if count == 0 or count > len(host.gpu_pools):
+    taken = _sibling_pools(host, need)  # a replica does not wait for another to leave
+    usable = [p for p in host.gpu_pools if p not in taken]
+    if count == 0 or count > len(usable):
         return None
 
     def room(pool: str) -> int:
         staying = sum(_staying(r, pool) for r in host.residents)
         return host.pools[pool].capacity_bytes - host.pools[pool].foreign_bytes - staying
 
-    best = sorted(host.gpu_pools, key=room, reverse=True)[:count]
+    best = sorted(usable, key=room, reverse=True)[:count]
     if all(room(p) >= need.claim_per_gpu_bytes for p in best):
         return tuple(sorted(best, key=host.gpu_pools.index))
+    return None
+
+
+def _blocker(resident: Resident, need: Need) -> str | None:
+    """How ``resident`` is in the way of ``need`` (it will not be a victim now), or None."""
+    if resident.deployment_id in need.siblings:
+        return f"{resident.name} (another replica)"
+    if resident.pinned:
+        return f"{resident.name} (pinned)"
+    if resident.state != "ready":
+        return f"{resident.name} ({resident.state})"
+    if resident.ready_for_seconds < resident.min_ready_seconds:
+        return f"{resident.name} (ready for less than {resident.min_ready_seconds:.0f}s)"
+    if _in_its_turn(resident, need):
+        return f"{resident.name} (busy, its turn: {_turn_left(resident, need):.0f} s left)"
     return None
 
 
@@ -445,23 +538,12 @@ def _why_not(hosts: list[HostSnapshot], need: Need) -> NoCapacity:
     if all(max(need.gpus, 1 if h.unified else 0) > len(h.gpu_pools) for h in hosts) and need.gpus:
         most = max(len(h.gpu_pools) for h in hosts)
         return NoCapacity(f"{need.name} needs {need.gpus} GPUs; the most one host has is {most}")
-    blockers: set[str] = set()
-    for host in hosts:
-        for resident in host.residents:
-            if not resident.gpu_bytes:
-                continue
-            if resident.pinned:
-                blockers.add(f"{resident.name} (pinned)")
-            elif resident.state != "ready":
-                blockers.add(f"{resident.name} ({resident.state})")
-            elif resident.ready_for_seconds < resident.min_ready_seconds:
-                blockers.add(
-                    f"{resident.name} (ready for less than {resident.min_ready_seconds:.0f}s)"
-                )
-            elif _in_its_turn(resident, need):
-                blockers.add(
-                    f"{resident.name} (busy, its turn: {_turn_left(resident, need):.0f} s left)"
-                )
+    blockers = {
+        label
+        for host in hosts
+        for resident in host.residents
+        if resident.gpu_bytes and (label := _blocker(resident, need)) is not None
+    }
     largest = max((h.pools[p].capacity_bytes for h in hosts for p in h.gpu_pools), default=0)
     if need.claim_per_gpu_bytes > largest:
         reason = (
@@ -470,7 +552,7 @@ def _why_not(hosts: list[HostSnapshot], need: Need) -> NoCapacity:
         )
     elif (pools := next(filter(None, (_pools_once_unpinned_gone(h, need) for h in hosts)),
                         None)) is not None:  # fmt: skip
-        passing = sorted(b for b in blockers if not b.endswith("(pinned)"))
+        passing = sorted(b for b in blockers if not b.endswith(("(pinned)", "(another replica)")))
         reason = (
             f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU and waits for room"
             + (f"; in the way: {', '.join(passing)}" if passing else "")
