@@ -355,3 +355,36 @@ def test_a_contender_for_other_gpus_is_not_in_the_way():
     with_free = HostSnapshot(1, "host1", False, free.pools, free.residents,
                              contenders=(Contender(5, "c", 50.0, pools=()),))  # fmt: skip
     assert plan([with_free], need("b")) == Placement(1, ("gpu0",), ())
+
+
+def test_room_that_fits_a_longer_waiting_contender_is_kept_for_it():
+    """gpu0 is free: c (16 GiB) has waited 5 s for it and fits there now, its holder
+    parked a moment ago to make room for it. b, asked now, would fit too, but then c
+    would not: b waits its turn behind c instead of taking the room c's park freed.
+    A contender that would still fit beside b, or that does not fit even now, or whose
+    claim is not known, does not hold b back."""
+    free = host(gpus=(24,))
+
+    def with_waiting(contender):
+        return HostSnapshot(1, "host1", False, free.pools, [], contenders=(contender,))
+
+    c = Contender(5, "c", 5.0, pools=("gpu0",), claim_per_gpu_bytes=16 * GIB)
+    behind = plan([with_waiting(c)], need("b", waited_seconds=0.0))
+    assert isinstance(behind, NoCapacity)
+    assert not behind.lasting
+    assert behind.reason == "b waits for its turn: c has waited longer (5 s) for the same GPUs"
+    assert behind.blockers == ("c (waiting longer)",)
+    # c, for its part, is placed: b's wait is the shorter one.
+    b = Contender(999, "b", 0.5, pools=("gpu0",), claim_per_gpu_bytes=16 * GIB)
+    assert plan([with_waiting(b)], Need(5, "c", 1, 16 * GIB, waited_seconds=5.0)) == Placement(
+        1, ("gpu0",), ()
+    )
+    small = Contender(5, "c", 5.0, pools=("gpu0",), claim_per_gpu_bytes=8 * GIB)
+    large = Contender(5, "c", 5.0, pools=("gpu0",), claim_per_gpu_bytes=30 * GIB)
+    unknown = Contender(5, "c", 5.0, pools=("gpu0",))
+    for other in (small, large, unknown):
+        assert plan([with_waiting(other)], need("b")) == Placement(1, ("gpu0",), ()), other
+    # On two GPUs, b takes the one c is not waiting for.
+    two = host(gpus=(24, 24))
+    both = HostSnapshot(1, "host1", False, two.pools, [], contenders=(c,))
+    assert plan([both], need("b")) == Placement(1, ("gpu1",), ())

@@ -112,6 +112,32 @@ def test_the_contender_that_waited_longer_goes_first_and_a_gone_one_stops_counti
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_wake_leaves_the_room_freed_for_a_longer_waiting_model_to_it(gpu24):
+    """a is parked and the GPU free, the room b (noted as waiting 5 s for gpu0, 16 GiB)
+    had it freed for. a, asked now, fits, but would leave b without room: it waits its
+    turn behind b instead of waking into the room (on the old code it woke at once, and
+    b's wait went on behind a: a park for nothing, then another). Once b's wait is no
+    longer renewed (3 s), it counts no more and a wakes."""
+    vllm_engine()
+    a, b = deployment("a"), deployment("b")
+    actions.ensure_ready(a.pk)
+    actions.park(a.pk, "ram")
+    host = Host.objects.get(name="local")
+    now = time.time()
+    turns.note(turns.Wait(b.pk, "b", host.pk, now - 5, now, 0, ("gpu0",), 16 * 1024**3))
+    try:
+        started = time.monotonic()
+        assert actions.ensure_ready(a.pk).observed_state == "ready"
+        waited = time.monotonic() - started
+    finally:
+        turns.done(b.pk)
+    waiting = Event.objects.get(kind="deployment.waiting", subject="a")
+    assert waiting.message == "a waits for its turn: b has waited longer (5 s) for the same GPUs"
+    assert waited >= turns.SEEN_SECONDS - 0.5
+    assert state("b") == ("stopped", "")
+
+
+@pytest.mark.django_db(transaction=True)
 def test_the_timeline_shows_who_held_the_gpu_when_and_why_it_switched(gpu24):
     """a started, then b made room by parking a: gpu0's lane holds a's start, its hold
     until the park, the park, then b's start and b's hold (still open), with the park

@@ -98,10 +98,21 @@ class Contender:
     waited_seconds: float
     priority: int = 0
     pools: tuple[str, ...] = ()  # the GPU pools it waits for; () = any of the host's
+    claim_per_gpu_bytes: int = 0  # what it needs on each of them; 0 = not known
 
     @property
     def standing(self) -> float:
         return standing(self.waited_seconds, self.priority)
+
+    def goes_before(self, deployment_id: int, standing: float) -> bool:
+        """Whether it goes before a deployment of that standing (ties: the older one)."""
+        return (self.standing, -self.deployment_id) > (standing, -deployment_id)
+
+
+def is_gpu_pool(pool: str) -> bool:
+    """Whether a ledger pool is GPU memory (``gpu0``, ``gpu1``, ..., or a unified host's
+    one pool), not host RAM or disk."""
+    return pool == "unified" or (pool.startswith("gpu") and pool[3:].isdigit())
 
 
 def standing(waited_seconds: float, priority: int) -> float:
@@ -124,7 +135,7 @@ class HostSnapshot:
     def gpu_pools(self) -> list[str]:
         if self.unified:
             return ["unified"]
-        return sorted((p for p in self.pools if p.startswith("gpu")), key=lambda p: int(p[3:]))
+        return sorted((p for p in self.pools if is_gpu_pool(p)), key=lambda p: int(p[3:]))
 
     @property
     def ram_pool(self) -> str:
@@ -290,13 +301,68 @@ def _ahead(host: HostSnapshot, need: Need, pools: tuple[str, ...]) -> Contender 
             continue
         if contender.pools and not set(contender.pools) & set(pools):
             continue
-        ahead = (contender.standing, -contender.deployment_id) > (
-            need.standing,
-            -need.deployment_id,
-        )
+        ahead = contender.goes_before(need.deployment_id, need.standing)
         if ahead and (best is None or contender.standing > best.standing):
             best = contender
     return best
+
+
+def _turn_before(
+    host: HostSnapshot, need: Need, pools: tuple[str, ...], switching: bool
+) -> Contender | None:
+    """Whose turn on ``pools`` comes before ``need``'s: a switch there (``switching``) is
+    the turn of whoever waited longer for them; free room is kept for a contender it was
+    freed for."""
+    if switching:
+        return _ahead(host, need, pools)
+    free = {p: host.pools[p].free_bytes for p in host.gpu_pools}
+    taking = dict.fromkeys(pools, need.claim_per_gpu_bytes)
+    return room_kept_for(host.contenders, need.deployment_id, need.standing, free, taking)
+
+
+def room_kept_for(
+    contenders: tuple[Contender, ...] | list[Contender],
+    deployment_id: int,
+    standing: float,
+    free: dict[str, int],
+    taking: dict[str, int],
+) -> Contender | None:
+    """The contender whose room ``taking`` (pool -> bytes) would take, if any: one that
+    goes before the deployment, fits in ``free`` (GPU pool -> free bytes) now on the GPUs
+    it waits for, and would not fit there once ``taking`` is taken. Room freed for a model
+    that waits (a park made to make room for it) is kept for it, not taken by whoever asks
+    first; a contender whose claim is not known, or that does not fit even now, does not
+    hold anyone back."""
+    best = None
+    for contender in contenders:
+        claim = contender.claim_per_gpu_bytes
+        if contender.deployment_id == deployment_id or claim <= 0:
+            continue
+        if not contender.goes_before(deployment_id, standing):
+            continue
+        if contender.pools:  # all of its GPUs, each with room for it
+            theirs = [p for p in contender.pools if p in free]
+            if not theirs or not set(theirs) & set(taking):
+                continue
+            fits_now = all(free[p] >= claim for p in theirs)
+            fits_after = all(free[p] - taking.get(p, 0) >= claim for p in theirs)
+        else:  # any one GPU of the host
+            fits_now = any(room >= claim for room in free.values())
+            fits_after = any(room - taking.get(p, 0) >= claim for p, room in free.items())
+        if fits_now and not fits_after and (best is None or contender.standing > best.standing):
+            best = contender
+    return best
+
+
+def turn_refusal(name: str, before: Contender, pools: tuple[str, ...]) -> NoCapacity:
+    """The answer for ``name`` that waits its turn behind ``before`` for ``pools``."""
+    return NoCapacity(
+        f"{name} waits for its turn: {before.name} has waited longer "
+        f"({before.waited_seconds:.0f} s) for the same GPUs",
+        (f"{before.name} (waiting longer)",),
+        lasting=False,
+        pools=pools,
+    )
 
 
 def _frees(resident: Resident, mode: str) -> dict[str, int]:
@@ -439,7 +505,7 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
             victims = _try_victims(host, pools, need)
             if victims is None:
                 continue
-            before = _ahead(host, need, pools) if victims else None
+            before = _turn_before(host, need, pools, bool(victims))
             if before is not None:  # switching here is its turn first
                 waits_behind.append((before, pools))
                 continue
@@ -457,13 +523,7 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
         return options[0][1]
     if waits_behind:
         before, pools = max(waits_behind, key=lambda item: item[0].standing)
-        return NoCapacity(
-            f"{need.name} waits for its turn: {before.name} has waited longer "
-            f"({before.waited_seconds:.0f} s) for the same GPUs",
-            (f"{before.name} (waiting longer)",),
-            lasting=False,
-            pools=pools,
-        )
+        return turn_refusal(need.name, before, pools)
     result = _why_not(candidates, need)
     if need.siblings and result.lasting:
         # Siblings are the cause when, without them, it would fit or wait for room.

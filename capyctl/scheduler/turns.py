@@ -46,10 +46,11 @@ class Wait:
     seen: float
     priority: int = 0
     pools: tuple[str, ...] = ()
+    claim_bytes: int = 0  # what it needs on each of its GPUs; 0 = not known
 
     def contender(self, now: float) -> Contender:
         return Contender(self.deployment_id, self.name, max(now - self.since, 0.0),
-                         self.priority, self.pools)  # fmt: skip
+                         self.priority, self.pools, self.claim_bytes)  # fmt: skip
 
 
 class Registry(Protocol):
@@ -137,7 +138,8 @@ class RedisRegistry:
                 since = min(since, float(json.loads(raw).get("since", since)))
                 self._own.adopt(wait.deployment_id, since)
             value = {"name": wait.name, "since": since, "seen": time.time(),
-                     "priority": wait.priority, "pools": list(wait.pools)}  # fmt: skip
+                     "priority": wait.priority, "pools": list(wait.pools),
+                     "claim": wait.claim_bytes}  # fmt: skip
             pipe = self._redis.pipeline()
             pipe.hset(key, field, json.dumps(value))
             pipe.expire(key, 3600)
@@ -174,7 +176,8 @@ class RedisRegistry:
                 found.setdefault(int(field), Wait(int(field), str(data["name"]), host_id,
                                  float(data["since"]), float(data["seen"]),
                                  int(data.get("priority", 0)),
-                                 tuple(data.get("pools") or ())).contender(now))  # fmt: skip
+                                 tuple(data.get("pools") or ()),
+                                 int(data.get("claim", 0))).contender(now))  # fmt: skip
             except (KeyError, TypeError, ValueError):
                 continue  # not a wait this version wrote
         return list(found.values())
@@ -227,11 +230,14 @@ def refused(
     priority: int,
     host_id: int,
     pools: tuple[str, ...] = (),
+    claim_bytes: int = 0,
 ) -> NoCapacityError:
     """The error for a plan on ``host_id`` that found no room; a wait for what passes is
-    noted (the caller holds the host lock), so the contenders for these GPUs take turns in
-    order of their waits."""
+    noted (the caller holds the host lock) with what it needs on each GPU
+    (``claim_bytes``), so the contenders for these GPUs take turns in order of their waits
+    and room freed for one is kept for it."""
     if not result.lasting:
         now = time.time()
-        note(Wait(deployment_id, name, host_id, now, now, priority, result.pools or pools))
+        note(Wait(deployment_id, name, host_id, now, now, priority, result.pools or pools,
+                  claim_bytes))  # fmt: skip
     return NoCapacityError(result.reason, result.blockers, lasting=result.lasting)

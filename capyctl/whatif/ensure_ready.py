@@ -17,7 +17,17 @@ from typing import Any
 
 from capyctl.scheduler import steps
 from capyctl.scheduler.errors import NoCapacityError, SchedulerError, UnavailableError
-from capyctl.scheduler.policy import DEEP, RAM, STOP, NoCapacity, Victim
+from capyctl.scheduler.policy import (
+    DEEP,
+    RAM,
+    STOP,
+    NoCapacity,
+    Victim,
+    is_gpu_pool,
+    room_kept_for,
+    standing,
+    turn_refusal,
+)
 from capyctl.whatif.clock import _Until
 from capyctl.whatif.serving import Serving
 from capyctl.whatif.state import _Host, _Model, _pool_names, _ram
@@ -165,7 +175,7 @@ class EnsureReady(Serving):
         return None  # starting, waking, draining, parking or stopping: it passes
 
     def _refused(self, model: _Model, host: _Host, result: NoCapacity,
-                 pools: tuple[str, ...] = ()) -> NoCapacity:  # fmt: skip
+                 pools: tuple[str, ...] = (), claim: int = 0) -> NoCapacity:  # fmt: skip
         if not result.lasting:  # noted as turns.note does: a wait kept on the same host
             if model.wait_since is None or model.wait_host is not host:
                 if model.wait_host is not None:
@@ -173,9 +183,9 @@ class EnsureReady(Serving):
                     self._bump(model.wait_host)
                 model.wait_since = self.now
             wait_pools = tuple(result.pools or pools)
-            if model.wait_host is not host or model.wait_pools != wait_pools:
+            if (model.wait_host, model.wait_pools, model.wait_claim) != (host, wait_pools, claim):
                 self._bump(host)
-            model.wait_host, model.wait_pools = host, wait_pools
+            model.wait_host, model.wait_pools, model.wait_claim = host, wait_pools, claim
             host.waiters[model.id] = model
         return result
 
@@ -196,7 +206,7 @@ class EnsureReady(Serving):
             need = self._need(model, host)
             result = self._plan_on(host, model, need)
             if isinstance(result, NoCapacity):
-                return self._refused(model, host, result)
+                return self._refused(model, host, result, claim=need.claim_per_gpu_bytes)
             if result.victims:
                 for victim in result.victims:
                     yield from self._evict(victim, model)
@@ -232,12 +242,22 @@ class EnsureReady(Serving):
             used = self._used(host)
             mine = model.entries
             if all(host.capacity[p] - used[p] + mine.get(p, 0) >= claim for p in pools):
-                break
+                # It fits; but room freed for a model that has waited longer is kept for it.
+                free = {p: host.capacity[p] - used[p] for p in host.capacity if is_gpu_pool(p)}
+                taking = {p: claim - mine.get(p, 0) for p in pools}
+                waited = self.now - model.wait_since if model.wait_since is not None else 0.0
+                standing_now = standing(waited, model.spec.priority)
+                before = room_kept_for(self._contenders(host), model.id, standing_now, free,
+                                       taking)  # fmt: skip
+                if before is None:
+                    break
+                refusal = turn_refusal(model.name, before, tuple(pools))
+                return self._refused(model, host, refusal, pools, claim)
             residual = min((mine.get(p, 0) for p in pools), default=0)
             need = self._need(model, host, claim - residual)
             result = self._plan_on(host, model, need, waking=True)
             if isinstance(result, NoCapacity):
-                return self._refused(model, host, result, pools)
+                return self._refused(model, host, result, pools, claim - residual)
             for victim in result.victims:
                 yield from self._evict(victim, model)
             if model.state != "parked":

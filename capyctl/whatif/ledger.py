@@ -90,13 +90,18 @@ class Ledger(Clock):
                     parks_unverified=spec.parks_unverified,
                 )
             )
-        contenders = tuple(
-            Contender(m.id, m.name, self.now - m.wait_since, m.spec.priority, m.wait_pools)
+        return HostSnapshot(host.id, host.name, host.spec.unified, pools, residents,
+                            host.spec.online, self._contenders(host))  # fmt: skip
+
+    def _contenders(self, host: _Host) -> tuple[Contender, ...]:
+        """Those waiting for room on ``host`` (as the server's turns hold them)."""
+        return tuple(
+            Contender(
+                m.id, m.name, self.now - m.wait_since, m.spec.priority, m.wait_pools, m.wait_claim
+            )
             for m in host.waiters.values()
             if m.wait_since is not None
         )
-        return HostSnapshot(host.id, host.name, host.spec.unified, pools, residents,
-                            host.spec.online, contenders)  # fmt: skip
 
     def _plan(self, snapshots: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
         began = time.perf_counter()

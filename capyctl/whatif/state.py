@@ -46,6 +46,7 @@ class _Model:
         self.wait_since: float | None = None
         self.wait_host: _Host | None = None
         self.wait_pools: tuple[str, ...] = ()
+        self.wait_claim = 0  # what it waits to take on each of those pools
         self.phase_since = 0.0
 
     def residual(self, held: int) -> int:

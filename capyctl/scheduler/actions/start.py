@@ -179,7 +179,8 @@ def admit_start(
         result = plan([snapshots.snapshot(locked)], need)
         if isinstance(result, NoCapacity):
             raise turns.refused(deployment.pk, deployment.name, result,
-                                priority=deployment.priority, host_id=locked.pk)  # fmt: skip
+                                priority=deployment.priority, host_id=locked.pk,
+                                claim_bytes=need.claim_per_gpu_bytes)  # fmt: skip
         if result.victims:
             return result.victims
         pools = snapshots.gpu_pools(locked, result.gpu_indices)

@@ -20,7 +20,18 @@ from capyctl.scheduler.actions.start import start_engine
 from capyctl.scheduler.actions.stop import end_engine_and_fail
 from capyctl.scheduler.drivers import driver_for
 from capyctl.scheduler.errors import EngineFailedError, NoCapacityError
-from capyctl.scheduler.policy import RAM, HostSnapshot, Need, NoCapacity, Victim, plan
+from capyctl.scheduler.policy import (
+    RAM,
+    HostSnapshot,
+    Need,
+    NoCapacity,
+    Victim,
+    is_gpu_pool,
+    plan,
+    room_kept_for,
+    standing,
+    turn_refusal,
+)
 from hostagent.errors import EngineError
 
 
@@ -91,6 +102,17 @@ def admit_wake(
         mine = read.entries(deployment.pk)
         usage = {u.pool: u for u in read.usage()}
         if all(usage[p].free_bytes + mine.get(p, 0) >= claim for p in pools if p in usage):
+            # It fits; but room freed for a model that has waited longer is kept for it.
+            free = {p: u.free_bytes for p, u in usage.items() if is_gpu_pool(p)}
+            taking = {p: claim - mine.get(p, 0) for p in pools}
+            standing_now = standing(turns.waited(deployment.pk), deployment.priority)
+            before = room_kept_for(turns.contenders(locked.pk), deployment.pk, standing_now,
+                                   free, taking)  # fmt: skip
+            if before is not None:
+                raise turns.refused(deployment.pk, deployment.name,
+                                    turn_refusal(deployment.name, before, tuple(pools)),
+                                    priority=deployment.priority, host_id=locked.pk,
+                                    claim_bytes=claim)  # fmt: skip
             # waking() moves it only while it is still parked and wanted running (else: None)
             try:
                 won = transitions.waking(locked, deployment, dict.fromkeys(pools, claim),
@@ -120,5 +142,6 @@ def admit_wake(
         result = plan([others], need)
         if isinstance(result, NoCapacity):
             raise turns.refused(deployment.pk, deployment.name, result, pools=tuple(pools),
-                                priority=deployment.priority, host_id=locked.pk)  # fmt: skip
+                                priority=deployment.priority, host_id=locked.pk,
+                                claim_bytes=claim - residual)  # fmt: skip
         return result.victims or ()
