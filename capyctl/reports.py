@@ -83,6 +83,25 @@ def deployment_data(deployment: Deployment) -> dict[str, Any]:
         "download": deployment.download or None,
         "source_bytes": deployment.source_bytes,
         "last_request_at": _time(deployment.last_request_at),
+        "replica_set": [replica_data(row) for row in replica_rows(deployment)],
+    }
+
+
+def replica_rows(deployment: Deployment) -> list[Deployment]:
+    """The deployment's replicas, the first (itself) first."""
+    rest = sorted(deployment.replica_set.all(), key=lambda row: row.replica_index)
+    return [deployment, *rest]
+
+
+def replica_data(row: Deployment) -> dict[str, Any]:
+    """One replica: where it runs and its state."""
+    return {
+        "index": row.replica_index,
+        "name": row.name,
+        "host": row.host.name if row.host else None,
+        "observed_state": row.observed_state,
+        "parked_mode": row.parked_mode or None,
+        "state_reason": row.state_reason,
     }
 
 
@@ -212,10 +231,12 @@ def all_engines() -> list[Engine]:
 
 
 def deployments_query() -> QuerySet[Deployment]:
-    """Deployments by name, with their engine, host and aliases."""
+    """Deployments by name (a replica beyond the first is shown within its deployment),
+    with their engine, host, aliases and replicas."""
     return (
-        Deployment.objects.select_related("engine", "host")
-        .prefetch_related("aliases")
+        Deployment.objects.filter(replica_of__isnull=True)
+        .select_related("engine", "host")
+        .prefetch_related("aliases", "replica_set__host")
         .order_by("name")
     )
 

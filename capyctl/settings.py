@@ -291,6 +291,9 @@ CAPYCTL: dict[str, Any] = {
     # at once, a switch per change of model).
     "MAX_TURN_SECONDS": env_int("CAPYCTL_MAX_TURN_SECONDS", 30, minimum=0),
     "START_TIMEOUT_SECONDS": env_int("CAPYCTL_START_TIMEOUT", 900, minimum=1),
+    # Requests in flight on each ready replica of a model of several replicas, on average,
+    # past which one more is brought up.
+    "TARGET_CONCURRENCY": env_int("CAPYCTL_TARGET_CONCURRENCY", 8, minimum=1),
     # How long after a park the GPU probe may take to show its memory freed; past it the
     # model is stopped instead and its engine marked (docs/engines.md).
     "PARK_CONFIRM_SECONDS": env_float("CAPYCTL_PARK_CONFIRM_SECONDS", 10, minimum=0.1),

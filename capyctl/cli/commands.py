@@ -279,6 +279,11 @@ def deployment_list(args: argparse.Namespace) -> int:
     ]
     headers = ["name", "aliases", "engine", "host", "desired", "state", "gpu memory", "ram copy",
                "park"]  # fmt: skip
+    if any(d["replicas"] > 1 for d in deployments):  # shown where a model has several
+        headers.insert(6, "replicas")
+        for row, d in zip(rows, deployments, strict=True):
+            ready = sum(1 for r in d["replica_set"] if r["observed_state"] == "ready")
+            row.insert(6, f"{ready}/{d['replicas']}")
     print_table(headers, rows, empty="no deployments")
     return 0
 

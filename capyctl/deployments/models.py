@@ -83,7 +83,7 @@ class Deployment(models.Model):
     ``state_reason``) is owned by the scheduler and changed only by conditional updates.
     """
 
-    name = models.CharField(max_length=63, unique=True)
+    name = models.CharField(max_length=72, unique=True)  # a DNS label, or a replica's NAME~N
     engine = models.ForeignKey(
         "engines.Engine", on_delete=models.PROTECT, related_name="deployments"
     )
@@ -102,6 +102,22 @@ class Deployment(models.Model):
     gpu_memory_fraction = models.FloatField(null=True, blank=True)
     weights_bytes = models.BigIntegerField(null=True, blank=True)
     gpus = models.PositiveSmallIntegerField(**declared("gpus"))
+    replicas = models.PositiveSmallIntegerField(**declared("replicas"))
+    target_concurrency = models.PositiveIntegerField(
+        null=True, blank=True, **declared("target_concurrency")
+    )
+    # A replica beyond the first is a row of its own (its own host, GPUs, engine, state
+    # and ledger entries) named NAME~INDEX, made and kept in step with its first replica
+    # by the deployments' services; people see and name only the first.
+    replica_of = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="replica_set",
+        help_text="the deployment this row is a replica of (empty: the deployment itself)",
+    )
+    replica_index = models.PositiveSmallIntegerField(default=0)
     measured_gpu_bytes = models.BigIntegerField(null=True, blank=True)
     measured_weights_bytes = models.BigIntegerField(null=True, blank=True)
 
@@ -210,6 +226,12 @@ class Deployment(models.Model):
             s.name: self.setting(s.name) if s.global_key else getattr(self, s.name)
             for s in SETTINGS
         }
+
+    @property
+    def served_name(self) -> str:
+        """The model name its engine serves and requests use: its own, or for a replica
+        (``NAME~INDEX``) its deployment's."""
+        return self.name.partition("~")[0]
 
     @property
     def ceilings(self) -> dict[str, int]:

@@ -51,6 +51,8 @@ class DeploymentSpec:
     media_domains: list[str] = field(default_factory=list)
     # The declared settings.
     gpus: int = _default("gpus")
+    replicas: int = _default("replicas")
+    target_concurrency: int | None = None
     park: str = _default("park")
     pinned: bool = _default("pinned")
     over_claim: str = _default("over_claim")
@@ -72,7 +74,7 @@ def get_deployment(name: str) -> Deployment:
     """The deployment called ``name`` (or with that alias)."""
     found = (
         Deployment.objects.select_related("engine", "host")
-        .filter(Q(name=name) | Q(aliases__name=name))
+        .filter(Q(name=name) | Q(aliases__name=name), replica_of__isnull=True)
         .first()
     )
     if found is None:
@@ -277,6 +279,7 @@ def add_deployment(spec: DeploymentSpec, *, actor: str = "") -> Deployment:
     DeploymentAlias.objects.bulk_create(
         [DeploymentAlias(name=alias, deployment=deployment) for alias in spec.aliases]
     )
+    _sync_replicas(deployment, host_changed=True)
     record_event(
         "deployment.added",
         f"deployment {spec.name} added: engine {engine.name}, source {spec.source}, "
@@ -306,12 +309,15 @@ def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> De
         or engine.pk != deployment.engine_id
         or (host.pk if host else None) != deployment.host_id
     )
-    if moved and deployment.observed_state != ObservedState.STOPPED:
-        raise UserError(
-            f"deployment {deployment.name!r} is {deployment.observed_state}; stop it before "
-            "changing its name, engine or host",
-            field="name",
-        )
+    if moved:
+        for row in (deployment, *deployment.replica_set.all()):
+            if row.observed_state != ObservedState.STOPPED:
+                raise UserError(
+                    f"deployment {row.name!r} is {row.observed_state}; stop "
+                    f"{deployment.name!r} before changing its name, engine or host",
+                    field="name",
+                )
+    host_changed = (host.pk if host else None) != deployment.host_id
     changed = [
         field for field in _SPEC_FIELDS if getattr(deployment, field) != getattr(spec, field)
     ]
@@ -327,6 +333,7 @@ def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> De
         DeploymentAlias.objects.bulk_create(
             [DeploymentAlias(name=alias, deployment=deployment) for alias in spec.aliases]
         )
+    _sync_replicas(deployment, host_changed=host_changed)
     if moved:
         changed.append("name/engine/host")
     message = f"deployment {spec.name} changed: {', '.join(changed) or 'nothing'}"
@@ -343,26 +350,81 @@ def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> De
     return deployment
 
 
-@transaction.atomic
-def remove_deployment(name: str, *, actor: str = "") -> None:
-    """Remove a stopped deployment. Its model files are never touched."""
-    deployment = get_deployment(name)
-    if deployment.observed_state not in (ObservedState.STOPPED, ObservedState.FAILED):
+def replica_name(name: str, index: int) -> str:
+    """The row name of a deployment's replica ``index`` (1 and up): ``NAME~INDEX``, which
+    no deployment name or alias can be (``~`` is in neither)."""
+    return f"{name}~{index}"
+
+
+def _check_removable(row: Deployment, name: str) -> None:
+    """Raise unless ``row`` (the deployment ``name``, or one of its replicas) holds no
+    engine and no memory."""
+    what = "it" if row.name == name else f"{name} (its replica {row.name} is still up)"
+    if row.observed_state not in (ObservedState.STOPPED, ObservedState.FAILED):
         raise UserError(
-            f"deployment {deployment.name!r} is {deployment.observed_state}; stop it first",
+            f"deployment {row.name!r} is {row.observed_state}; stop {what} first", field="name"
+        )
+    if row.instances.exclude(state="exited").exists():
+        raise UserError(
+            f"deployment {row.name!r} still has an engine process; stop {what} first",
             field="name",
         )
-    if deployment.instances.exclude(state="exited").exists():
+    if row.ledger_entries.exists():
         raise UserError(
-            f"deployment {deployment.name!r} still has an engine process; stop it first",
-            field="name",
-        )
-    if deployment.ledger_entries.exists():
-        raise UserError(
-            f"deployment {deployment.name!r} still counts memory in the ledger "
+            f"deployment {row.name!r} still counts memory in the ledger "
             "(not yet confirmed released); try again once the probe confirms it",
             field="name",
         )
+
+
+def _sync_replicas(first: Deployment, *, host_changed: bool) -> None:
+    """Make the replica rows of ``first`` match its ``replicas`` setting: rows 1 to
+    replicas - 1, each with its settings (its host too where ``host_changed``: one a person
+    gave; a host its placement chose stays its own). A row past the setting is removed,
+    once stopped; while it runs, the change is refused and nothing is changed."""
+    existing = {row.replica_index: row for row in first.replica_set.select_for_update()}
+    copied = {name: getattr(first, name) for name in _SPEC_FIELDS}
+    for index in range(1, first.replicas):
+        row = existing.pop(index, None)
+        if row is None:
+            Deployment.objects.create(
+                name=replica_name(first.name, index),
+                engine=first.engine,
+                host=first.host,
+                replica_of=first,
+                replica_index=index,
+                # Its desired state is the scheduler's to write (a start or stop of the
+                # deployment writes its replicas' too); requests follow the first's.
+                **copied,
+            )
+            continue
+        row.name = replica_name(first.name, index)
+        row.engine = first.engine
+        fields = ["name", "engine", *_SPEC_FIELDS, "updated_at"]
+        if host_changed:
+            row.host = first.host
+            fields.append("host")
+        for name, value in copied.items():
+            setattr(row, name, value)
+        row.save(update_fields=fields)
+    for _index, row in sorted(existing.items()):
+        try:
+            _check_removable(row, first.name)
+        except UserError as exc:
+            raise UserError(
+                f"cannot lower {first.name}'s replicas to {first.replicas}: {exc}",
+                field="replicas",
+            ) from None
+        row.delete()
+
+
+@transaction.atomic
+def remove_deployment(name: str, *, actor: str = "") -> None:
+    """Remove a stopped deployment (with its replicas). Its model files are never
+    touched."""
+    deployment = get_deployment(name)
+    for row in (deployment, *deployment.replica_set.all()):
+        _check_removable(row, deployment.name)
     deployment_name = deployment.name
     deployment.delete()
     record_event(

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from capyctl.deployments import guards
 
 MAX_GPUS = 64
+MAX_REPLICAS = 64
 MAX_SECONDS = 10**9  # about 31 years, within the 32-bit columns that hold them
 MAX_COUNT = 2**31 - 1
 MAX_PRIORITY = 1000
@@ -149,6 +150,27 @@ OVER_CLAIM_CHOICES = ("stop", "raise")
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "gpus", COUNT, "GPUs of one host it needs", MEMORY, default=1, minimum=0, maximum=MAX_GPUS
+    ),
+    Setting(
+        "replicas",
+        COUNT,
+        "engines that may serve it at once, each on GPUs of its own (one more is brought "
+        "up when its ready ones are busy; an idle one is parked as any model is)",
+        MEMORY,
+        default=1,
+        minimum=1,
+        maximum=MAX_REPLICAS,
+        metavar="N",
+    ),
+    Setting(
+        "target_concurrency",
+        COUNT,
+        "requests in flight on each ready replica, on average, past which one more is brought up",
+        MEMORY,
+        builtin=8,
+        minimum=1,
+        maximum=MAX_COUNT,
+        metavar="N",
     ),
     Setting(
         "park",

@@ -22,6 +22,7 @@ from capyctl.gateway import access
 from capyctl.gateway.context import Outcome, RequestContext, Scope
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found, respond
 from capyctl.gateway.keys import KeyCache, KeyInfo
+from capyctl.gateway.replicas import Replicas
 from capyctl.gateway.routing import Route, RoutingTable, list_models
 from capyctl.gateway.usage import Limits
 from capyctl.gateway.waiting import Waiting
@@ -71,6 +72,7 @@ class Admission:
         self.routes = routes
         self.waiting = waiting
         self.stored_responses = stored_responses
+        self.replicas = Replicas()
 
     async def check(
         self, scope: Scope, receive: Any, send: Any, started: float, outcome: Outcome
@@ -122,6 +124,10 @@ class Admission:
         _check_guards(parsed, body, route)  # what it asks of the engine
         if name != route.name:  # an alias: the engine serves the deployment's own name
             body = _rename_model(body, parsed, route.name)
+        if route.replicas:  # several replicas: one of them, or the one to wait for
+            group, route = route, self.replicas.choose(route, headers, parsed)
+            return RequestContext(scope, receive, send, key, headers, body, route, target,
+                                  started, outcome, group=group)  # fmt: skip
         return RequestContext(scope, receive, send, key, headers, body, route, target, started,
                               outcome)  # fmt: skip
 
@@ -169,6 +175,8 @@ class Admission:
                     outcome.queued_ms += (time.perf_counter() - wait_started) * 1000
             if await scheduler.begin_request(route.deployment_id):
                 ctx.route = route
+                if ctx.group is not None:
+                    self.replicas.began(ctx.group, route)
                 return
             ready = False  # it began draining after our route was read: wait for the wake
         raise GatewayError(

@@ -140,6 +140,8 @@ class Gateway:
             await self.forwarding.forward(ctx)
         finally:
             await scheduler.end_request(deployment_id)
+            if ctx.group is not None:
+                self.admission.replicas.ended(deployment_id)
             self.forwarding.touch(deployment_id)  # idleness counts from a request's end
 
     def stopping(self) -> None:

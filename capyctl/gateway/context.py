@@ -55,6 +55,9 @@ class RequestContext:
     started: float  # time.perf_counter() when the request arrived
     outcome: Outcome
     keepalive: KeepAlive | None = None  # a stream that waits: its head and comment lines
+    # A model of several replicas: its first replica's route, with all of them (``route``
+    # is then the replica chosen); None for a model of one.
+    group: Route | None = None
 
     @property
     def stream(self) -> bool:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, cast
 
 from django.db import connection
 
+from capyctl.gateway import replicas
 from capyctl.gateway.advice import with_capyctl_hint
 from capyctl.gateway.batches import BatchedWrites
 from capyctl.gateway.context import RequestContext
@@ -128,6 +129,8 @@ class Forwarding:
                 out.append((b"x-capyctl-queued-ms", f"{waited_ms:.0f}".encode()))
                 if outcome.switch:
                     out.append((b"x-capyctl-switch", outcome.switch.encode()))
+                if ctx.group is not None:  # a model of several replicas: which one served
+                    out.append((b"x-capyctl-replica", replicas.label(ctx.route)))
                 length = upstream.content_length
                 if length is not None and length <= _WHOLE_BODY_BYTES:
                     # A sized answer (not a stream): read it, then pass it on with its

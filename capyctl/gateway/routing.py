@@ -6,7 +6,7 @@ use, never used older than ``TTL_SECONDS``, and read afresh right after a wake.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from django.db.models import Q
 
@@ -41,56 +41,80 @@ class Route:
     max_queue_seconds: int  # how long a request may wait for it, all told
     ceilings: tuple[tuple[str, int], ...]  # each body field it bounds, with its ceiling
     media_domains: frozenset[str]  # hosts media URLs may name (empty: data: URLs only)
+    gpus: tuple[int, ...] = ()  # the GPUs its engine runs on, while it runs
+    target_concurrency: int = 0  # a deployment of several replicas: see replicas.py
+    # A deployment of several replicas: each of them (its first, this route, included), in
+    # order; () for a deployment of one.
+    replicas: tuple[Route, ...] = ()
 
 
 def _fetch_many(names: list[str]) -> dict[str, Route]:
-    deployments = (
+    deployments = list(
         Deployment.objects.filter(Q(name__in=names) | Q(aliases__name__in=names))
         .select_related("host")
         .prefetch_related("aliases")
         .distinct()
     )
+    several = [d.pk for d in deployments if d.replicas > 1 and d.replica_of_id is None]
+    rest: dict[int, list[Deployment]] = {}
+    if several:
+        for row in (
+            Deployment.objects.filter(replica_of_id__in=several)
+            .select_related("host")
+            .order_by("replica_index")
+        ):
+            rest.setdefault(int(row.replica_of_id or 0), []).append(row)
+    everyone = [*deployments, *(row for rows in rest.values() for row in rows)]
     running = {
         i.deployment_id: i
         for i in Instance.objects.filter(
-            deployment__in=deployments, state=Instance.State.RUNNING
-        ).only("deployment_id", "port", "socket_path", "launch_key", "key")
+            deployment__in=[d.pk for d in everyone], state=Instance.State.RUNNING
+        ).only("deployment_id", "port", "socket_path", "launch_key", "key", "gpu_indices")
     }
     wanted = set(names)
     routes: dict[str, Route] = {}
     for deployment in deployments:
-        instance = running.get(deployment.pk)
-        host = deployment.host
-        remote = host is not None and not host.is_local
-        base_url = None
-        if remote and host is not None:
-            AGENT_PINS[host.name] = host.cert_fingerprint  # checked at each TLS handshake
-        if instance is not None and (instance.port or instance.socket_path):
-            if remote and host is not None:
-                base_url = f"https://{host.address}/relay/{instance.key}"
-            elif instance.socket_path:
-                base_url = unix_url(instance.socket_path)
-            else:
-                base_url = f"http://127.0.0.1:{instance.port}"
-        route = Route(
-            deployment_id=deployment.pk,
-            name=deployment.name,
-            desired_state=deployment.desired_state,
-            observed_state=deployment.observed_state,
-            parked_mode=deployment.parked_mode,
-            host=deployment.host.name if deployment.host else None,
-            base_url=base_url,
-            tls_name=host.name if remote and host is not None else None,
-            host_state=host.state if host is not None else "online",
-            launch_key=instance.launch_key if instance else "",
-            max_waiting=deployment.setting("max_waiting"),
-            max_queue_seconds=deployment.setting("max_queue_seconds"),
-            ceilings=guards.body_ceilings(deployment.ceilings),
-            media_domains=frozenset(deployment.media_domains),
-        )
+        route = _route(deployment, running.get(deployment.pk))
+        if deployment.pk in rest:
+            group = (route, *(_route(row, running.get(row.pk)) for row in rest[deployment.pk]))
+            route = replace(route, replicas=group)
         for name in {deployment.name, *(a.name for a in deployment.aliases.all())} & wanted:
             routes[name] = route
     return routes
+
+
+def _route(deployment: Deployment, instance: Instance | None) -> Route:
+    """The route to one deployment (or one replica of it) and its running engine."""
+    host = deployment.host
+    remote = host is not None and not host.is_local
+    base_url = None
+    if remote and host is not None:
+        AGENT_PINS[host.name] = host.cert_fingerprint  # checked at each TLS handshake
+    if instance is not None and (instance.port or instance.socket_path):
+        if remote and host is not None:
+            base_url = f"https://{host.address}/relay/{instance.key}"
+        elif instance.socket_path:
+            base_url = unix_url(instance.socket_path)
+        else:
+            base_url = f"http://127.0.0.1:{instance.port}"
+    return Route(
+        deployment_id=deployment.pk,
+        name=deployment.name,
+        desired_state=deployment.desired_state,
+        observed_state=deployment.observed_state,
+        parked_mode=deployment.parked_mode,
+        host=deployment.host.name if deployment.host else None,
+        base_url=base_url,
+        tls_name=host.name if remote and host is not None else None,
+        host_state=host.state if host is not None else "online",
+        launch_key=instance.launch_key if instance else "",
+        max_waiting=deployment.setting("max_waiting"),
+        max_queue_seconds=deployment.setting("max_queue_seconds"),
+        ceilings=guards.body_ceilings(deployment.ceilings),
+        media_domains=frozenset(deployment.media_domains),
+        gpus=tuple(int(i) for i in instance.gpu_indices) if instance else (),
+        target_concurrency=deployment.setting("target_concurrency"),
+    )
 
 
 class RoutingTable:
@@ -115,9 +139,15 @@ def list_models() -> list[dict[str, object]]:
         {
             "id": d.name,
             "pk": d.pk,
-            "state": d.observed_state,
+            # A model of several replicas is ready when one of them is.
+            "state": "ready"
+            if any(r.observed_state == "ready" for r in d.replica_set.all())
+            else d.observed_state,
             "host": d.host.name if d.host else None,
             "created": int(d.created_at.timestamp()),
         }
-        for d in Deployment.objects.select_related("host").order_by("name")
+        for d in Deployment.objects.filter(replica_of__isnull=True)
+        .select_related("host")
+        .prefetch_related("replica_set")
+        .order_by("name")
     ]

@@ -9,10 +9,20 @@ the work stays in one place (and a test that replaces it there replaces it here 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from capyctl.scheduler import actions, redislink, requests_in_progress, turns, wakes
+from capyctl.events.services import record_event
+from capyctl.scheduler import (
+    actions,
+    redislink,
+    requests_in_progress,
+    routing,
+    scaling,
+    turns,
+    wakes,
+)
 from capyctl.scheduler.errors import (
     ControlPlaneUnavailableError,
     EngineFailedError,
@@ -25,6 +35,7 @@ from capyctl.scheduler.errors import (
     outage,
 )
 from capyctl.scheduler.redislink import Link
+from capyctl.scheduler.scaling import ReplicaView, Step
 from capyctl.scheduler.turns import Wait
 
 __all__ = [
@@ -34,11 +45,15 @@ __all__ = [
     "Link",
     "ModelStoppedError",
     "NoCapacityError",
+    "ReplicaView",
     "SchedulerError",
     "SourceError",
     "Wait",
     "WakeTimeoutError",
+    "affinity_key",
     "begin_request",
+    "bring_up",
+    "choose_replica",
     "end_request",
     "is_control_plane_error",
     "local_waits",
@@ -48,6 +63,7 @@ __all__ = [
     "redis_async_client",
     "redis_errors",
     "redis_link",
+    "scale_step",
 ]
 
 # How much longer than the wake timeout a waiter listens, so that its answer carries the
@@ -95,3 +111,37 @@ def redis_async_client(url: str) -> Any:
 def redis_errors() -> tuple[type[BaseException], ...]:
     """What a Redis call raises when Redis does not answer."""
     return redislink.errors()
+
+
+def affinity_key(headers: Any, body: Any) -> str | None:
+    """What ties a request to a replica (:func:`capyctl.scheduler.routing.affinity_key`)."""
+    return routing.affinity_key(headers, body)
+
+
+def choose_replica(loads: Mapping[int, int], key: str | None, exclude: Collection[int] = ()) -> int:
+    """The ready replica for a request (:func:`capyctl.scheduler.routing.choose`)."""
+    return routing.choose(loads, key, exclude=exclude)
+
+
+def scale_step(replicas: Sequence[ReplicaView], maximum: int, target: int) -> Step | None:
+    """One more replica to bring up, when the ready ones carry more than ``target``
+    requests in flight on average and fewer than ``maximum`` are up
+    (:func:`capyctl.scheduler.scaling.decide`); None otherwise. Parking an idle replica
+    is left to its ``idle_park_seconds``, as for any model."""
+    bounds = scaling.Bounds(minimum=1, maximum=maximum, scale_up_wait_seconds=math.inf,
+                            target_concurrency=target, idle_park_seconds=math.inf)  # fmt: skip
+    step = scaling.decide(replicas, scaling.Demand(0, 0.0), bounds)
+    return step if step is not None and step.action in (scaling.WAKE, scaling.START) else None
+
+
+async def bring_up(step: Step, name: str, timeout: float) -> str:
+    """Bring the replica of ``step`` up for the model ``name``: the step is an event with
+    its reason and figures (``deployment.scaled``), then the replica is woken or started
+    as a request's wait would."""
+    await wakes.run(_note_step, step, name)
+    return await wakes.ready(step.replica_id, timeout)
+
+
+def _note_step(step: Step, name: str) -> None:
+    record_event("deployment.scaled", f"{name}: {step.reason}", subject=name,
+                 deployment_id=step.replica_id, data=dict(step.figures))  # fmt: skip

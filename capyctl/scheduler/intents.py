@@ -34,7 +34,7 @@ def request_action(
     alive = server_alive()  # first: an intent nobody can be told changes nothing
     if action in ("start", "stop"):
         desired = "running" if action == "start" else "stopped"
-        transitions.desired(deployment.pk, desired)
+        transitions.desired(deployment.pk, desired)  # and its replicas
     if not alive:
         if action in ("start", "stop"):
             return None

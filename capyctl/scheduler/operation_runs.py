@@ -9,6 +9,7 @@ import logging
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
+from capyctl.deployments.models import Deployment
 from capyctl.scheduler import actions, errors
 from capyctl.scheduler.models import Operation
 
@@ -30,8 +31,12 @@ def run_operation(operation_id: int) -> None:
             if op.action == Operation.Action.START:
                 result = actions.start(op.deployment_id, actor)
             elif op.action == Operation.Action.STOP:
+                for replica in _replicas(op.deployment_id, exclude=("stopped",)):
+                    actions.stop(replica, actor)
                 result = actions.stop(op.deployment_id, actor)
             elif op.action == Operation.Action.PARK:
+                for replica in _replicas(op.deployment_id, only=("ready",)):
+                    actions.park(replica, op.mode or None, actor=actor)
                 result = actions.park(op.deployment_id, op.mode or None, actor=actor)
             else:
                 result = actions.ensure_ready(op.deployment_id, actor)
@@ -58,3 +63,16 @@ def run_operation(operation_id: int) -> None:
         )
     finally:
         connection.close()
+
+
+def _replicas(
+    deployment_id: int, *, only: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
+) -> list[int]:
+    """The deployment's replicas beyond the first (a stop or park of a deployment is of
+    each of its replicas), in a state of ``only`` and not of ``exclude``."""
+    rows = Deployment.objects.filter(replica_of_id=deployment_id).order_by("replica_index")
+    if only:
+        rows = rows.filter(observed_state__in=only)
+    if exclude:
+        rows = rows.exclude(observed_state__in=exclude)
+    return list(rows.values_list("pk", flat=True))

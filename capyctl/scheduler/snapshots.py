@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from django.db.models import Q
+
 from capyctl.deployments.models import Deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
@@ -167,7 +169,17 @@ def need(deployment: Deployment, host: Host) -> Need:
         host_ids=(host.pk,),
         waited_seconds=turns.waited(deployment.pk),
         priority=deployment.priority,
+        siblings=siblings(deployment),
     )
+
+
+def siblings(deployment: Deployment) -> frozenset[int]:
+    """The other replicas of its deployment (none for a deployment of one replica)."""
+    if deployment.replicas <= 1 and deployment.replica_of_id is None:
+        return frozenset()
+    first = deployment.replica_of_id or deployment.pk
+    rows = Deployment.objects.filter(Q(pk=first) | Q(replica_of_id=first)).exclude(pk=deployment.pk)
+    return frozenset(rows.values_list("pk", flat=True))
 
 
 def measured(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 from capyctl.deployments.models import Deployment, Instance, ObservedState
@@ -91,7 +92,7 @@ def start_engine(deployment: Deployment, actor: str) -> Deployment:
         kind=deployment.engine.kind,
         command=deployment.engine.command,
         source=source_path,
-        served_name=deployment.name,
+        served_name=deployment.served_name,
         extra_args=list(deployment.engine_args),
         gpu_indices=placement.gpu_indices if deployment.gpus else [],
         env=dict(deployment.engine.env),
@@ -143,6 +144,14 @@ def source_host(deployment: Deployment) -> Host:
     if deployment.host is not None:
         return deployment.host
     hosts = list(Host.objects.all())
+    others = snapshots.siblings(deployment)
+    if others:  # a replica: hosts with fewer of its siblings first (spread over hosts)
+        on = Counter(
+            Deployment.objects.filter(pk__in=others, host__isnull=False).values_list(
+                "host_id", flat=True
+            )
+        )
+        hosts.sort(key=lambda h: on[h.pk])
     if not hosts:
         raise NoCapacityError(f"no host can run {deployment.name}: there are no hosts")
     for host in hosts:

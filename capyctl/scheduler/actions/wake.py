@@ -138,7 +138,8 @@ def admit_wake(
             contenders=snap.contenders,
         )
         need = Need(deployment.pk, deployment.name, len(pools), claim - residual, 0, (host.pk,),
-                    turns.waited(deployment.pk), deployment.priority)  # fmt: skip
+                    turns.waited(deployment.pk), deployment.priority,
+                    siblings=snapshots.siblings(deployment))  # fmt: skip
         result = plan([others], need)
         if isinstance(result, NoCapacity):
             raise turns.refused(deployment.pk, deployment.name, result, pools=tuple(pools),

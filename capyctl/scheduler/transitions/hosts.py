@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from capyctl.deployments.models import Deployment
@@ -91,5 +92,7 @@ def host_removed(host: Host) -> None:
 
 def desired(deployment_id: int, value: str) -> None:
     """A person's intent for the deployment: ``running`` or ``stopped`` (its desired state;
-    the scheduler acts on it)."""
-    Deployment.objects.filter(pk=deployment_id).update(desired_state=value)
+    the scheduler acts on it), and its replicas'."""
+    Deployment.objects.filter(Q(pk=deployment_id) | Q(replica_of_id=deployment_id)).update(
+        desired_state=value
+    )

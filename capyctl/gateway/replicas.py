@@ -1,0 +1,101 @@
+"""A model of several replicas: which one a ``/v1`` request goes to, and when one more is
+brought up.
+
+:meth:`Replicas.choose` picks among the model's ready replicas by the scheduler's routing
+(:mod:`capyctl.scheduler.routing`: the fewest requests in flight, or the same replica for
+the same session or prompt prefix while its load stays within a bound); with none ready,
+the replica the request waits for: one coming up, else a parked one (waking is seconds),
+else the first. The counts it routes on are this process's own requests in flight.
+
+:meth:`Replicas.began` counts a request on its replica and asks the scheduler's scaling
+decision (:func:`capyctl.scheduler.scaling.decide`, the same function the what-if
+simulator runs) whether its ready replicas carry more than the model's
+``target_concurrency`` on average: then one more replica is brought up (a parked one
+woken first), one at a time, in the background; the request itself is not held for it.
+An idle replica is parked as any model is (its ``idle_park_seconds``, or to make room).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from capyctl.gateway.routing import Route
+from capyctl.scheduler import gateway_api as scheduler
+
+logger = logging.getLogger("capyctl.gateway")
+
+_COMING_UP = frozenset(("starting", "waking", "downloading"))
+
+
+def serves(route: Route) -> bool:
+    """Whether a replica takes requests now."""
+    return (
+        route.observed_state == "ready"
+        and route.base_url is not None
+        and route.host_state != "unreachable"
+    )
+
+
+def label(route: Route) -> bytes:
+    """``x-capyctl-replica``: the host and GPUs of the replica that served a request."""
+    return f"{route.host or '-'}/{','.join(str(g) for g in route.gpus)}".encode()
+
+
+class Replicas:
+    """This process's requests in flight on each replica, and the bring-ups under way."""
+
+    def __init__(self) -> None:
+        self.in_flight: dict[int, int] = {}
+        self._bringing: dict[int, asyncio.Future[Any]] = {}  # by the model's first replica
+
+    def choose(self, group: Route, headers: dict[bytes, bytes], body: Any) -> Route:
+        """The replica of ``group`` (a model's first replica's route) for a request."""
+        ready = {r.deployment_id: r for r in group.replicas if serves(r)}
+        if ready:
+            key = scheduler.affinity_key(headers, body)
+            loads = {pk: self.in_flight.get(pk, 0) for pk in ready}
+            return ready[scheduler.choose_replica(loads, key)]
+        for wanted in (_COMING_UP, {"ready"}, {"parked"}):
+            for replica in group.replicas:
+                if replica.observed_state in wanted and replica.desired_state == "running":
+                    return replica
+        return group
+
+    def began(self, group: Route, replica: Route) -> None:
+        """A request was admitted on ``replica``; bring one more up if load calls for it."""
+        self.in_flight[replica.deployment_id] = self.in_flight.get(replica.deployment_id, 0) + 1
+        first = group.deployment_id
+        under_way = self._bringing.get(first)
+        if under_way is not None and not under_way.done():
+            return
+        views = [
+            scheduler.ReplicaView(
+                id=r.deployment_id,
+                state=r.observed_state if r.desired_state == "running" else "failed",
+                in_flight=self.in_flight.get(r.deployment_id, 0),
+                idle_seconds=0.0,
+                up_since=0.0,
+            )
+            for r in group.replicas
+        ]
+        step = scheduler.scale_step(views, len(group.replicas), group.target_concurrency)
+        if step is None:
+            return
+        self._bringing[first] = asyncio.ensure_future(
+            scheduler.bring_up(step, group.name, group.max_queue_seconds)
+        )
+        self._bringing[first].add_done_callback(_logged)
+
+    def ended(self, replica_id: int) -> None:
+        left = self.in_flight.get(replica_id, 0) - 1
+        if left > 0:
+            self.in_flight[replica_id] = left
+        else:
+            self.in_flight.pop(replica_id, None)
+
+
+def _logged(done: asyncio.Future[Any]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        logger.warning("a replica was not brought up: %s", done.exception())

@@ -1,0 +1,189 @@
+"""Replicas: one model served by several engines, each on GPUs of its own, routed by
+load and affinity, one more brought up when the ready ones are busy (docs/replicas.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import replace
+from typing import Any, cast
+
+import httpx
+import pytest
+from asgiref.sync import sync_to_async
+
+from capyctl.deployments.models import Deployment
+from capyctl.deployments.services import (
+    get_deployment,
+    remove_deployment,
+    spec_of,
+    update_deployment,
+)
+from capyctl.engines.services import add_engine
+from capyctl.errors import NotFoundError, UserError
+from capyctl.events.models import Event
+from capyctl.scheduler import actions
+from capyctl.scheduler.drivers import set_local_driver
+from hostagent.simgpu import SimSpec
+from tests.scheduling import GIB, SIM, SIM_ENV, deployment, make_host, state
+
+
+@pytest.fixture
+def two_gpus(tmp_path, settings):
+    """A simulated host of two 24 GiB GPUs whose engines run as children of this test."""
+    driver = make_host(tmp_path, settings, SimSpec(unified=False, sizes=[24 * GIB, 24 * GIB]))
+    yield driver
+    driver.stop_all(grace_seconds=2)
+    set_local_driver(None)
+
+
+def _rows(name: str) -> list[tuple[str, int, int]]:
+    first = Deployment.objects.get(name=name)
+    rows = Deployment.objects.filter(replica_of=first).order_by("replica_index")
+    return [(r.name, r.replica_index, r.priority) for r in [first, *rows]]
+
+
+@pytest.mark.django_db
+def test_a_deployment_of_three_replicas_is_three_rows_kept_in_step(two_gpus):
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    deployment("chat", replicas=3, priority=5)
+    assert _rows("chat") == [("chat", 0, 5), ("chat~1", 1, 5), ("chat~2", 2, 5)]
+    # People name the deployment, never a replica row: it is not one of theirs.
+    with pytest.raises(NotFoundError):
+        get_deployment("chat~1")
+
+    update_deployment("chat", replace(spec_of(get_deployment("chat")), replicas=2, priority=7))
+    assert _rows("chat") == [("chat", 0, 7), ("chat~1", 1, 7)]
+    update_deployment("chat", replace(spec_of(get_deployment("chat")), name="talk"))
+    assert _rows("talk") == [("talk", 0, 7), ("talk~1", 1, 7)]
+
+    remove_deployment("talk")
+    assert not Deployment.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_replicas_run_on_gpus_of_their_own_and_a_running_one_is_not_dropped(two_gpus):
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    first = deployment("chat", replicas=2)
+    second = Deployment.objects.get(name="chat~1")
+    actions.ensure_ready(first.pk)
+    actions.ensure_ready(second.pk)
+    gpus = {
+        row.name: tuple(row.instances.exclude(state="exited").get().gpu_indices)
+        for row in (first, second)
+    }
+    assert sorted(gpus.values()) == [(0,), (1,)], gpus  # each a GPU of its own
+
+    before = _rows("chat")
+    with pytest.raises(UserError, match=r"cannot lower chat's replicas to 1: .*chat~1.* ready"):
+        update_deployment("chat", replace(spec_of(get_deployment("chat")), replicas=1))
+    assert _rows("chat") == before  # nothing changed
+    actions.stop(first.pk)  # the first alone
+    with pytest.raises(UserError, match="its replica chat~1 is still up"):
+        remove_deployment("chat")
+    assert state("chat~1") == ("ready", "")
+
+
+def _client(gateway: Any, key: str) -> httpx.AsyncClient:
+    """A client of the in-process gateway with ``key``."""
+    transport = httpx.ASGITransport(app=cast("Any", gateway))
+    return httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60,
+                             headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+
+
+def _replica_of(answer: httpx.Response) -> str:
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == "chat"  # each engine serves the model's own name
+    return answer.headers["x-capyctl-replica"]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_requests_spread_over_ready_replicas_and_a_session_keeps_its_own(
+    two_gpus, bob, database_threads
+):
+    """Two ready replicas: requests of other prompts go to either (by the prompt's start,
+    on a ring of both), each answer naming its replica's host and GPU; the same prompt, or
+    one session whatever its prompts, goes to the same replica (its prefix cache)."""
+    from capyctl.access.services import issue_api_key
+    from capyctl.gateway.app import Gateway
+
+    def set_up() -> str:
+        add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+        first = deployment("chat", replicas=2)
+        actions.ensure_ready(first.pk)
+        actions.ensure_ready(Deployment.objects.get(name="chat~1").pk)
+        return issue_api_key("bob")[1]
+
+    key = await sync_to_async(set_up)()
+    gateway = Gateway()
+    async with _client(gateway, key) as client:
+
+        async def chat(prompt: str, **headers: str) -> httpx.Response:
+            body = {"model": "chat", "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 1}  # fmt: skip
+            return await client.post("/v1/chat/completions", json=body, headers=headers)
+
+        served = Counter([_replica_of(await chat(f"question {i}")) for i in range(16)])
+        assert set(served) == {"local/0", "local/1"}, served
+        assert len({_replica_of(await chat("the same question")) for _ in range(4)}) == 1
+        session = {_replica_of(await chat(f"turn {i}", **{"x-session-id": "s-1"}))
+                   for i in range(6)}  # fmt: skip
+        assert len(session) == 1
+    await gateway.close()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_busy_replicas_bring_one_more_up_waking_a_parked_one(
+    two_gpus, bob, database_threads, tmp_path
+):
+    """target_concurrency 1: two requests held in flight on the one ready replica call
+    for one more, and the parked replica is woken (an event says why, with its figures),
+    while the requests go on; the next request goes to the replica that came up."""
+    from capyctl.access.services import issue_api_key
+    from capyctl.gateway.app import Gateway
+
+    gate = tmp_path / "requests-may-finish"
+    gate.touch()  # open while the engines start (their start asks them once)
+
+    def set_up() -> str:
+        env = {**SIM_ENV, "CAPYCTL_SIM_REQUEST_GATE": str(gate)}
+        add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=env)
+        first = deployment("chat", replicas=2, target_concurrency=1)
+        second = Deployment.objects.get(name="chat~1")
+        actions.ensure_ready(second.pk)
+        actions.park(second.pk, "ram")
+        actions.ensure_ready(first.pk)
+        return issue_api_key("bob")[1]
+
+    key = await sync_to_async(set_up)()
+    gateway = Gateway()
+    async with _client(gateway, key) as client:
+
+        async def chat(prompt: str = "hi") -> httpx.Response:
+            body = {"model": "chat", "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 1}  # fmt: skip
+            return await client.post("/v1/chat/completions", json=body)
+
+        gate.unlink()  # requests are held in the engine from now on
+        held = [asyncio.ensure_future(chat()) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 30
+            while await sync_to_async(state)("chat~1") != ("ready", ""):
+                assert time.monotonic() < deadline, "the parked replica was not woken"
+                assert not any(h.done() for h in held), [h.result().text for h in held]
+                await asyncio.sleep(0.05)
+        finally:
+            gate.touch()
+        first = {_replica_of(await h) for h in held}
+        assert len(first) == 1  # both on the replica that was ready
+        scaled = await Event.objects.filter(kind="deployment.scaled").aget()
+        assert scaled.subject == "chat"
+        assert "requests in flight on average (over target_concurrency 1)" in scaled.message
+        assert "waking parked replica" in scaled.message
+        assert scaled.data["target_concurrency"] == 1
+        await asyncio.sleep(0.3)  # the routes are read again within a quarter second
+        # Other prompts: the replica that came up takes its share.
+        answers = await asyncio.gather(*(chat(f"question {i}") for i in range(8)))
+        assert {_replica_of(answer) for answer in answers} == {"local/0", "local/1"}
+    await gateway.close()
