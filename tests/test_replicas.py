@@ -187,3 +187,19 @@ async def test_busy_replicas_bring_one_more_up_waking_a_parked_one(
         answers = await asyncio.gather(*(chat(f"question {i}") for i in range(8)))
         assert {_replica_of(answer) for answer in answers} == {"local/0", "local/1"}
     await gateway.close()
+
+
+@pytest.mark.django_db
+def test_the_admin_sets_replicas_and_lists_deployments_only(client, alice, two_gpus):
+    alice.is_superuser = True
+    alice.save()
+    client.force_login(alice)
+    engine = add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    form = {"name": "chat", "engine": engine.pk, "source": "chat", "gpu_memory": "16GiB",
+            "gpus": 1, "park": "auto", "priority": 0, "replicas": 2}  # fmt: skip
+    created = client.post("/admin/deployments/deployment/add/", form)
+    assert created.status_code == 302, created.content.decode()[:2000]
+    assert _rows("chat") == [("chat", 0, 0), ("chat~1", 1, 0)]
+    listed = client.get("/admin/deployments/deployment/").content.decode()
+    assert ">chat<" in listed
+    assert "chat~1" not in listed

@@ -155,6 +155,11 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     actions = ("start", "stop", "park_ram", "park_deep", "wake")
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Deployment]:
+        """Deployments, not the rows of their replicas past the first (kept in step with
+        their deployment: people change the deployment)."""
+        return super().get_queryset(request).filter(replica_of__isnull=True)
+
     @admin.display(description="pinned", ordering="pinned")
     def pinned_mark(self, deployment: Deployment) -> str:
         """In words: the admin's boolean icons put a red cross on every model that is
