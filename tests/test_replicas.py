@@ -4,6 +4,8 @@ load and affinity, one more brought up when the ready ones are busy (docs/replic
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections import Counter
 from dataclasses import replace
@@ -12,6 +14,7 @@ from typing import Any, cast
 import httpx
 import pytest
 from asgiref.sync import sync_to_async
+from django.db.models import Q
 
 from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import (
@@ -203,3 +206,46 @@ def test_the_admin_sets_replicas_and_lists_deployments_only(client, alice, two_g
     listed = client.get("/admin/deployments/deployment/").content.decode()
     assert ">chat<" in listed
     assert "chat~1" not in listed
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_replica_whose_engine_died_is_passed_over_before_the_first_byte(
+    two_gpus, bob, database_threads
+):
+    """A session's replica has its engine killed: its next request, which the engine
+    never answers, is sent to the other replica (200, that replica named), and the dead
+    one takes no more requests while the scheduler still has it ready."""
+    from capyctl.access.services import issue_api_key
+    from capyctl.gateway.app import Gateway
+
+    def set_up() -> str:
+        add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+        first = deployment("chat", replicas=2)
+        actions.ensure_ready(first.pk)
+        actions.ensure_ready(Deployment.objects.get(name="chat~1").pk)
+        return issue_api_key("bob")[1]
+
+    def kill_engine_on(label: str) -> None:
+        gpu = int(label.rsplit("/", 1)[1])
+        for row in Deployment.objects.filter(Q(name="chat") | Q(replica_of__name="chat")):
+            instance = row.instances.exclude(state="exited").get()
+            if list(instance.gpu_indices) == [gpu]:
+                os.kill(int(instance.pid or 0), signal.SIGKILL)
+                return
+        raise AssertionError(f"no engine on {label}")
+
+    key = await sync_to_async(set_up)()
+    gateway = Gateway()
+    async with _client(gateway, key) as client:
+
+        async def chat(prompt: str) -> httpx.Response:
+            body = {"model": "chat", "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 1}  # fmt: skip
+            return await client.post("/v1/chat/completions", json=body,
+                                     headers={"x-session-id": "s-1"})  # fmt: skip
+
+        before = _replica_of(await chat("first"))
+        await sync_to_async(kill_engine_on)(before)
+        after = [_replica_of(await chat(f"turn {i}")) for i in range(3)]
+        assert set(after) == {"local/0", "local/1"} - {before}
+    await gateway.close()

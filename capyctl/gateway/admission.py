@@ -125,9 +125,10 @@ class Admission:
         if name != route.name:  # an alias: the engine serves the deployment's own name
             body = _rename_model(body, parsed, route.name)
         if route.replicas:  # several replicas: one of them, or the one to wait for
-            group, route = route, self.replicas.choose(route, headers, parsed)
+            affinity = scheduler.affinity_key(headers, parsed)
+            group, route = route, self.replicas.choose(route, affinity)
             return RequestContext(scope, receive, send, key, headers, body, route, target,
-                                  started, outcome, group=group)  # fmt: skip
+                                  started, outcome, group=group, affinity=affinity)  # fmt: skip
         return RequestContext(scope, receive, send, key, headers, body, route, target, started,
                               outcome)  # fmt: skip
 

@@ -137,12 +137,35 @@ class Gateway:
                 await ctx.keepalive.stop()  # no more comment lines: the answer follows
             if waited_ms := ctx.outcome.queued_ms:
                 metrics.WAITS.observe(ctx.route.name, waited_ms / 1000)
-            await self.forwarding.forward(ctx)
+            try:
+                await self.forwarding.forward(ctx)
+            except GatewayError as failed:
+                if not await self._failover(ctx, failed):
+                    raise
+                deployment_id = ctx.route.deployment_id  # counted there now
+                await self.forwarding.forward(ctx)
         finally:
             await scheduler.end_request(deployment_id)
             if ctx.group is not None:
                 self.admission.replicas.ended(deployment_id)
             self.forwarding.touch(deployment_id)  # idleness counts from a request's end
+
+    async def _failover(self, ctx: RequestContext, failed: GatewayError) -> bool:
+        """A replica's engine failed the request before any byte of its answer went out:
+        count it on another ready replica instead (once), and say whether to try there."""
+        group, replica = ctx.group, ctx.route
+        if group is None or failed.code != "engine_failed" or ctx.outcome.headers_at:
+            return False
+        other = self.admission.replicas.failed(group, replica, ctx.affinity)
+        if other is None or not await scheduler.begin_request(other.deployment_id):
+            return False
+        logger.warning("%s: replica %s failed a request; tried again on %s",
+                       group.name, replica.name, other.name)  # fmt: skip
+        await scheduler.end_request(replica.deployment_id)
+        self.admission.replicas.ended(replica.deployment_id)
+        self.admission.replicas.began(group, other)
+        ctx.route = other
+        return True
 
     def stopping(self) -> None:
         """The server is stopping: requests waiting for a wake are answered now (503, retry)

@@ -58,6 +58,7 @@ class RequestContext:
     # A model of several replicas: its first replica's route, with all of them (``route``
     # is then the replica chosen); None for a model of one.
     group: Route | None = None
+    affinity: str | None = None  # what ties it to one of them (its session, its prompt)
 
     @property
     def stream(self) -> bool:

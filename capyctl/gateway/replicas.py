@@ -38,23 +38,43 @@ def serves(route: Route) -> bool:
     )
 
 
+def _state_of(route: Route) -> str:
+    """What a replica's route says of its engine: a change is a restart or a wake."""
+    return f"{route.observed_state}:{route.launch_key}"
+
+
 def label(route: Route) -> bytes:
     """``x-capyctl-replica``: the host and GPUs of the replica that served a request."""
     return f"{route.host or '-'}/{','.join(str(g) for g in route.gpus)}".encode()
 
 
 class Replicas:
-    """This process's requests in flight on each replica, and the bring-ups under way."""
+    """This process's requests in flight on each replica, the replicas that failed a
+    request lately, and the bring-ups under way."""
 
     def __init__(self) -> None:
         self.in_flight: dict[int, int] = {}
         self._bringing: dict[int, asyncio.Future[Any]] = {}  # by the model's first replica
+        # Replicas whose engine failed a request, with the state it was routed in: out of
+        # routing until the scheduler says another (ready again after a restart or wake).
+        self._failed: dict[int, str] = {}
 
-    def choose(self, group: Route, headers: dict[bytes, bytes], body: Any) -> Route:
-        """The replica of ``group`` (a model's first replica's route) for a request."""
-        ready = {r.deployment_id: r for r in group.replicas if serves(r)}
+    def _serving(self, group: Route) -> dict[int, Route]:
+        ready = {}
+        for replica in group.replicas:
+            failed = self._failed.get(replica.deployment_id)
+            if failed is not None and failed != _state_of(replica):
+                del self._failed[replica.deployment_id]  # it changed since: routed again
+                failed = None
+            if failed is None and serves(replica):
+                ready[replica.deployment_id] = replica
+        return ready
+
+    def choose(self, group: Route, key: str | None) -> Route:
+        """The replica of ``group`` (a model's first replica's route) for a request of
+        affinity ``key`` (:func:`capyctl.scheduler.routing.affinity_key`)."""
+        ready = self._serving(group)
         if ready:
-            key = scheduler.affinity_key(headers, body)
             loads = {pk: self.in_flight.get(pk, 0) for pk in ready}
             return ready[scheduler.choose_replica(loads, key)]
         for wanted in (_COMING_UP, {"ready"}, {"parked"}):
@@ -62,6 +82,18 @@ class Replicas:
                 if replica.observed_state in wanted and replica.desired_state == "running":
                     return replica
         return group
+
+    def failed(self, group: Route, replica: Route, key: str | None) -> Route | None:
+        """``replica`` failed a request before any byte of its answer went out: it is
+        taken out of routing, and the request goes to another ready replica, if any (once:
+        the caller does not ask again)."""
+        self._failed[replica.deployment_id] = _state_of(replica)
+        ready = self._serving(group)
+        ready.pop(replica.deployment_id, None)
+        if not ready:
+            return None
+        loads = {pk: self.in_flight.get(pk, 0) for pk in ready}
+        return ready[scheduler.choose_replica(loads, key)]
 
     def began(self, group: Route, replica: Route) -> None:
         """A request was admitted on ``replica``; bring one more up if load calls for it."""
