@@ -88,6 +88,17 @@ def test_replicas_run_on_gpus_of_their_own_and_a_running_one_is_not_dropped(two_
     assert state("chat~1") == ("ready", "")
 
 
+def _two_ready() -> str:
+    """A model `chat` of two replicas, both ready; a key for bob."""
+    from capyctl.access.services import issue_api_key
+
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    first = deployment("chat", replicas=2)
+    actions.ensure_ready(first.pk)
+    actions.ensure_ready(Deployment.objects.get(name="chat~1").pk)
+    return issue_api_key("bob")[1]
+
+
 def _client(gateway: Any, key: str) -> httpx.AsyncClient:
     """A client of the in-process gateway with ``key``."""
     transport = httpx.ASGITransport(app=cast("Any", gateway))
@@ -108,17 +119,9 @@ async def test_requests_spread_over_ready_replicas_and_a_session_keeps_its_own(
     """Two ready replicas: requests of other prompts go to either (by the prompt's start,
     on a ring of both), each answer naming its replica's host and GPU; the same prompt, or
     one session whatever its prompts, goes to the same replica (its prefix cache)."""
-    from capyctl.access.services import issue_api_key
     from capyctl.gateway.app import Gateway
 
-    def set_up() -> str:
-        add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
-        first = deployment("chat", replicas=2)
-        actions.ensure_ready(first.pk)
-        actions.ensure_ready(Deployment.objects.get(name="chat~1").pk)
-        return issue_api_key("bob")[1]
-
-    key = await sync_to_async(set_up)()
+    key = await sync_to_async(_two_ready)()
     gateway = Gateway()
     async with _client(gateway, key) as client:
 
@@ -215,15 +218,7 @@ async def test_a_replica_whose_engine_died_is_passed_over_before_the_first_byte(
     """A session's replica has its engine killed: its next request, which the engine
     never answers, is sent to the other replica (200, that replica named), and the dead
     one takes no more requests while the scheduler still has it ready."""
-    from capyctl.access.services import issue_api_key
     from capyctl.gateway.app import Gateway
-
-    def set_up() -> str:
-        add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
-        first = deployment("chat", replicas=2)
-        actions.ensure_ready(first.pk)
-        actions.ensure_ready(Deployment.objects.get(name="chat~1").pk)
-        return issue_api_key("bob")[1]
 
     def kill_engine_on(label: str) -> None:
         gpu = int(label.rsplit("/", 1)[1])
@@ -234,7 +229,7 @@ async def test_a_replica_whose_engine_died_is_passed_over_before_the_first_byte(
                 return
         raise AssertionError(f"no engine on {label}")
 
-    key = await sync_to_async(set_up)()
+    key = await sync_to_async(_two_ready)()
     gateway = Gateway()
     async with _client(gateway, key) as client:
 
