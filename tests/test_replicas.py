@@ -15,6 +15,7 @@ import httpx
 import pytest
 from asgiref.sync import sync_to_async
 from django.db.models import Q
+from prometheus_client import generate_latest
 
 from capyctl.deployments.models import Deployment
 from capyctl.deployments.services import (
@@ -28,6 +29,7 @@ from capyctl.errors import NotFoundError, UserError
 from capyctl.events.models import Event
 from capyctl.scheduler import actions
 from capyctl.scheduler.drivers import set_local_driver
+from capyctl.web.metrics import REGISTRY
 from hostagent.simgpu import SimSpec
 from tests.scheduling import GIB, SIM, SIM_ENV, deployment, make_host, state
 
@@ -77,6 +79,8 @@ def test_replicas_run_on_gpus_of_their_own_and_a_running_one_is_not_dropped(two_
         for row in (first, second)
     }
     assert sorted(gpus.values()) == [(0,), (1,)], gpus  # each a GPU of its own
+    scraped = generate_latest(REGISTRY).decode()
+    assert 'capyctl_replicas{model="chat",state="ready"} 2.0' in scraped
 
     before = _rows("chat")
     with pytest.raises(UserError, match=r"cannot lower chat's replicas to 1: .*chat~1.* ready"):

@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import time
 from bisect import bisect_left
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from http.cookies import CookieError, SimpleCookie
 from importlib import import_module
@@ -173,6 +173,18 @@ class _Now(Collector):
         ):
             states.add_metric([name, state], 1)
         yield states
+        replicas = GaugeMetricFamily(
+            "capyctl_replicas",
+            "each model's replicas (its engines), by observed state",
+            labels=["model", "state"],
+        )
+        counted = Counter(
+            (row.served_name, row.observed_state)
+            for row in Deployment.objects.only("name", "observed_state")
+        )
+        for (model, state), count in sorted(counted.items()):
+            replicas.add_metric([model, state], count)
+        yield replicas
         steps = CounterMetricFamily(
             "capyctl_switch_steps", "starts, parks, wakes, stops and failures", labels=["step"]
         )
