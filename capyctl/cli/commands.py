@@ -238,6 +238,22 @@ def deployment_update(args: argparse.Namespace) -> int:
     return 0
 
 
+def deployment_scale(args: argparse.Namespace) -> int:
+    """``deployment update NAME --replicas N``, said in one word."""
+    from dataclasses import replace
+
+    from capyctl.deployments.services import get_deployment, spec_of, update_deployment
+
+    prepare()
+    current = get_deployment(args.name)
+    before = current.replicas
+    deployment = update_deployment(
+        current.name, replace(spec_of(current), replicas=args.replicas), actor=_actor()
+    )
+    print(f"deployment {deployment.name}: {before} -> {deployment.replicas} replicas")
+    return 0
+
+
 def _memory_text(data: dict[str, object]) -> str:
     if data["gpu_memory_bytes"] is not None:
         return format_size(int(data["gpu_memory_bytes"]))  # type: ignore[call-overload]

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, NoReturn
 
 # Plain Python: parsing stays Django-free.
 from capyctl.deployments import settings_spec
-from capyctl.deployments.settings_spec import CHOICE, FLAG, Setting
+from capyctl.deployments.settings_spec import CHOICE, FLAG, SETTING, Setting
 from hostagent.units import SizeError, is_bare_number, is_unit, parse_size
 
 
@@ -349,6 +349,20 @@ def _build_deployment(commands: Any) -> None:
     )
     update.add_argument("name", help="its name or an alias")
     _deployment_settings(update, update=True)
+    scale = _sub(
+        sub,
+        "scale",
+        "set how many engines may serve it at once (its --replicas; see docs/replicas.md)",
+        "deployment_scale",
+    )
+    scale.add_argument("name", help="its name or an alias")
+    replicas = SETTING["replicas"]
+    scale.add_argument(
+        "replicas",
+        type=count_arg(replicas.least_flag or 1),
+        metavar="N",
+        help=f"replicas, {replicas.minimum} to {replicas.maximum}",
+    )
     listing = _sub(sub, "list", "list deployments", "deployment_list")
     _add_json(listing)
     remove = _sub(sub, "remove", "remove a stopped deployment", "deployment_remove")

@@ -356,23 +356,19 @@ def replica_name(name: str, index: int) -> str:
     return f"{name}~{index}"
 
 
-def _check_removable(row: Deployment, name: str) -> None:
+def _check_removable(row: Deployment, name: str, *, then: str = "") -> None:
     """Raise unless ``row`` (the deployment ``name``, or one of its replicas) holds no
-    engine and no memory."""
-    what = "it" if row.name == name else f"{name} (its replica {row.name} is still up)"
+    engine and no memory; ``then``: what to do after stopping it, for the message."""
+    who = f"deployment {row.name!r}" if row.name == name else f"its replica {row.name}"
+    stop = f"stop {'it' if row.name == name else name} first{then}"
     if row.observed_state not in (ObservedState.STOPPED, ObservedState.FAILED):
-        raise UserError(
-            f"deployment {row.name!r} is {row.observed_state}; stop {what} first", field="name"
-        )
+        raise UserError(f"{who} is {row.observed_state}; {stop}", field="name")
     if row.instances.exclude(state="exited").exists():
-        raise UserError(
-            f"deployment {row.name!r} still has an engine process; stop {what} first",
-            field="name",
-        )
+        raise UserError(f"{who} still has an engine process; {stop}", field="name")
     if row.ledger_entries.exists():
         raise UserError(
-            f"deployment {row.name!r} still counts memory in the ledger "
-            "(not yet confirmed released); try again once the probe confirms it",
+            f"{who} still counts memory in the ledger (not yet confirmed released); try "
+            "again once the probe confirms it",
             field="name",
         )
 
@@ -409,7 +405,7 @@ def _sync_replicas(first: Deployment, *, host_changed: bool) -> None:
         row.save(update_fields=fields)
     for _index, row in sorted(existing.items()):
         try:
-            _check_removable(row, first.name)
+            _check_removable(row, first.name, then=", then lower them")
         except UserError as exc:
             raise UserError(
                 f"cannot lower {first.name}'s replicas to {first.replicas}: {exc}",
