@@ -68,7 +68,7 @@ def test_a_deployment_of_three_replicas_is_three_rows_kept_in_step(two_gpus):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_replicas_run_on_gpus_of_their_own_and_a_running_one_is_not_dropped(two_gpus):
+def test_replicas_run_on_gpus_of_their_own_and_a_running_one_is_not_dropped(two_gpus, cli):
     add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
     first = deployment("chat", replicas=2)
     second = Deployment.objects.get(name="chat~1")
@@ -79,6 +79,13 @@ def test_replicas_run_on_gpus_of_their_own_and_a_running_one_is_not_dropped(two_
         for row in (first, second)
     }
     assert sorted(gpus.values()) == [(0,), (1,)], gpus  # each a GPU of its own
+    shown = cli("status").out.splitlines()
+    lines = [line.split()[:5] for line in shown if line.startswith("chat")]
+    assert sorted(lines) == [["chat", "sim-vllm", "local", "running", "ready"],
+                             ["chat~1", "sim-vllm", "local", "running", "ready"]]  # fmt: skip
+    listed = cli("deployment", "list").out.splitlines()
+    assert listed[0].split()[6] == "REPLICAS"
+    assert listed[1].split()[6] == "2/2"
     scraped = generate_latest(REGISTRY).decode()
     assert 'capyctl_replicas{model="chat",state="ready"} 2.0' in scraped
 

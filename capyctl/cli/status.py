@@ -55,18 +55,21 @@ def status(args: argparse.Namespace) -> int:
         headers = ["pool", "capacity", "held", "promised", "unconfirmed", "foreign", "free"]
         print_table(headers, rows, empty="  (no pools reported yet)")
     print()
-    deployment_rows = [
-        [
-            d["name"],
-            d["engine"],
-            d["host"] or "(auto)",
-            d["desired_state"],
-            d["observed_state"] + (f" ({d['parked_mode']})" if d["parked_mode"] else ""),
-            _memory_text(d),
-            d["problem"] or d["state_reason"],
-        ]
-        for d in data["deployments"]
-    ]
+    deployment_rows = []
+    for d in data["deployments"]:
+        # A deployment of several replicas: a line for each replica past the first.
+        for r in [d, *d["replica_set"][1:]]:
+            deployment_rows.append(
+                [
+                    r["name"],
+                    d["engine"],
+                    r["host"] or "(auto)",
+                    d["desired_state"],
+                    r["observed_state"] + (f" ({r['parked_mode']})" if r["parked_mode"] else ""),
+                    _memory_text(d),
+                    (d["problem"] if r is d else "") or r["state_reason"],
+                ]
+            )
     headers = ["deployment", "engine", "host", "desired", "state", "gpu memory", "reason"]
     print_table(headers, deployment_rows, empty="no deployments")
     if data["queues"]:
