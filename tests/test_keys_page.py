@@ -29,7 +29,7 @@ def test_anonymous_is_sent_to_log_in(db):
 
 def test_any_user_logs_in_and_creates_a_key_shown_once(bob):
     add_engine("sim", kind="vllm", command="python -m hostagent.sim vllm")
-    add_deployment(DeploymentSpec(name="llama", engine="sim", source="/m/llama"))
+    add_deployment(DeploymentSpec(name="llama", engine="sim", source="/m/llama", replicas=2))
     client = Client()
     login = client.post(
         "/login/", {"username": "bob", "password": "bob-password-1", "next": "/keys/"}
@@ -38,6 +38,7 @@ def test_any_user_logs_in_and_creates_a_key_shown_once(bob):
     page = client.get("/keys/")
     assert b"No keys yet." in page.content
     assert b'<option value="llama">' in page.content
+    assert b"llama~1" not in page.content  # a key names models, not their replicas
     made = client.post("/keys/", {"name": "laptop", "models": ["llama"], "expires": "30d"})
     assert made.status_code == 200
     (full,) = re.findall(rb"capy_[a-z0-9]+_[A-Za-z0-9_-]+", made.content)

@@ -33,7 +33,11 @@ def _page(request: HttpRequest, **extra: Any) -> HttpResponse:
         .order_by("revoked_at", "-created_at")
     )
     ceilings = ceilings_of(request.user)  # type: ignore[arg-type]
-    models = Deployment.objects.order_by("name").values_list("name", flat=True)
+    models = (
+        Deployment.objects.filter(replica_of__isnull=True)  # a key names models, not replicas
+        .order_by("name")
+        .values_list("name", flat=True)
+    )
     expiry_choices = EXPIRY_CHOICES
     if ceilings.models is not None:
         models = models.filter(name__in=ceilings.models)
