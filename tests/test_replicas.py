@@ -149,6 +149,12 @@ async def test_requests_spread_over_ready_replicas_and_a_session_keeps_its_own(
         session = {_replica_of(await chat(f"turn {i}", **{"x-session-id": "s-1"}))
                    for i in range(6)}  # fmt: skip
         assert len(session) == 1
+        # A replica's own row name is no model a client may name.
+        body = {"model": "chat~1", "messages": [{"role": "user", "content": "hi"}]}
+        direct = await client.post("/v1/chat/completions", json=body)
+        assert direct.status_code == 404, direct.text
+        assert direct.json()["error"]["code"] == "model_not_found"
+        assert "x-capyctl-replica" not in direct.headers
     await gateway.close()
 
 

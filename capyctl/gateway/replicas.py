@@ -75,8 +75,7 @@ class Replicas:
         affinity ``key`` (:func:`capyctl.scheduler.routing.affinity_key`)."""
         ready = self._serving(group)
         if ready:
-            loads = {pk: self.in_flight.get(pk, 0) for pk in ready}
-            return ready[scheduler.choose_replica(loads, key)]
+            return self._least_loaded(ready, key)
         for wanted in (_COMING_UP, {"ready"}, {"parked"}):
             for replica in group.replicas:
                 if replica.observed_state in wanted and replica.desired_state == "running":
@@ -90,8 +89,10 @@ class Replicas:
         self._failed[replica.deployment_id] = _state_of(replica)
         ready = self._serving(group)
         ready.pop(replica.deployment_id, None)
-        if not ready:
-            return None
+        return self._least_loaded(ready, key) if ready else None
+
+    def _least_loaded(self, ready: dict[int, Route], key: str | None) -> Route:
+        """The routing's pick among ``ready`` on this process's counts."""
         loads = {pk: self.in_flight.get(pk, 0) for pk in ready}
         return ready[scheduler.choose_replica(loads, key)]
 
