@@ -294,6 +294,7 @@ CAPYCTL: dict[str, Any] = {
     # Requests in flight on each ready replica of a model of several replicas, on average,
     # past which one more is brought up.
     "TARGET_CONCURRENCY": env_int("CAPYCTL_TARGET_CONCURRENCY", 8, minimum=1),
+    "SCALE_UP_WAIT_SECONDS": env_int("CAPYCTL_SCALE_UP_WAIT_SECONDS", 5, minimum=1),
     # How long after a park the GPU probe may take to show its memory freed; past it the
     # model is stopped instead and its engine marked (docs/engines.md).
     "PARK_CONFIRM_SECONDS": env_float("CAPYCTL_PARK_CONFIRM_SECONDS", 10, minimum=0.1),

@@ -27,7 +27,7 @@ from capyctl.deployments.services import (
 from capyctl.engines.services import add_engine
 from capyctl.errors import NotFoundError, UserError
 from capyctl.events.models import Event
-from capyctl.scheduler import actions
+from capyctl.scheduler import actions, replica_scaling, scaling, wakes
 from capyctl.scheduler.drivers import set_local_driver
 from capyctl.web.metrics import REGISTRY
 from hostagent.simgpu import SimSpec
@@ -112,6 +112,22 @@ def _two_ready() -> str:
     return issue_api_key("bob")[1]
 
 
+def _one_ready_one_parked(gate: Any, **settings: int) -> str:
+    """A model `chat` of ``--replicas 1:2`` (and ``settings``) whose engines hold each
+    request while ``gate`` is missing: its first replica ready, its second parked in RAM;
+    a key for bob."""
+    from capyctl.access.services import issue_api_key
+
+    env = {**SIM_ENV, "CAPYCTL_SIM_REQUEST_GATE": str(gate)}
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=env)
+    first = deployment("chat", replicas=2, min_replicas=1, **settings)
+    second = Deployment.objects.get(name="chat~1")
+    actions.ensure_ready(second.pk)
+    actions.park(second.pk, "ram")
+    actions.ensure_ready(first.pk)
+    return issue_api_key("bob")[1]
+
+
 def _client(gateway: Any, key: str) -> httpx.AsyncClient:
     """A client of the in-process gateway with ``key``."""
     transport = httpx.ASGITransport(app=cast("Any", gateway))
@@ -149,6 +165,15 @@ async def test_requests_spread_over_ready_replicas_and_a_session_keeps_its_own(
         session = {_replica_of(await chat(f"turn {i}", **{"x-session-id": "s-1"}))
                    for i in range(6)}  # fmt: skip
         assert len(session) == 1
+
+        # --routing least-load: no affinity, the same prompt goes to each in turn.
+        def least_load() -> None:
+            spec = spec_of(get_deployment("chat"))
+            update_deployment("chat", replace(spec, routing="least-load"))
+
+        await sync_to_async(least_load)()
+        await asyncio.sleep(0.3)  # the routes are read again within a quarter second
+        assert len({_replica_of(await chat("the same question")) for _ in range(4)}) == 2
         # A replica's own row name is no model a client may name.
         body = {"model": "chat~1", "messages": [{"role": "user", "content": "hi"}]}
         direct = await client.post("/v1/chat/completions", json=body)
@@ -162,26 +187,16 @@ async def test_requests_spread_over_ready_replicas_and_a_session_keeps_its_own(
 async def test_busy_replicas_bring_one_more_up_waking_a_parked_one(
     two_gpus, bob, database_threads, tmp_path
 ):
-    """target_concurrency 1: two requests held in flight on the one ready replica call
-    for one more, and the parked replica is woken (an event says why, with its figures),
-    while the requests go on; the next request goes to the replica that came up."""
-    from capyctl.access.services import issue_api_key
+    """``--replicas 1:2``, target_concurrency 1: two requests held in flight on the one
+    ready replica call for one more, and the parked replica is woken (an event says why,
+    with its figures), while the requests go on; the next request goes to the replica
+    that came up."""
     from capyctl.gateway.app import Gateway
 
     gate = tmp_path / "requests-may-finish"
     gate.touch()  # open while the engines start (their start asks them once)
 
-    def set_up() -> str:
-        env = {**SIM_ENV, "CAPYCTL_SIM_REQUEST_GATE": str(gate)}
-        add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=env)
-        first = deployment("chat", replicas=2, target_concurrency=1)
-        second = Deployment.objects.get(name="chat~1")
-        actions.ensure_ready(second.pk)
-        actions.park(second.pk, "ram")
-        actions.ensure_ready(first.pk)
-        return issue_api_key("bob")[1]
-
-    key = await sync_to_async(set_up)()
+    key = await sync_to_async(_one_ready_one_parked)(gate, target_concurrency=1)
     gateway = Gateway()
     async with _client(gateway, key) as client:
 
@@ -263,3 +278,135 @@ async def test_a_replica_whose_engine_died_is_passed_over_before_the_first_byte(
         after = [_replica_of(await chat(f"turn {i}")) for i in range(3)]
         assert set(after) == {"local/0", "local/1"} - {before}
     await gateway.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_replicas_pass_keeps_fixed_replicas_up_and_parks_idle_ones_past_the_minimum(
+    two_gpus, database_threads
+):
+    """``--replicas 2`` keeps both up while the model serves: once the first is ready, the
+    pass starts the second (an event says why). As ``1:2`` with ``idle_park_seconds``, an
+    idle replica past the minimum is parked, the most recently started; the first stays."""
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    first = deployment("chat", replicas=2)
+    second = Deployment.objects.get(name="chat~1")
+
+    def scale() -> scaling.Step | None:
+        return replica_scaling.scale(Deployment.objects.get(pk=first.pk), wakes.ready_later)
+
+    assert scale() is None  # asleep
+    actions.ensure_ready(first.pk)
+    step = scale()
+    assert step is not None
+    assert (step.action, step.replica_id) == ("start", second.pk)
+    deadline = time.monotonic() + 30
+    while state("chat~1") != ("ready", ""):  # brought up in the background
+        assert time.monotonic() < deadline, state("chat~1")
+        time.sleep(0.05)
+    event = Event.objects.get(kind="deployment.scaled")
+    assert event.message == (
+        f"chat: 1 of 2..2 replicas up, under the minimum 2: starting stopped replica {second.pk}"
+    )
+    assert scale() is None  # both up
+
+    update_deployment("chat", replace(spec_of(get_deployment("chat")), min_replicas=1,
+                                      idle_park_seconds=1))  # fmt: skip
+    time.sleep(1.1)
+    step = scale()
+    assert step is not None
+    assert (step.action, step.replica_id) == ("park", second.pk)  # the later one started
+    assert state("chat~1")[0] == "parked"
+    assert state("chat") == ("ready", "")
+    parked = Event.objects.filter(kind="deployment.scaled").first()
+    assert parked is not None
+    assert "parking replica" in parked.message
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_replica_is_not_parked_on_its_own_while_another_serves(two_gpus):
+    """The reconcile pass parks a model of several replicas as a whole: not one idle
+    replica of it while another has a request in flight."""
+    from capyctl.scheduler import requests_in_progress
+    from capyctl.scheduler.reconcile import reconcile
+
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    first = deployment("chat", replicas=2, idle_park_seconds=1)
+    second = Deployment.objects.get(name="chat~1")
+    actions.ensure_ready(first.pk)
+    actions.ensure_ready(second.pk)
+    host_id = int(Deployment.objects.get(pk=first.pk).host_id or 0)
+    time.sleep(1.1)
+    assert requests_in_progress.begin(first.pk)
+    try:
+        reconcile(host_id)
+        assert state("chat~1") == ("ready", "")
+    finally:
+        requests_in_progress.end(first.pk)
+    time.sleep(1.1)
+    reconcile(host_id)
+    assert state("chat")[0] == "parked"
+    assert state("chat~1")[0] == "parked"
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_request_waiting_past_scale_up_wait_brings_one_more_up(
+    two_gpus, bob, database_threads, tmp_path
+):
+    """``--replicas 1:2 --scale-up-wait-seconds 1``: a request held by the engine for more
+    than a second, its answer not begun, calls for one more replica at the next request's
+    arrival, whatever the load's average; the event says how long it waited."""
+    from capyctl.gateway.app import Gateway
+
+    gate = tmp_path / "requests-may-finish"
+    gate.touch()
+
+    key = await sync_to_async(_one_ready_one_parked)(
+        gate, target_concurrency=100, scale_up_wait_seconds=1
+    )
+    gateway = Gateway()
+    async with _client(gateway, key) as client:
+
+        async def chat(prompt: str) -> httpx.Response:
+            body = {"model": "chat", "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 1}  # fmt: skip
+            return await client.post("/v1/chat/completions", json=body)
+
+        gate.unlink()
+        held = [asyncio.ensure_future(chat("first"))]
+        try:
+            await asyncio.sleep(0.5)
+            held.append(asyncio.ensure_future(chat("second")))  # 0.5 s: not yet
+            await asyncio.sleep(0.3)
+            assert await sync_to_async(state)("chat~1") == ("parked", "ram")
+            await asyncio.sleep(0.5)
+            held.append(asyncio.ensure_future(chat("third")))  # the first waited 1.3 s
+            deadline = time.monotonic() + 30
+            while await sync_to_async(state)("chat~1") != ("ready", ""):
+                assert time.monotonic() < deadline, "the parked replica was not woken"
+                await asyncio.sleep(0.05)
+        finally:
+            gate.touch()
+        for answer in held:
+            _replica_of(await answer)
+        scaled = await Event.objects.filter(kind="deployment.scaled").aget()
+        assert "over scale_up_wait_seconds 1 s" in scaled.message, scaled.message
+        assert "waking parked replica" in scaled.message
+    await gateway.close()
+
+
+def test_replicas_are_given_as_n_or_min_max_on_the_command_line(cli, db):
+    """``--replicas 1:3`` (scaled by load) or ``3`` (kept up); a minimum past the
+    maximum is refused in one line, and changes nothing."""
+    cli("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm")
+    cli("deployment", "add", "chat", "--engine", "sim", "--source", "chat", "--gpu-memory",
+        "16GiB", "--replicas", "1:3")  # fmt: skip
+    chat = get_deployment("chat")
+    assert (chat.min_replicas, chat.replicas, chat.kept_up) == (1, 3, 1)
+    assert cli("deployment", "list").out.splitlines()[1].split()[6] == "0/1:3"
+    refused = cli("deployment", "scale", "chat", "3:2")
+    assert refused.code == 2
+    assert refused.err.strip().endswith("'3:2': 3 is more than 2"), refused.err
+    assert cli("deployment", "scale", "chat", "2").out == "deployment chat: 1:3 -> 2 replicas\n"
+    chat = get_deployment("chat")
+    assert (chat.min_replicas, chat.replicas, chat.kept_up) == (0, 2, 2)
+    assert cli("deployment", "list").out.splitlines()[1].split()[6] == "0/2"

@@ -21,7 +21,7 @@ from capyctl.api import serializers as s
 from capyctl.cli.parser import Parser, _deployment_settings, build_parser
 from capyctl.deployments import settings_spec
 from capyctl.deployments.admin import DeploymentAdmin, DeploymentForm, setting_fieldsets
-from capyctl.deployments.models import Deployment, OverClaim, ParkPolicy
+from capyctl.deployments.models import Deployment, OverClaim, ParkPolicy, Routing, Spread
 from capyctl.deployments.services import SETTING_FIELDS, DeploymentSpec
 from capyctl.deployments.settings_spec import COUNT, FLAG, PARKING, SETTINGS, Setting
 from capyctl.whatif.model import MIRRORED_SETTINGS, SimModel
@@ -97,6 +97,12 @@ def test_each_declared_setting_is_an_admin_field_in_its_section(setting):
 @pytest.mark.parametrize("setting", SETTINGS, ids=NAMES)
 def test_each_declared_setting_is_a_flag_of_deployment_add_and_update(setting):
     parser = build_parser()
+    if not setting.on_cli:  # given as another flag's LOW part (--replicas MIN:MAX)
+        (owner,) = [s for s in SETTINGS if s.low_part == setting.name]
+        assert owner.on_cli
+        added = _deployment_parser(update=False).parse_args([owner.flag, "1:2"])
+        assert getattr(added, owner.dest) == (1, 2)
+        return
     for action in ("add", "update"):
         assert setting.flag in _flags(_deployment_sub(parser, action))
     added = _deployment_parser(update=False).parse_args([])
@@ -120,6 +126,8 @@ def test_global_defaults_and_choices_are_those_declared():
             assert setting.global_key in django_settings.CAPYCTL, setting.name
     assert settings_spec.SETTING["park"].choices == tuple(ParkPolicy.values)
     assert settings_spec.SETTING["over_claim"].choices == tuple(OverClaim.values)
+    assert settings_spec.SETTING["spread"].choices == tuple(Spread.values)
+    assert settings_spec.SETTING["routing"].choices == tuple(Routing.values)
 
 
 def test_the_whatif_model_starts_from_the_declared_defaults():

@@ -152,7 +152,18 @@ def _plain_settings() -> dict[str, str]:
     name (each declared setting's flag, and ``--weights-size``)."""
     from capyctl.deployments.settings_spec import SETTINGS
 
-    return {"weights_size": "weights_bytes", **{s.dest: s.name for s in SETTINGS}}
+    return {
+        "weights_size": "weights_bytes",
+        **{s.dest: s.name for s in SETTINGS if s.on_cli and s.low_part is None},
+    }
+
+
+def _ranges() -> dict[str, tuple[str, str]]:
+    """The flags that take ``N`` or ``LOW:N`` (``--replicas``): the spec fields of N and of
+    LOW, by namespace name."""
+    from capyctl.deployments.settings_spec import SETTINGS
+
+    return {s.dest: (s.name, s.low_part) for s in SETTINGS if s.low_part is not None}
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -161,6 +172,11 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
     given = vars(args)
     fields = {spec: given[flag] for flag, spec in _plain_settings().items() if flag in given}
+    for flag, (high_field, low_field) in _ranges().items():
+        if flag in given:  # (LOW, N) given; N alone, its declared default, when not
+            value = given[flag]
+            low, high = value if isinstance(value, tuple) else (0, value)
+            fields[low_field], fields[high_field] = low, high
     if "gpu_memory" in given:
         gpu_memory = given["gpu_memory"]
         bytes_, fraction = parse_gpu_memory(gpu_memory) if gpu_memory else (None, None)
@@ -239,19 +255,28 @@ def deployment_update(args: argparse.Namespace) -> int:
 
 
 def deployment_scale(args: argparse.Namespace) -> int:
-    """``deployment update NAME --replicas N``, said in one word."""
+    """``deployment update NAME --replicas N|MIN:MAX``, said in one word."""
     from dataclasses import replace
 
     from capyctl.deployments.services import get_deployment, spec_of, update_deployment
 
     prepare()
     current = get_deployment(args.name)
-    before = current.replicas
+    before = _replicas_text(current.min_replicas, current.replicas)
+    low, high = args.replicas
     deployment = update_deployment(
-        current.name, replace(spec_of(current), replicas=args.replicas), actor=_actor()
+        current.name,
+        replace(spec_of(current), replicas=high, min_replicas=low),
+        actor=_actor(),
     )
-    print(f"deployment {deployment.name}: {before} -> {deployment.replicas} replicas")
+    after = _replicas_text(deployment.min_replicas, deployment.replicas)
+    print(f"deployment {deployment.name}: {before} -> {after} replicas")
     return 0
+
+
+def _replicas_text(low: int, high: int) -> str:
+    """How many replicas a deployment wants: ``3``, or ``1:3`` scaled by load."""
+    return f"{low}:{high}" if 0 < low < high else str(high)
 
 
 def _memory_text(data: dict[str, object]) -> str:
@@ -299,7 +324,7 @@ def deployment_list(args: argparse.Namespace) -> int:
         headers.insert(6, "replicas")
         for row, d in zip(rows, deployments, strict=True):
             ready = sum(1 for r in d["replica_set"] if r["observed_state"] == "ready")
-            row.insert(6, f"{ready}/{d['replicas']}")
+            row.insert(6, f"{ready}/{_replicas_text(d['min_replicas'], d['replicas'])}")
     print_table(headers, rows, empty="no deployments")
     return 0
 

@@ -60,6 +60,23 @@ def count_arg(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def range_arg(minimum: int) -> Callable[[str], tuple[int, int]]:
+    """``N`` or ``LOW:N``, each at least ``minimum``, LOW at most N: (LOW, N), LOW 0 where
+    only N is given."""
+    count = count_arg(minimum)
+
+    def parse(text: str) -> tuple[int, int]:
+        low_text, colon, high_text = text.partition(":")
+        if not colon:
+            return 0, count(text)
+        low, high = count(low_text), count(high_text)
+        if low > high:
+            raise argparse.ArgumentTypeError(f"{text!r}: {low} is more than {high}")
+        return low, high
+
+    return parse
+
+
 def limit_arg(text: str) -> int | None:
     """A count of at least 1, or ``none`` for no limit."""
     return None if text == "none" else count_arg(1)(text)
@@ -359,9 +376,10 @@ def _build_deployment(commands: Any) -> None:
     replicas = SETTING["replicas"]
     scale.add_argument(
         "replicas",
-        type=count_arg(replicas.least_flag or 1),
-        metavar="N",
-        help=f"replicas, {replicas.minimum} to {replicas.maximum}",
+        type=range_arg(replicas.least_flag or 1),
+        metavar="N|MIN:MAX",
+        help=f"replicas, {replicas.minimum} to {replicas.maximum}: N kept up, or MIN kept up "
+        "and more brought up by load up to MAX",
     )
     listing = _sub(sub, "list", "list deployments", "deployment_list")
     _add_json(listing)
@@ -401,6 +419,10 @@ def add_setting_flag(parser: argparse.ArgumentParser, setting: Setting, *, updat
                             metavar=setting.metavar, help=setting.cli_help())  # fmt: skip
         return
     least = setting.least_flag
+    if setting.low_part is not None:
+        parser.add_argument(setting.flag, type=range_arg(least or 0), metavar=setting.metavar,
+                            default=default, help=setting.cli_help())  # fmt: skip
+        return
     parser.add_argument(
         setting.flag, type=int if least is None or least < 0 else count_arg(least),
         metavar=setting.metavar, default=default, help=setting.cli_help(),
@@ -429,7 +451,8 @@ def _deployment_settings(
     parser.add_argument("--args", default=default(""), metavar='"ENGINE ARGS"',
                         help="extra engine args")  # fmt: skip
     for setting in settings_spec.SETTINGS if settings is None else settings:
-        add_setting_flag(parser, setting, update=update)
+        if setting.on_cli:
+            add_setting_flag(parser, setting, update=update)
     parser.add_argument(
         "--media-domains", metavar="HOST,HOST|none", default=default(""),
         help="hosts whose http(s) image, audio and video URLs requests may name "

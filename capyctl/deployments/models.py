@@ -29,6 +29,20 @@ class OverClaim(models.TextChoices):
     RAISE = "raise"  # the claim is raised to what it was measured holding
 
 
+class Spread(models.TextChoices):
+    """Where a deployment's replicas go."""
+
+    HOSTS = "hosts"  # hosts with fewer of its replicas first
+    GPUS = "gpus"  # any free GPUs, in host order
+
+
+class Routing(models.TextChoices):
+    """How a request picks among a deployment's ready replicas."""
+
+    AFFINITY = "affinity"  # the same session or prompt start to the same one, within a bound
+    LEAST_LOAD = "least-load"  # the one with the fewest requests in flight
+
+
 class DesiredState(models.TextChoices):
     RUNNING = "running"
     STOPPED = "stopped"
@@ -103,9 +117,15 @@ class Deployment(models.Model):
     weights_bytes = models.BigIntegerField(null=True, blank=True)
     gpus = models.PositiveSmallIntegerField(**declared("gpus"))
     replicas = models.PositiveSmallIntegerField(**declared("replicas"))
+    min_replicas = models.PositiveSmallIntegerField(**declared("min_replicas"))
     target_concurrency = models.PositiveIntegerField(
         null=True, blank=True, **declared("target_concurrency")
     )
+    scale_up_wait_seconds = models.PositiveIntegerField(
+        null=True, blank=True, **declared("scale_up_wait_seconds")
+    )
+    spread = models.CharField(max_length=8, choices=Spread.choices, **declared("spread"))
+    routing = models.CharField(max_length=12, choices=Routing.choices, **declared("routing"))
     # A replica beyond the first is a row of its own (its own host, GPUs, engine, state
     # and ledger entries) named NAME~INDEX, made and kept in step with its first replica
     # by the deployments' services; people see and name only the first.
@@ -232,6 +252,12 @@ class Deployment(models.Model):
         """The model name its engine serves and requests use: its own, or for a replica
         (``NAME~INDEX``) its deployment's."""
         return self.name.partition("~")[0]
+
+    @property
+    def kept_up(self) -> int:
+        """How many of its replicas are kept up while it serves (its ``min_replicas``, or
+        all of them)."""
+        return self.min_replicas or self.replicas
 
     @property
     def ceilings(self) -> dict[str, int]:

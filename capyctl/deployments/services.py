@@ -52,7 +52,11 @@ class DeploymentSpec:
     # The declared settings.
     gpus: int = _default("gpus")
     replicas: int = _default("replicas")
+    min_replicas: int = _default("min_replicas")
     target_concurrency: int | None = None
+    scale_up_wait_seconds: int | None = None
+    spread: str = _default("spread")
+    routing: str = _default("routing")
     park: str = _default("park")
     pinned: bool = _default("pinned")
     over_claim: str = _default("over_claim")
@@ -168,6 +172,12 @@ def _check_settings(spec: DeploymentSpec) -> None:
         wrong = setting.check(getattr(spec, setting.name))
         if wrong is not None:
             raise UserError(wrong, field=setting.name)
+    if spec.min_replicas > spec.replicas:
+        raise UserError(
+            f"invalid minimum replicas {spec.min_replicas}: more than its replicas "
+            f"{spec.replicas} (use --replicas MIN:MAX with MIN at most MAX)",
+            field="min_replicas",
+        )
     if not isinstance(spec.media_domains, list):
         raise UserError("media domains must be a list of host names", field="media_domains")
     try:

@@ -67,6 +67,10 @@ class Setting:
     api_minimum: int | None = None  # the least the REST field takes (None: minimum)
     # A global default of 0 that means "this other setting's value".
     zero_means: str | None = None
+    # Its flag also takes LOW:VALUE, LOW going to this other setting (VALUE alone sets
+    # that one to 0): --replicas MIN:MAX.
+    low_part: str | None = None
+    on_cli: bool = True  # False: no flag of its own (set through another's low_part)
     who: str = STAFF
 
     @property
@@ -145,6 +149,8 @@ def _ceiling(ceiling: guards.Ceiling) -> Setting:
 
 PARK_POLICIES = ("auto", "ram", "deep", "stop", "never")
 OVER_CLAIM_CHOICES = ("stop", "raise")
+SPREAD_CHOICES = ("hosts", "gpus")
+ROUTING_CHOICES = ("affinity", "least-load")
 
 # In the order listings show them, and the admin within each of its sections.
 SETTINGS: tuple[Setting, ...] = (
@@ -154,13 +160,27 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "replicas",
         COUNT,
-        "engines that may serve it at once, each on GPUs of its own (one more is brought "
-        "up when its ready ones are busy; an idle one is parked as any model is)",
+        "engines that serve it, each on GPUs of its own: N (N kept up) or MIN:MAX (MIN kept "
+        "up, more brought up by load, up to MAX)",
         MEMORY,
         default=1,
         minimum=1,
         maximum=MAX_REPLICAS,
-        metavar="N",
+        metavar="N|MIN:MAX",
+        low_part="min_replicas",
+        default_words="default 1",
+    ),
+    Setting(
+        "min_replicas",
+        COUNT,
+        "replicas kept up while it serves, whatever the load (0: all of its replicas); the "
+        "rest are brought up by load",
+        MEMORY,
+        default=0,
+        minimum=0,
+        maximum=MAX_REPLICAS,
+        label="minimum replicas",
+        on_cli=False,
     ),
     Setting(
         "target_concurrency",
@@ -171,6 +191,34 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1,
         maximum=MAX_COUNT,
         metavar="N",
+    ),
+    Setting(
+        "scale_up_wait_seconds",
+        COUNT,
+        "a request that has waited this long for its answer to begin calls for one more replica",
+        MEMORY,
+        builtin=5,
+        minimum=1,
+        maximum=MAX_SECONDS,
+        metavar="N",
+    ),
+    Setting(
+        "spread",
+        CHOICE,
+        "where its replicas go: hosts (fewest of its replicas on a host first) or gpus (any "
+        "free GPUs, the same host's included)",
+        MEMORY,
+        default="hosts",
+        choices=SPREAD_CHOICES,
+    ),
+    Setting(
+        "routing",
+        CHOICE,
+        "how a request picks among its ready replicas: affinity (the same session or prompt "
+        "start to the same replica, within a load bound) or least-load",
+        MEMORY,
+        default="affinity",
+        choices=ROUTING_CHOICES,
     ),
     Setting(
         "park",

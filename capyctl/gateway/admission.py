@@ -125,7 +125,7 @@ class Admission:
         if name != route.name:  # an alias: the engine serves the deployment's own name
             body = _rename_model(body, parsed, route.name)
         if route.replicas:  # several replicas: one of them, or the one to wait for
-            affinity = scheduler.affinity_key(headers, parsed)
+            affinity = scheduler.affinity_key(headers, parsed) if route.affinity else None
             group, route = route, self.replicas.choose(route, affinity)
             return RequestContext(scope, receive, send, key, headers, body, route, target,
                                   started, outcome, group=group, affinity=affinity)  # fmt: skip
@@ -177,7 +177,7 @@ class Admission:
             if await scheduler.begin_request(route.deployment_id):
                 ctx.route = route
                 if ctx.group is not None:
-                    self.replicas.began(ctx.group, route)
+                    self.replicas.began(ctx.group, route, ctx.started, ctx.outcome)
                 return
             ready = False  # it began draining after our route was read: wait for the wake
         raise GatewayError(

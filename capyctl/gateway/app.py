@@ -147,7 +147,7 @@ class Gateway:
         finally:
             await scheduler.end_request(deployment_id)
             if ctx.group is not None:
-                self.admission.replicas.ended(deployment_id)
+                self.admission.replicas.ended(ctx.group, deployment_id, ctx.outcome)
             self.forwarding.touch(deployment_id)  # idleness counts from a request's end
 
     async def _failover(self, ctx: RequestContext, failed: GatewayError) -> bool:
@@ -162,8 +162,8 @@ class Gateway:
         logger.warning("%s: replica %s failed a request; tried again on %s",
                        group.name, replica.name, other.name)  # fmt: skip
         await scheduler.end_request(replica.deployment_id)
-        self.admission.replicas.ended(replica.deployment_id)
-        self.admission.replicas.began(group, other)
+        self.admission.replicas.ended(group, replica.deployment_id, ctx.outcome)
+        self.admission.replicas.began(group, other, ctx.started, ctx.outcome)
         ctx.route = other
         return True
 

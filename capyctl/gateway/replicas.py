@@ -9,16 +9,19 @@ else the first. The counts it routes on are this process's own requests in fligh
 
 :meth:`Replicas.began` counts a request on its replica and asks the scheduler's scaling
 decision (:func:`capyctl.scheduler.scaling.decide`, the same function the what-if
-simulator runs) whether its ready replicas carry more than the model's
-``target_concurrency`` on average: then one more replica is brought up (a parked one
-woken first), one at a time, in the background; the request itself is not held for it.
-An idle replica is parked as any model is (its ``idle_park_seconds``, or to make room).
+simulator and the scheduler's own pass run) whether to bring one more replica up: fewer
+than the model's kept-up replicas are up, or a request of this process has waited longer
+than ``scale_up_wait_seconds`` for its answer to begin, or the ready replicas carry more
+than ``target_concurrency`` on average. One comes up at a time (a parked one woken
+first), in the background; the request itself is not held for it. Parking replicas
+beyond the kept-up ones is the scheduler's pass (:mod:`capyctl.scheduler.replica_scaling`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from capyctl.gateway.routing import Route
@@ -58,6 +61,9 @@ class Replicas:
         # Replicas whose engine failed a request, with the state it was routed in: out of
         # routing until the scheduler says another (ready again after a restart or wake).
         self._failed: dict[int, str] = {}
+        # The requests of each model (by its first replica) not yet ended: when each
+        # arrived (perf_counter) and its outcome, whose ``headers_at`` says its answer began.
+        self._asked: dict[int, dict[int, tuple[float, Any]]] = {}
 
     def _serving(self, group: Route) -> dict[int, Route]:
         ready = {}
@@ -96,24 +102,31 @@ class Replicas:
         loads = {pk: self.in_flight.get(pk, 0) for pk in ready}
         return ready[scheduler.choose_replica(loads, key)]
 
-    def began(self, group: Route, replica: Route) -> None:
-        """A request was admitted on ``replica``; bring one more up if load calls for it."""
+    def began(self, group: Route, replica: Route, started: float, outcome: Any) -> None:
+        """A request (arrived at ``started``, its ``outcome`` noting when its answer began)
+        was admitted on ``replica``; bring one more up if the scaling decision says so."""
         self.in_flight[replica.deployment_id] = self.in_flight.get(replica.deployment_id, 0) + 1
         first = group.deployment_id
+        self._asked.setdefault(first, {})[id(outcome)] = (started, outcome)
         under_way = self._bringing.get(first)
         if under_way is not None and not under_way.done():
             return
         views = [
             scheduler.ReplicaView(
                 id=r.deployment_id,
-                state=r.observed_state if r.desired_state == "running" else "failed",
+                # the replica just admitted is ready, however old the group's routes
+                state="ready"
+                if r.deployment_id == replica.deployment_id
+                else r.observed_state
+                if r.desired_state == "running"
+                else "failed",
                 in_flight=self.in_flight.get(r.deployment_id, 0),
                 idle_seconds=0.0,
                 up_since=0.0,
             )
             for r in group.replicas
         ]
-        step = scheduler.scale_step(views, len(group.replicas), group.target_concurrency)
+        step = scheduler.scale_step(views, self._demand(first), group)
         if step is None:
             return
         self._bringing[first] = asyncio.ensure_future(
@@ -121,12 +134,27 @@ class Replicas:
         )
         self._bringing[first].add_done_callback(_logged)
 
-    def ended(self, replica_id: int) -> None:
+    def _demand(self, first: int) -> tuple[int, float]:
+        """This process's requests of the model whose answer has not begun: how many, and
+        how long the oldest has waited (seconds)."""
+        now, waiting, oldest = time.perf_counter(), 0, 0.0
+        for started, outcome in self._asked.get(first, {}).values():
+            if not outcome.headers_at:  # its answer has not begun
+                waiting += 1
+                oldest = max(oldest, now - started)
+        return waiting, oldest
+
+    def ended(self, group: Route, replica_id: int, outcome: Any) -> None:
         left = self.in_flight.get(replica_id, 0) - 1
         if left > 0:
             self.in_flight[replica_id] = left
         else:
             self.in_flight.pop(replica_id, None)
+        asked = self._asked.get(group.deployment_id)
+        if asked is not None:
+            asked.pop(id(outcome), None)
+            if not asked:
+                del self._asked[group.deployment_id]
 
 
 def _logged(done: asyncio.Future[Any]) -> None:

@@ -42,7 +42,12 @@ class Route:
     ceilings: tuple[tuple[str, int], ...]  # each body field it bounds, with its ceiling
     media_domains: frozenset[str]  # hosts media URLs may name (empty: data: URLs only)
     gpus: tuple[int, ...] = ()  # the GPUs its engine runs on, while it runs
-    target_concurrency: int = 0  # a deployment of several replicas: see replicas.py
+    # A deployment of several replicas (see replicas.py): its replicas kept up, and when
+    # one more is brought up.
+    target_concurrency: int = 0
+    kept_up: int = 1
+    scale_up_wait_seconds: int = 0
+    affinity: bool = True  # routed by affinity (else by load alone)
     # A deployment of several replicas: each of them (its first, this route, included), in
     # order; () for a deployment of one.
     replicas: tuple[Route, ...] = ()
@@ -114,6 +119,9 @@ def _route(deployment: Deployment, instance: Instance | None) -> Route:
         media_domains=frozenset(deployment.media_domains),
         gpus=tuple(int(i) for i in instance.gpu_indices) if instance else (),
         target_concurrency=deployment.setting("target_concurrency"),
+        kept_up=deployment.kept_up,
+        scale_up_wait_seconds=deployment.setting("scale_up_wait_seconds"),
+        affinity=deployment.routing == "affinity",
     )
 
 

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from capyctl.deployments.models import Deployment
 from capyctl.events.services import record_event
 from capyctl.scheduler import (
     actions,
@@ -123,14 +124,23 @@ def choose_replica(loads: Mapping[int, int], key: str | None, exclude: Collectio
     return routing.choose(loads, key, exclude=exclude)
 
 
-def scale_step(replicas: Sequence[ReplicaView], maximum: int, target: int) -> Step | None:
-    """One more replica to bring up, when the ready ones carry more than ``target``
-    requests in flight on average and fewer than ``maximum`` are up
-    (:func:`capyctl.scheduler.scaling.decide`); None otherwise. Parking an idle replica
-    is left to its ``idle_park_seconds``, as for any model."""
-    bounds = scaling.Bounds(minimum=1, maximum=maximum, scale_up_wait_seconds=math.inf,
-                            target_concurrency=target, idle_park_seconds=math.inf)  # fmt: skip
-    step = scaling.decide(replicas, scaling.Demand(0, 0.0), bounds)
+def scale_step(
+    replicas: Sequence[ReplicaView], demand: tuple[int, float], model: Any
+) -> Step | None:
+    """One more replica to bring up (:func:`capyctl.scheduler.scaling.decide`), or None.
+
+    ``demand``: the requests whose answer has not begun, and the longest any has waited
+    (seconds); ``model``: its route (``kept_up``, ``target_concurrency``,
+    ``scale_up_wait_seconds``; as many replicas as ``replicas`` at most). Parking is left
+    to the scheduler's pass (:mod:`capyctl.scheduler.replica_scaling`)."""
+    bounds = scaling.Bounds(
+        minimum=min(model.kept_up, len(replicas)),
+        maximum=len(replicas),
+        scale_up_wait_seconds=model.scale_up_wait_seconds or math.inf,
+        target_concurrency=model.target_concurrency,
+        idle_park_seconds=math.inf,
+    )
+    step = scaling.decide(replicas, scaling.Demand(*demand), bounds)
     return step if step is not None and step.action in (scaling.WAKE, scaling.START) else None
 
 
@@ -138,10 +148,17 @@ async def bring_up(step: Step, name: str, timeout: float) -> str:
     """Bring the replica of ``step`` up for the model ``name``: the step is an event with
     its reason and figures (``deployment.scaled``), then the replica is woken or started
     as a request's wait would."""
-    await wakes.run(_note_step, step, name)
-    return await wakes.ready(step.replica_id, timeout)
+    if await wakes.run(_note_step, step, name):
+        return await wakes.ready(step.replica_id, timeout)
+    return ""
 
 
-def _note_step(step: Step, name: str) -> None:
+def _note_step(step: Step, name: str) -> bool:
+    """Record the step, unless its replica is up already (the routes this process read
+    were older than another's bring-up): whether to bring it up."""
+    state = Deployment.objects.filter(pk=step.replica_id).values_list("observed_state", flat=True)
+    if not state or state[0] in scaling.UP:
+        return False
     record_event("deployment.scaled", f"{name}: {step.reason}", subject=name,
                  deployment_id=step.replica_id, data=dict(step.figures))  # fmt: skip
+    return True

@@ -17,6 +17,7 @@ import signal
 from datetime import datetime, timedelta
 
 import psutil
+from django.db.models import Q
 from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, Instance, ObservedState
@@ -173,12 +174,39 @@ def reconcile(host_id: int) -> None:
             and now - last >= timedelta(seconds=idle)
             and requests_in_progress.count_or_none(deployment.pk)
             == 0  # it serves (or unknown): not idle
+            and _replicas_idle(deployment, now, idle)
         ):
             try:
                 actions.park(deployment.pk, actor="system", reason=f"after {idle}s idle")
             except errors.SchedulerError as exc:
                 logger.warning("idle park of %s did not happen: %s", deployment.name, exc)
     _check_parks(host, now)
+
+
+def _replicas_idle(deployment: Deployment, now: datetime, idle: int) -> bool:
+    """Whether every other replica of the deployment is idle too (a deployment of one
+    replica: yes). While some replica serves, the idle ones beyond those kept up are
+    parked by the replicas' own pass (:mod:`capyctl.scheduler.replica_scaling`); once all
+    are idle, the model parks as a whole."""
+    first = deployment.replica_of_id or deployment.pk
+    if deployment.replica_of_id is None and deployment.replicas <= 1:
+        return True
+    others = Deployment.objects.filter(
+        Q(pk=first) | Q(replica_of_id=first), observed_state__in=LIVE
+    ).exclude(pk=deployment.pk)
+    for other in others:
+        if other.observed_state == ObservedState.PARKED:
+            continue
+        if other.observed_state != ObservedState.READY:
+            return False  # coming up or going down: not idle
+        last = max((t for t in (other.last_request_at, other.state_changed_at) if t),
+                   default=now)  # fmt: skip
+        if (
+            now - last < timedelta(seconds=idle)
+            or requests_in_progress.count_or_none(other.pk) != 0
+        ):
+            return False
+    return True
 
 
 # How long a model of an engine whose parks kept their memory must have had no request

@@ -170,6 +170,7 @@ def need(deployment: Deployment, host: Host) -> Need:
         waited_seconds=turns.waited(deployment.pk),
         priority=deployment.priority,
         siblings=siblings(deployment),
+        spread=deployment.spread,
     )
 
 

@@ -24,6 +24,7 @@ from capyctl.scheduler import (
     operation_runs,
     reconcile,
     remote_hosts,
+    replica_scaling,
     switches,
 )
 from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error, outage
@@ -118,3 +119,24 @@ def poll_hosts() -> None:
         hosts = hosts.filter(is_local=False)
     for host_id in hosts.values_list("pk", flat=True):
         reconcile_host.delay(host_id)
+    scale_replicas.delay()
+
+
+@shared_task(ignore_result=True)
+def scale_replicas() -> None:
+    """The replicas' pass (:mod:`capyctl.scheduler.replica_scaling`), never two at once."""
+    if not settings.REDIS_URL or settings.CELERY_TASK_ALWAYS_EAGER:
+        replica_scaling.scale_all(ensure_ready)
+        return
+    import redis  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
+
+    lock = redis.Redis.from_url(settings.REDIS_URL).lock(
+        "capyctl:scale-replicas", timeout=LEASE_SECONDS, blocking=False
+    )
+    if not lock.acquire():
+        return  # the pass under way covers it
+    try:
+        replica_scaling.scale_all(ensure_ready.delay)
+    finally:
+        with contextlib.suppress(redis.exceptions.LockError):
+            lock.release()

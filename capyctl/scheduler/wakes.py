@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,8 @@ from capyctl.scheduler.errors import (
     error_for,
     is_control_plane_error,
 )
+
+logger = logging.getLogger("capyctl.scheduler")
 
 # Starts and wakes wait on engines for minutes; each holds one of these threads meanwhile.
 CONTROL_THREADS = 64
@@ -72,6 +75,20 @@ async def ready(
     if settings.CELERY_TASK_ALWAYS_EAGER:  # here, on the control plane's threads
         return str(await run(_ready_here, deployment_id, timeout, wanted))
     return await _on_worker(deployment_id, timeout)
+
+
+def ready_later(deployment_id: int) -> None:
+    """Make the deployment ready in the background on the control plane's threads,
+    nobody waiting on it (standalone; a server's worker sends it to another worker).
+    Its failure is its own state and events."""
+    _control_pool().submit(_closing, _ready_quietly, deployment_id)
+
+
+def _ready_quietly(deployment_id: int) -> None:
+    try:
+        actions.ensure_ready(deployment_id, "system")
+    except SchedulerError as exc:  # nobody waits for it: its events say what happened
+        logger.info("deployment %s was not brought up: %s", deployment_id, exc)
 
 
 def _ready_here(deployment_id: int, timeout: float, wanted: Callable[[], bool] | None) -> str:

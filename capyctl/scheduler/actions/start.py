@@ -145,7 +145,7 @@ def source_host(deployment: Deployment) -> Host:
         return deployment.host
     hosts = list(Host.objects.all())
     others = snapshots.siblings(deployment)
-    if others:  # a replica: hosts with fewer of its siblings first (spread over hosts)
+    if others and deployment.spread == "hosts":  # hosts with fewer of its siblings first
         on = Counter(
             Deployment.objects.filter(pk__in=others, host__isnull=False).values_list(
                 "host_id", flat=True

@@ -139,7 +139,7 @@ def admit_wake(
         )
         need = Need(deployment.pk, deployment.name, len(pools), claim - residual, 0, (host.pk,),
                     turns.waited(deployment.pk), deployment.priority,
-                    siblings=snapshots.siblings(deployment))  # fmt: skip
+                    siblings=snapshots.siblings(deployment), spread=deployment.spread)  # fmt: skip
         result = plan([others], need)
         if isinstance(result, NoCapacity):
             raise turns.refused(deployment.pk, deployment.name, result, pools=tuple(pools),
