@@ -137,6 +137,7 @@ def host_data(host: Host) -> dict[str, Any]:
         "address": host.address or None,
         "local": host.is_local,
         "state": host.state,
+        "draining": host.drain_started_at is not None,
         "probe": inventory.get("probe"),
         "measures": host.measures,
         "measures_reason": inventory.get("measures_reason") or "",

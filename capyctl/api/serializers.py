@@ -129,6 +129,7 @@ class HostOut(_Report):
     address = serializers.CharField(allow_null=True)
     local = serializers.BooleanField()
     state = serializers.CharField()
+    draining = serializers.BooleanField(help_text="nothing new is placed here (host drain)")
     probe = serializers.CharField(allow_null=True)
     unified = serializers.BooleanField()
     gpus = serializers.ListField(child=serializers.DictField())

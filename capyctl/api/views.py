@@ -321,6 +321,21 @@ class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
         host = host_states.revoke_host(name, actor=_actor(request))
         return Response(s.HostOut(host).data)
 
+    @extend_schema(
+        summary="Place nothing new on the host, and move its models to other hosts",
+        request=None,
+        responses=s.HostOut,
+    )
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, name: str) -> Response:
+        return Response(s.HostOut(host_states.drain_host(name, actor=_actor(request))).data)
+
+    @extend_schema(summary="Let models be placed on the host again", request=None,
+                   responses=s.HostOut)  # fmt: skip
+    @action(detail=True, methods=["post"])
+    def undrain(self, request: Request, name: str) -> Response:
+        return Response(s.HostOut(host_states.undrain_host(name, actor=_actor(request))).data)
+
 
 # -- keys -----------------------------------------------------------------------------------
 

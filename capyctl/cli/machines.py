@@ -44,6 +44,7 @@ def host_list(args: argparse.Namespace) -> int:
             "name": h.name,
             "address": h.address or "(in-process)",
             "state": h.state,
+            "draining": h.drain_started_at is not None,
             "gpus": [g["name"] for g in (h.inventory or {}).get("gpus") or []],
             "measures": h.measures,
             "joined": h.is_local or bool(h.cert_fingerprint),  # revoked: no longer
@@ -56,7 +57,8 @@ def host_list(args: argparse.Namespace) -> int:
         print_json(hosts)
     else:
         rows = [
-            [h["name"], h["address"], h["state"], "yes" if h["joined"] else "no",
+            [h["name"], h["address"], str(h["state"]) + (" (draining)" if h["draining"] else ""),
+             "yes" if h["joined"] else "no",
              h["measures"] or "-", ", ".join(cast("list[str]", h["gpus"])) or "-"]
             for h in hosts
         ]  # fmt: skip
@@ -81,6 +83,26 @@ def host_revoke(args: argparse.Namespace) -> int:
     host = revoke_host(args.name, actor="cli")
     print(f"host {host.name}: certificate revoked; calls to its agent are refused from now on")
     print(f"  to let it join again: capyctl host token {host.name}")
+    return 0
+
+
+def host_drain(args: argparse.Namespace) -> int:
+    from capyctl.scheduler.host_states import drain_host
+
+    prepare()
+    host = drain_host(args.name, actor="cli")
+    print(f"host {host.name} is draining: nothing new is placed on it; its models move to "
+          "other hosts where they fit")  # fmt: skip
+    print("  watch: capyctl events --follow | grep -e moved -e drained")
+    return 0
+
+
+def host_undrain(args: argparse.Namespace) -> int:
+    from capyctl.scheduler.host_states import undrain_host
+
+    prepare()
+    host = undrain_host(args.name, actor="cli")
+    print(f"host {host.name} takes models again")
     return 0
 
 

@@ -290,6 +290,12 @@ def _build_host(commands: Any) -> None:
     remove.add_argument("name")
     revoke = _sub(sub, "revoke", "stop trusting a host's certificate, at once", "host_revoke")
     revoke.add_argument("name")
+    drain = _sub(sub, "drain", "place nothing new on a host, and move its models elsewhere",
+                 "host_drain")  # fmt: skip
+    drain.add_argument("name")
+    undrain = _sub(sub, "undrain", "let models be placed on a drained host again",
+                   "host_undrain")  # fmt: skip
+    undrain.add_argument("name")
 
 
 def _build_cache(commands: Any) -> None:

@@ -109,6 +109,8 @@ class Deployment(models.Model):
         related_name="deployments",
         help_text="where it runs; empty = placed where it fits on first start",
     )
+    # Whether a person chose its host (else its placement did, and a host drain may move it).
+    host_chosen = models.BooleanField(default=False, editable=False)
     source = models.CharField(max_length=1024, help_text="local path, hf://ORG/NAME or URL")
     engine_args = models.JSONField(default=list, blank=True, help_text="extra engine arguments")
 
@@ -252,6 +254,12 @@ class Deployment(models.Model):
         """The model name its engine serves and requests use: its own, or for a replica
         (``NAME~INDEX``) its deployment's."""
         return self.name.partition("~")[0]
+
+    @property
+    def movable(self) -> bool:
+        """Whether the scheduler may place it on another host than its own (a drain): a
+        person chose neither its host nor an engine installed on one host."""
+        return not self.host_chosen and self.engine.host_id is None
 
     @property
     def kept_up(self) -> int:

@@ -270,7 +270,8 @@ def spec_of(deployment: Deployment) -> DeploymentSpec:
     return DeploymentSpec(
         name=deployment.name,
         engine=deployment.engine.name,
-        host=deployment.host.name if deployment.host else None,
+        # The host a person chose; one its placement chose is not part of what it is.
+        host=deployment.host.name if deployment.host and deployment.host_chosen else None,
         aliases=deployment.alias_names,
         **{name: getattr(deployment, name) for name in _SPEC_FIELDS},
     )
@@ -284,6 +285,7 @@ def add_deployment(spec: DeploymentSpec, *, actor: str = "") -> Deployment:
         name=spec.name,
         engine=engine,
         host=host,
+        host_chosen=host is not None,
         **{name: getattr(spec, name) for name in _SPEC_FIELDS},
     )
     DeploymentAlias.objects.bulk_create(
@@ -314,6 +316,9 @@ def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> De
         .get(pk=get_deployment(name).pk)
     )
     engine, host = check_deployment(spec, exclude_pk=deployment.pk)
+    chosen = host is not None
+    if host is None and not deployment.host_chosen:
+        host = deployment.host  # where its placement put it, until a person says otherwise
     moved = (
         spec.name != deployment.name
         or engine.pk != deployment.engine_id
@@ -334,9 +339,12 @@ def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> De
     deployment.name = spec.name
     deployment.engine = engine
     deployment.host = host
+    deployment.host_chosen = chosen
     for name_ in _SPEC_FIELDS:
         setattr(deployment, name_, getattr(spec, name_))
-    deployment.save(update_fields=["name", "engine", "host", *_SPEC_FIELDS, "updated_at"])
+    deployment.save(
+        update_fields=["name", "engine", "host", "host_chosen", *_SPEC_FIELDS, "updated_at"]
+    )
     if sorted(spec.aliases) != sorted(deployment.alias_names):
         changed.append("aliases")
         deployment.aliases.all().delete()
@@ -396,7 +404,8 @@ def _sync_replicas(first: Deployment, *, host_changed: bool) -> None:
             Deployment.objects.create(
                 name=replica_name(first.name, index),
                 engine=first.engine,
-                host=first.host,
+                host=first.host if first.host_chosen else None,
+                host_chosen=first.host_chosen,
                 replica_of=first,
                 replica_index=index,
                 # Its desired state is the scheduler's to write (a start or stop of the
@@ -408,8 +417,9 @@ def _sync_replicas(first: Deployment, *, host_changed: bool) -> None:
         row.engine = first.engine
         fields = ["name", "engine", *_SPEC_FIELDS, "updated_at"]
         if host_changed:
-            row.host = first.host
-            fields.append("host")
+            row.host = first.host if first.host_chosen else None
+            row.host_chosen = first.host_chosen
+            fields += ["host", "host_chosen"]
         for name, value in copied.items():
             setattr(row, name, value)
         row.save(update_fields=fields)

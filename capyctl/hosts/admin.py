@@ -15,7 +15,7 @@ from capyctl.admin_utils import attach_user_error
 from capyctl.errors import UserError
 from capyctl.hosts.models import Host
 from capyctl.hosts.services import add_host, new_join_token, parse_address
-from capyctl.scheduler.host_states import remove_host, revoke_host
+from capyctl.scheduler.host_states import drain_host, remove_host, revoke_host, undrain_host
 from capyctl.validation import validate_name
 
 
@@ -36,12 +36,16 @@ class NewHostForm(forms.ModelForm):  # type: ignore[type-arg]
 
 @admin.register(Host)
 class HostAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    list_display = ("name", "address", "state", "is_local", "last_seen_at")
+    list_display = ("name", "address", "state", "draining", "is_local", "last_seen_at")
     list_filter = ("state", "is_local")
     search_fields = ("name", "address")
     readonly_fields = ("is_local", "state", "inventory", "last_seen_at", "created_at", "updated_at")
     fields = ("name", "address", "gpu_reserve_bytes", "ram_reserve_bytes", *readonly_fields)
-    actions = ("new_token", "revoke", "remove")
+    actions = ("new_token", "revoke", "drain", "undrain", "remove")
+
+    @admin.display(boolean=True, description="draining")
+    def draining(self, obj: Host) -> bool:
+        return obj.drain_started_at is not None
 
     def get_form(
         self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
@@ -112,6 +116,18 @@ class HostAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 self.message_user(request, str(exc), messages.ERROR)
             else:
                 self.message_user(request, f"Revoked host {host.name}.", messages.SUCCESS)
+
+    @admin.action(description="Drain the selected hosts (their models move to other hosts)")
+    def drain(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
+        for host in queryset:
+            drain_host(host.name, actor=request.user.get_username())
+            self.message_user(request, f"Host {host.name} is draining.", messages.SUCCESS)
+
+    @admin.action(description="Undrain the selected hosts (models may be placed there again)")
+    def undrain(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
+        for host in queryset:
+            undrain_host(host.name, actor=request.user.get_username())
+            self.message_user(request, f"Host {host.name} takes models again.", messages.SUCCESS)
 
     @admin.action(description="Remove the selected hosts (not while used)")
     def remove(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:

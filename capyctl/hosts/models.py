@@ -40,6 +40,8 @@ class Host(models.Model):
         null=True, blank=True, help_text="kept free in host RAM; empty = global default"
     )
     last_seen_at = models.DateTimeField(null=True, blank=True)
+    # Set by `capyctl host drain`: nothing new is placed here, and its models are moved.
+    drain_started_at = models.DateTimeField(null=True, blank=True, editable=False)
     heartbeat_at = models.DateTimeField(
         null=True, blank=True, help_text="last beat of the scheduler loop driving this host"
     )

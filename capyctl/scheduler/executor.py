@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from capyctl.hosts.models import LOCAL_HOST_NAME, Host
 from capyctl.hosts.services import local_host_beat
-from capyctl.scheduler import replica_scaling, wakes
+from capyctl.scheduler import host_drains, replica_scaling, wakes
 from capyctl.scheduler.errors import ControlPlaneUnavailableError, is_control_plane_error
 from capyctl.scheduler.models import Operation
 from capyctl.scheduler.operation_runs import run_operation
@@ -78,6 +78,7 @@ class SchedulerLoop(threading.Thread):
                 reconcile(host.pk)
             poll_hosts()
             replica_scaling.scale_all(wakes.ready_later)
+            host_drains.drain_all(wakes.later(host_drains.move))
             for remote in Host.objects.filter(is_local=False, state=Host.State.ONLINE):
                 try:
                     reconcile(remote.pk)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from django.db import transaction
+from django.utils import timezone
 
 from capyctl.errors import UserError
 from capyctl.events.services import record_event
@@ -80,3 +81,37 @@ def remove_host(name: str) -> None:
     with transaction.atomic():
         transitions.host_removed(host)
         record_event("host.removed", f"host {name} removed", subject=name)
+
+
+def drain_host(name: str, *, actor: str = "") -> Host:
+    """Drain a host: nothing new is placed on it from now on, and the scheduler's drain
+    pass moves what runs there (:mod:`capyctl.scheduler.host_drains`). Draining a host
+    that drains already changes nothing."""
+    host = get_host(name)
+    with transaction.atomic():
+        if Host.objects.filter(pk=host.pk, drain_started_at__isnull=True).update(
+            drain_started_at=timezone.now()
+        ):
+            record_event(
+                "host.draining",
+                f"host {name} is draining: nothing new is placed on it, and its models are "
+                "moved to other hosts where they fit (or stopped, where they cannot move)",
+                subject=name,
+                host_id=host.pk,
+                actor=actor,
+            )
+    host.refresh_from_db()
+    return host
+
+
+def undrain_host(name: str, *, actor: str = "") -> Host:
+    """Take a host back: models may be placed on it again (nothing moves back by itself)."""
+    host = get_host(name)
+    with transaction.atomic():
+        if Host.objects.filter(pk=host.pk, drain_started_at__isnull=False).update(
+            drain_started_at=None
+        ):
+            record_event("host.undrained", f"host {name} takes models again", subject=name,
+                         host_id=host.pk, actor=actor)  # fmt: skip
+    host.refresh_from_db()
+    return host

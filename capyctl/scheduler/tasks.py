@@ -20,6 +20,7 @@ from capyctl.hosts.models import Host
 from capyctl.scheduler import (
     actions,
     errors,
+    host_drains,
     notify,
     operation_runs,
     reconcile,
@@ -122,11 +123,22 @@ def poll_hosts() -> None:
     scale_replicas.delay()
 
 
+@shared_task(acks_late=True, ignore_result=True)
+def move_off_draining_host(deployment_id: int) -> None:
+    """Move one model off its draining host (:func:`capyctl.scheduler.host_drains.move`)."""
+    try:
+        host_drains.move(deployment_id)
+    except errors.SchedulerError as exc:
+        logger.info("moving deployment %s off its draining host: %s", deployment_id, exc)
+
+
 @shared_task(ignore_result=True)
 def scale_replicas() -> None:
-    """The replicas' pass (:mod:`capyctl.scheduler.replica_scaling`), never two at once."""
+    """The replicas' pass (:mod:`capyctl.scheduler.replica_scaling`) and the draining
+    hosts' (:mod:`capyctl.scheduler.host_drains`), never two at once."""
     if not settings.REDIS_URL or settings.CELERY_TASK_ALWAYS_EAGER:
         replica_scaling.scale_all(ensure_ready)
+        host_drains.drain_all(move_off_draining_host)
         return
     import redis  # noqa: PLC0415 - only with Redis (server mode): standalone never loads it
 
@@ -137,6 +149,7 @@ def scale_replicas() -> None:
         return  # the pass under way covers it
     try:
         replica_scaling.scale_all(ensure_ready.delay)
+        host_drains.drain_all(move_off_draining_host.delay)
     finally:
         with contextlib.suppress(redis.exceptions.LockError):
             lock.release()

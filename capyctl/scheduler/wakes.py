@@ -84,6 +84,23 @@ def ready_later(deployment_id: int) -> None:
     _control_pool().submit(_closing, _ready_quietly, deployment_id)
 
 
+def later(function: Callable[[int], object]) -> Callable[[int], None]:
+    """``function(deployment_id)`` run in the background on the control plane's threads
+    (standalone); its failure is logged (its events and states say the rest)."""
+
+    def submit(deployment_id: int) -> None:
+        _control_pool().submit(_closing, _quietly, function, deployment_id)
+
+    return submit
+
+
+def _quietly(function: Callable[[int], object], deployment_id: int) -> None:
+    try:
+        function(deployment_id)
+    except SchedulerError as exc:
+        logger.info("%s of deployment %s: %s", function.__name__, deployment_id, exc)
+
+
 def _ready_quietly(deployment_id: int) -> None:
     try:
         actions.ensure_ready(deployment_id, "system")

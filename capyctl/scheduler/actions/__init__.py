@@ -24,22 +24,26 @@ from capyctl.scheduler.actions.common import (
     MAX_SWITCH_ROUNDS,
     STOP_GRACE_SECONDS,
     instance_key,
+    load,
     touch,
 )
 from capyctl.scheduler.actions.park import park
 from capyctl.scheduler.actions.ready import ROOM_RETRY_SECONDS, check_park, ensure_ready, start
-from capyctl.scheduler.actions.stop import end_engine_and_fail, stop
+from capyctl.scheduler.actions.stop import drain_and_stop, end_engine_and_fail, stop, stop_engine
 
 __all__ = [
     "MAX_SWITCH_ROUNDS",
     "ROOM_RETRY_SECONDS",
     "STOP_GRACE_SECONDS",
     "check_park",
+    "drain_and_stop",
     "end_engine_and_fail",
     "ensure_ready",
     "instance_key",
+    "load",
     "park",
     "start",
     "stop",
+    "stop_engine",
     "touch",
 ]

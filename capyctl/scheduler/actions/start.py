@@ -140,10 +140,19 @@ def start_engine(deployment: Deployment, actor: str) -> Deployment:
 
 def source_host(deployment: Deployment) -> Host:
     """Where the deployment will run: its own host, else the first with room for it now
-    (its weights are fetched there, and it is placed there)."""
-    if deployment.host is not None:
-        return deployment.host
-    hosts = list(Host.objects.all())
+    (its weights are fetched there, and it is placed there). A draining host takes
+    nothing new: a deployment placed there goes elsewhere; one whose host a person chose
+    cannot, and is refused."""
+    own = deployment.host
+    if own is not None and own.drain_started_at is None:
+        return own
+    if own is not None and not deployment.movable:
+        raise NoCapacityError(
+            f"{deployment.name} cannot start: its host {own.name} is draining (capyctl host "
+            f"undrain {own.name}, or give {deployment.name} another host)",
+            lasting=True,
+        )
+    hosts = list(Host.objects.filter(drain_started_at__isnull=True))
     others = snapshots.siblings(deployment)
     if others and deployment.spread == "hosts":  # hosts with fewer of its siblings first
         on = Counter(
@@ -153,7 +162,8 @@ def source_host(deployment: Deployment) -> Host:
         )
         hosts.sort(key=lambda h: on[h.pk])
     if not hosts:
-        raise NoCapacityError(f"no host can run {deployment.name}: there are no hosts")
+        where = "every host is draining" if Host.objects.exists() else "there are no hosts"
+        raise NoCapacityError(f"no host can run {deployment.name}: {where}", lasting=True)
     for host in hosts:
         with host_lock(host.pk) as locked:
             result = plan([snapshots.snapshot(locked)], snapshots.need(deployment, locked))
