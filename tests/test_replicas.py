@@ -410,3 +410,69 @@ def test_replicas_are_given_as_n_or_min_max_on_the_command_line(cli, db):
     chat = get_deployment("chat")
     assert (chat.min_replicas, chat.replicas, chat.kept_up) == (0, 2, 2)
     assert cli("deployment", "list").out.splitlines()[1].split()[6] == "0/2"
+
+
+def _pid(name: str) -> int:
+    row = Deployment.objects.get(name=name)
+    return int(row.instances.exclude(state="exited").get().pid or 0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rolling_restart_brings_a_spare_up_first_and_restarts_one_at_a_time(two_gpus):
+    """``1:2`` with its second replica parked: a rolling restart wakes the parked one
+    before the ready one goes (so one is always ready), then restarts each in turn (new
+    engine processes); all at once, both go and come back; a model of one replica says
+    it had none ready meanwhile."""
+    from capyctl.scheduler import restarts
+
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    first = deployment("chat", replicas=2, min_replicas=1)
+    second = Deployment.objects.get(name="chat~1")
+    actions.ensure_ready(second.pk)
+    actions.park(second.pk, "ram")
+    actions.ensure_ready(first.pk)
+    before = {name: _pid(name) for name in ("chat", "chat~1")}
+
+    said = restarts.restart(first.pk, rolling=True, actor="test")
+    assert said == "chat restarted (one replica at a time): chat, chat~1"
+    # The spare woken for chat's restart was then restarted in its turn: both are new.
+    assert (state("chat"), state("chat~1")) == (("ready", ""), ("ready", ""))
+    assert all(_pid(name) != pid for name, pid in before.items())
+    steps = [
+        (e.kind, e.subject)
+        for e in Event.objects.filter(
+            kind__in=("deployment.woke", "deployment.stopped", "deployment.ready")
+        ).order_by("created_at", "id")
+    ]
+    woke, stopped = (
+        steps.index(("deployment.woke", "chat~1")),
+        steps.index(("deployment.stopped", "chat")),
+    )
+    assert woke < stopped, steps  # the spare was ready before the first went
+
+    together = restarts.restart(first.pk, rolling=False, actor="test")
+    assert together == "chat restarted (all at once): chat, chat~1"
+    assert (state("chat"), state("chat~1")) == (("ready", ""), ("ready", ""))
+    actions.stop(first.pk)
+    actions.stop(second.pk)
+    update_deployment("chat", replace(spec_of(get_deployment("chat")), replicas=1,
+                                      min_replicas=0))  # fmt: skip
+    actions.start(first.pk)
+    said = restarts.restart(first.pk, rolling=True, actor="test")
+    assert said == (
+        "chat restarted (its only replica): chat; 0 of the 1 it keeps up ready while chat "
+        "restarted (it has one replica)"
+    )
+
+
+def test_restart_takes_rolling_and_nothing_else(cli, db):
+    cli("engine", "add", "sim", "--kind", "vllm", "--command", f"{SIM} vllm")
+    cli("deployment", "add", "chat", "--engine", "sim", "--source", "chat", "--gpu-memory",
+        "16GiB")  # fmt: skip
+    refused = cli("deployment", "restart", "chat", "--rolling")
+    assert refused.code == 2
+    assert refused.err == (
+        "capyctl: error: cannot restart chat: no CapyCTL server is running on this data dir "
+        "(start one with 'capyctl start standalone' or 'capyctl start server')\n"
+    )
+    assert cli("deployment", "restart", "chat", "--mode", "ram").code == 2

@@ -318,8 +318,9 @@ DeploymentIn = deployment_in()
 
 class ActionIn(serializers.Serializer):  # type: ignore[type-arg]
     mode = serializers.ChoiceField(
-        choices=["ram", "deep"], required=False, help_text="park only: where the weights go"
-    )
+        choices=["ram", "deep", "rolling"], required=False,
+        help_text="a park's: where the weights go (ram, deep); a restart's: rolling",
+    )  # fmt: skip
     wait = serializers.FloatField(
         required=False, default=0, min_value=0, max_value=3600,
         help_text="seconds to wait for the outcome (0: answer at once with the operation)",

@@ -253,6 +253,12 @@ class DeploymentViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type
     def wake(self, request: Request, name: str) -> Response:
         return self._act(request, name, "wake")
 
+    @extend_schema(summary="Restart its engines (mode rolling: one replica at a time)",
+                   **_action_doc)  # fmt: skip
+    @action(detail=True, methods=["post"])
+    def restart(self, request: Request, name: str) -> Response:
+        return self._act(request, name, "restart")
+
 
 # -- hosts ----------------------------------------------------------------------------------
 

@@ -358,7 +358,9 @@ def deployment_action(args: argparse.Namespace) -> int:
             "this data dir, so it takes effect when one runs"
         )
         return 0
-    timeout = args.timeout or default_timeout(deployment)
+    timeout = args.timeout or default_timeout(deployment) * (
+        deployment.replicas if args.action == "restart" else 1
+    )
     op = _wait_showing_downloads(op, deployment.pk, timeout)
     if op.status == "done":
         print(f"{op.message} ({seconds_taken(op):.1f}s)")

@@ -396,6 +396,7 @@ def _build_deployment(commands: Any) -> None:
         ("stop", "stop it (desired state stopped): requests are refused until started"),
         ("park", "give back its GPU memory now"),
         ("wake", "make it ready now"),
+        ("restart", "stop its engines and start them again (new args, an upgraded engine)"),
     ):
         parser = _sub(sub, action, text, "deployment_action")
         parser.add_argument("name")
@@ -404,6 +405,11 @@ def _build_deployment(commands: Any) -> None:
             parser.add_argument(
                 "--mode", choices=("ram", "deep"), help="default: the best it allows"
             )
+        if action == "restart":
+            parser.add_argument(
+                "--rolling", dest="mode", action="store_const", const="rolling", default="",
+                help="one replica at a time, others kept ready (docs/replicas.md)",
+            )  # fmt: skip
         parser.add_argument(
             "--timeout", type=count_arg(1), default=None, metavar="SECONDS", help="how long to wait"
         )

@@ -14,8 +14,9 @@ from capyctl.scheduler import transitions
 from capyctl.scheduler.executor import server_alive, submit
 from capyctl.scheduler.models import Operation
 
-ACTIONS = ("start", "stop", "park", "wake")
+ACTIONS = ("start", "stop", "park", "wake", "restart")
 PARK_MODES = ("ram", "deep")
+RESTART_MODES = ("rolling",)
 
 
 def request_action(
@@ -26,9 +27,10 @@ def request_action(
     when one runs). Raises :class:`UserError` for a park or wake nobody could carry out."""
     if action not in ACTIONS:
         raise UserError(f"unknown action {action!r}; expected one of {', '.join(ACTIONS)}")
-    if mode and (action != "park" or mode not in PARK_MODES):
+    modes = {"park": PARK_MODES, "restart": RESTART_MODES}.get(action, ())
+    if mode and mode not in modes:
         raise UserError(
-            f"mode {mode!r} is not allowed here: only a park takes a mode (ram or deep)",
+            f"mode {mode!r} is not allowed here: a park takes ram or deep, a restart rolling",
             field="mode",
         )
     alive = server_alive()  # first: an intent nobody can be told changes nothing

@@ -15,6 +15,7 @@ class Operation(models.Model):
         STOP = "stop"
         PARK = "park"
         WAKE = "wake"
+        RESTART = "restart"
 
     class Status(models.TextChoices):
         PENDING = "pending"
@@ -26,7 +27,9 @@ class Operation(models.Model):
         "deployments.Deployment", on_delete=models.CASCADE, related_name="operations"
     )
     action = models.CharField(max_length=8, choices=Action.choices)
-    mode = models.CharField(max_length=8, blank=True, help_text="park mode, if asked")
+    mode = models.CharField(
+        max_length=8, blank=True, help_text="park mode, if asked; a restart's: rolling"
+    )
     actor = models.CharField(max_length=150, blank=True)
     status = models.CharField(max_length=8, choices=Status.choices, default=Status.PENDING)
     message = models.TextField(blank=True)

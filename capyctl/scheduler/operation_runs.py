@@ -10,7 +10,7 @@ from django.db import close_old_connections, connection
 from django.utils import timezone
 
 from capyctl.deployments.models import Deployment
-from capyctl.scheduler import actions, errors
+from capyctl.scheduler import actions, errors, restarts
 from capyctl.scheduler.models import Operation
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -28,6 +28,13 @@ def run_operation(operation_id: int) -> None:
         op = Operation.objects.select_related("deployment").get(pk=operation_id)
         actor = op.actor or "system"
         try:
+            if op.action == Operation.Action.RESTART:
+                said = restarts.restart(op.deployment_id, rolling=op.mode == "rolling",
+                                        actor=actor)  # fmt: skip
+                Operation.objects.filter(pk=op.pk).update(
+                    status=Operation.Status.DONE, message=said, finished_at=timezone.now()
+                )
+                return
             if op.action == Operation.Action.START:
                 result = actions.start(op.deployment_id, actor)
             elif op.action == Operation.Action.STOP:
