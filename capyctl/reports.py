@@ -94,11 +94,17 @@ def replica_rows(deployment: Deployment) -> list[Deployment]:
 
 
 def replica_data(row: Deployment) -> dict[str, Any]:
-    """One replica: where it runs and its state."""
+    """One replica: where it runs (host, GPUs), its state, and its requests in flight
+    (None where this process cannot count them: a command line beside standalone)."""
+    from capyctl.scheduler import requests_in_progress  # noqa: PLC0415 - kept off the other listings' start-up
+
+    running = row.instances.exclude(state="exited").values_list("gpu_indices", flat=True)
     return {
         "index": row.replica_index,
         "name": row.name,
         "host": row.host.name if row.host else None,
+        "gpus": [int(i) for i in (running[0] if running else [])],
+        "in_flight": requests_in_progress.count_if_known(row.pk),
         "observed_state": row.observed_state,
         "parked_mode": row.parked_mode or None,
         "state_reason": row.state_reason,

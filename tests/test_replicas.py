@@ -4,6 +4,7 @@ load and affinity, one more brought up when the ready ones are busy (docs/replic
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -27,7 +28,7 @@ from capyctl.deployments.services import (
 from capyctl.engines.services import add_engine
 from capyctl.errors import NotFoundError, UserError
 from capyctl.events.models import Event
-from capyctl.scheduler import actions, replica_scaling, scaling, wakes
+from capyctl.scheduler import actions, replica_scaling, requests_in_progress, scaling, wakes
 from capyctl.scheduler.drivers import set_local_driver
 from capyctl.web.metrics import REGISTRY
 from hostagent.simgpu import SimSpec
@@ -86,6 +87,18 @@ def test_replicas_run_on_gpus_of_their_own_and_a_running_one_is_not_dropped(two_
     listed = cli("deployment", "list").out.splitlines()
     assert listed[0].split()[6] == "REPLICAS"
     assert listed[1].split()[6] == "2/2"
+    # --json: each replica's host, GPUs and state; its requests in flight are known only
+    # to the serving process (a command line beside standalone says null).
+    (shown,) = json.loads(cli("deployment", "list", "--json").out)
+    assert [(r["name"], r["host"], r["observed_state"], r["in_flight"])
+            for r in shown["replica_set"]] == [("chat", "local", "ready", None),
+                                               ("chat~1", "local", "ready", None)]  # fmt: skip
+    assert sorted(r["gpus"] for r in shown["replica_set"]) == [[0], [1]]
+    assert requests_in_progress.begin(first.pk)
+    try:
+        assert [r["in_flight"] for r in replica_data_of("chat", serving=True)] == [1, 0]
+    finally:
+        requests_in_progress.end(first.pk)
     scraped = generate_latest(REGISTRY).decode()
     assert 'capyctl_replicas{model="chat",state="ready"} 2.0' in scraped
 
@@ -133,6 +146,16 @@ def _client(gateway: Any, key: str) -> httpx.AsyncClient:
     transport = httpx.ASGITransport(app=cast("Any", gateway))
     return httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60,
                              headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+
+
+def replica_data_of(name: str, *, serving: bool) -> list[dict[str, Any]]:
+    """``replica_set`` as the process serving /v1 reports it (REST, the dashboard)."""
+    from unittest import mock
+
+    from capyctl.reports import deployment_data
+
+    with mock.patch.object(requests_in_progress, "_serving", serving):
+        return list(deployment_data(Deployment.objects.get(name=name))["replica_set"])
 
 
 def _replica_of(answer: httpx.Response) -> str:

@@ -44,6 +44,7 @@ class Gateway:
     logged and traced here."""
 
     def __init__(self) -> None:
+        scheduler.serving()
         self.keys = KeyCache()
         self.routes = RoutingTable()
         self.limits = make_limiter(settings.REDIS_URL)

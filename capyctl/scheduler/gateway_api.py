@@ -65,6 +65,7 @@ __all__ = [
     "redis_errors",
     "redis_link",
     "scale_step",
+    "serving",
 ]
 
 # How much longer than the wake timeout a waiter listens, so that its answer carries the
@@ -87,6 +88,12 @@ async def begin_request(deployment_id: int) -> bool:
 async def end_request(deployment_id: int) -> None:
     """The request counted by :func:`begin_request` is over (its last byte sent)."""
     await requests_in_progress.aend(deployment_id)
+
+
+def serving() -> None:
+    """This process serves ``/v1`` (its requests in flight are the installation's, in
+    standalone: reports read them here)."""
+    requests_in_progress.serving()
 
 
 def note_asked_for(deployment_id: int) -> None:

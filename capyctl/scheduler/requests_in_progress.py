@@ -168,6 +168,23 @@ def down_since() -> float | None:
     return tracker().down_since
 
 
+_serving = False  # whether this process serves /v1 (standalone's counts live there)
+
+
+def serving() -> None:
+    """This process serves ``/v1``: its counts are the installation's (standalone)."""
+    global _serving  # noqa: PLW0603 - one flag a process, set once by the gateway
+    _serving = True
+
+
+def count_if_known(deployment_id: int) -> int | None:
+    """:func:`count_or_none` where this process can know it (server mode's shared counts,
+    or standalone's serving process); None in another process (a command line)."""
+    if not settings.REDIS_URL and not _serving:
+        return None
+    return count_or_none(deployment_id)
+
+
 def count_or_none(deployment_id: int) -> int | None:
     """:func:`count`, or None while the counts are unknown (for a display, a hint)."""
     try:
