@@ -499,3 +499,50 @@ def test_restart_takes_rolling_and_nothing_else(cli, db):
         "(start one with 'capyctl start standalone' or 'capyctl start server')\n"
     )
     assert cli("deployment", "restart", "chat", "--mode", "ram").code == 2
+
+
+def _ready_route(pk: int, gpu: int) -> Any:
+    from capyctl.gateway.routing import Route
+
+    return Route(
+        deployment_id=pk, name="chat" if pk == 1 else f"chat~{pk - 1}", desired_state="running",
+        observed_state="ready", parked_mode="", host="local",
+        base_url=f"http://127.0.0.1:{9000 + pk}", tls_name=None, host_state="online",
+        launch_key="k", max_waiting=8, max_queue_seconds=30, ceilings=(),
+        media_domains=frozenset(), gpus=(gpu,),
+    )  # fmt: skip
+
+
+async def test_server_mode_routes_on_every_api_process_s_requests_in_flight(
+    redis_url, settings, monkeypatch
+):
+    """Another API process carries three requests on one replica: once this process has
+    read Redis's counts, its requests go to the other replica; while Redis cannot be
+    read, the counts last read stand."""
+    from capyctl.gateway.replicas import Replicas
+    from capyctl.scheduler.requests_in_progress import CountsUnknown, RedisInFlight
+    from tests.test_requests_in_progress import in_use
+
+    settings.REDIS_URL = in_use(redis_url)
+    ours, theirs = RedisInFlight(redis_url), RedisInFlight(redis_url)  # two API processes
+    monkeypatch.setattr(requests_in_progress, "_tracker", ours)
+    first, second = _ready_route(1, 0), _ready_route(2, 1)
+    group = replace(first, replicas=(first, second))
+    try:
+        replicas = Replicas(shared=True)
+        assert {replicas.choose(group, None).deployment_id for _ in range(4)} == {1, 2}
+        for _ in range(3):
+            assert theirs.begin(1)
+        await replicas.read_shared(group)
+        assert replicas.others == {1: 3, 2: 0}
+        assert {replicas.choose(group, None).deployment_id for _ in range(4)} == {2}
+
+        def unknown(pk: int) -> int:
+            raise CountsUnknown("Redis did not answer lately")
+
+        monkeypatch.setattr(requests_in_progress, "count", unknown)
+        await replicas.read_shared(group)
+        assert replicas.others == {1: 3, 2: 0}  # as last read
+    finally:
+        ours.stop()
+        theirs.stop()

@@ -5,7 +5,10 @@ brought up.
 (:mod:`capyctl.scheduler.routing`: the fewest requests in flight, or the same replica for
 the same session or prompt prefix while its load stays within a bound); with none ready,
 the replica the request waits for: one coming up, else a parked one (waking is seconds),
-else the first. The counts it routes on are this process's own requests in flight.
+else the first. It routes on this process's own requests in flight, plus, in server mode,
+the other API processes' as Redis counts them (read in the background at most every
+:data:`SHARED_EVERY_SECONDS` for a model that gets requests; while Redis is away, the
+counts last read stand).
 
 :meth:`Replicas.began` counts a request on its replica and asks the scheduler's scaling
 decision (:func:`capyctl.scheduler.scaling.decide`, the same function the what-if
@@ -30,6 +33,7 @@ from capyctl.scheduler import gateway_api as scheduler
 logger = logging.getLogger("capyctl.gateway")
 
 _COMING_UP = frozenset(("starting", "waking", "downloading"))
+SHARED_EVERY_SECONDS = 0.25
 
 
 def serves(route: Route) -> bool:
@@ -55,8 +59,13 @@ class Replicas:
     """This process's requests in flight on each replica, the replicas that failed a
     request lately, and the bring-ups under way."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool | None = None) -> None:
         self.in_flight: dict[int, int] = {}
+        # Server mode: the other processes' requests in flight on each replica, as last read.
+        self.shared = scheduler.counts_shared() if shared is None else shared
+        self.others: dict[int, int] = {}
+        self._read_at: dict[int, float] = {}  # by the model's first replica
+        self._reading: set[int] = set()
         self._bringing: dict[int, asyncio.Future[Any]] = {}  # by the model's first replica
         # Replicas whose engine failed a request, with the state it was routed in: out of
         # routing until the scheduler says another (ready again after a restart or wake).
@@ -99,8 +108,32 @@ class Replicas:
 
     def _least_loaded(self, ready: dict[int, Route], key: str | None) -> Route:
         """The routing's pick among ``ready`` on this process's counts."""
-        loads = {pk: self.in_flight.get(pk, 0) for pk in ready}
+        loads = {pk: self.in_flight.get(pk, 0) + self.others.get(pk, 0) for pk in ready}
         return ready[scheduler.choose_replica(loads, key)]
+
+    def _read_shared_soon(self, group: Route) -> None:
+        """Read every process's counts of the model's replicas in the background, unless
+        read lately or being read."""
+        first = group.deployment_id
+        if first in self._reading or (
+            time.monotonic() - self._read_at.get(first, 0.0) < SHARED_EVERY_SECONDS
+        ):
+            return
+        self._reading.add(first)
+        asyncio.ensure_future(self.read_shared(group)).add_done_callback(_logged)
+
+    async def read_shared(self, group: Route) -> None:
+        """Note the other processes' requests in flight on each replica of ``group``."""
+        first = group.deployment_id
+        try:
+            counts = await scheduler.shared_counts([r.deployment_id for r in group.replicas])
+        finally:
+            self._reading.discard(first)
+            self._read_at[first] = time.monotonic()
+        if counts is None:
+            return  # Redis away: the counts last read stand
+        for pk, total in counts.items():
+            self.others[pk] = max(0, total - self.in_flight.get(pk, 0))
 
     def began(self, group: Route, replica: Route, started: float, outcome: Any) -> None:
         """A request (arrived at ``started``, its ``outcome`` noting when its answer began)
@@ -108,6 +141,8 @@ class Replicas:
         self.in_flight[replica.deployment_id] = self.in_flight.get(replica.deployment_id, 0) + 1
         first = group.deployment_id
         self._asked.setdefault(first, {})[id(outcome)] = (started, outcome)
+        if self.shared:
+            self._read_shared_soon(group)
         under_way = self._bringing.get(first)
         if under_way is not None and not under_way.done():
             return

@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from django.conf import settings
+
 from capyctl.deployments.models import Deployment
 from capyctl.events.services import record_event
 from capyctl.scheduler import (
@@ -55,6 +57,7 @@ __all__ = [
     "begin_request",
     "bring_up",
     "choose_replica",
+    "counts_shared",
     "end_request",
     "is_control_plane_error",
     "local_waits",
@@ -66,6 +69,7 @@ __all__ = [
     "redis_link",
     "scale_step",
     "serving",
+    "shared_counts",
 ]
 
 # How much longer than the wake timeout a waiter listens, so that its answer carries the
@@ -88,6 +92,28 @@ async def begin_request(deployment_id: int) -> bool:
 async def end_request(deployment_id: int) -> None:
     """The request counted by :func:`begin_request` is over (its last byte sent)."""
     await requests_in_progress.aend(deployment_id)
+
+
+def counts_shared() -> bool:
+    """Whether requests in flight are counted across processes (server mode, in Redis)."""
+    return bool(settings.REDIS_URL)
+
+
+async def shared_counts(deployment_ids: Sequence[int]) -> dict[int, int] | None:
+    """Every process's requests in flight on each deployment (server mode), or None when
+    they cannot be read now (Redis away, or its counts not yet to be trusted)."""
+    return await wakes.run(_shared_counts, list(deployment_ids))  # type: ignore[no-any-return]
+
+
+def _shared_counts(deployment_ids: list[int]) -> dict[int, int] | None:
+    unknown: tuple[type[BaseException], ...] = (
+        requests_in_progress.CountsUnknown,
+        *redislink.errors(),
+    )
+    try:
+        return {pk: requests_in_progress.count(pk) for pk in deployment_ids}
+    except unknown:
+        return None
 
 
 def serving() -> None:
