@@ -142,3 +142,26 @@ def test_drain_and_undrain_from_the_command_line(cli, two_hosts):
 def test_drain_refuses_an_unknown_host(db):
     with pytest.raises(UserError):
         drain_host("nope")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_model_no_other_host_has_room_for_stays_and_serves(two_hosts):
+    """The local host's GPUs are held by pinned models: `solo` on gpu2 has nowhere to go,
+    so the drain leaves it serving there and says so once, trying again each pass."""
+    from capyctl.scheduler import actions
+
+    solo = deployment("solo", gib=20)
+    actions.ensure_ready(solo.pk)
+    assert _where("solo") == ("gpu2", "ready")
+    for name in ("keep-0", "keep-1"):
+        kept = deployment(name, gib=20, host="local", pinned=True)
+        actions.ensure_ready(kept.pk)
+    drain_host("gpu2", actor="test")
+    host_drains.move(solo.pk)
+    host_drains.move(solo.pk)
+    assert _where("solo") == ("gpu2", "ready")
+    (said,) = Event.objects.filter(kind="deployment.waiting", subject="solo")
+    assert said.message == (
+        "solo stays on gpu2, which is draining: no other host has room for it now (tried "
+        "again every few seconds)"
+    )

@@ -15,9 +15,11 @@ each draining host and sends each model still on it to :func:`move`, in the back
    it up;
 4. a ready replica with no other ready elsewhere: another replica is brought up elsewhere
    first (a parked one woken, else a stopped one started), then it goes as in 3;
-5. a model of one replica (or one whose other replicas cannot come up elsewhere): its
-   requests in flight finish, it is stopped and started again on another host at once;
-   requests that arrive meanwhile wait for it, as for any start.
+5. a model of one replica (or one whose other replicas cannot come up elsewhere): where
+   another host has room for it, its requests in flight finish, it is stopped and started
+   again there at once (requests that arrive meanwhile wait for it, as for any start);
+   where none has, it stays and serves, and says so once (``deployment.waiting``): the
+   next pass tries again.
 
 When nothing runs on the host any more, the event ``host.drained`` says so, once.
 ``capyctl host undrain NAME`` takes the host back; nothing moves back by itself.
@@ -59,7 +61,7 @@ def drain_all(move_later: Callable[[int], object]) -> None:
                 move_later(deployment_id)
 
 
-def move(deployment_id: int) -> None:
+def move(deployment_id: int) -> None:  # noqa: PLR0911 - one move, read top to bottom
     """Move one model off its draining host (the steps: the module's docstring)."""
     deployment = actions.load(deployment_id)
     host = deployment.host
@@ -84,6 +86,9 @@ def move(deployment_id: int) -> None:
             )
             return
         covered = _ready_elsewhere(deployment) or _bring_up_elsewhere(deployment)
+        if not covered and not actions.fits_elsewhere(deployment):
+            _note_stuck(deployment, host)
+            return
         if not actions.drain_and_stop(
             deployment, "system", reason=f"{reason}: moved to another host", level=Event.Level.INFO
         ):
@@ -134,6 +139,22 @@ def _bring_up_elsewhere(deployment: Deployment) -> bool:
             continue
         return True
     return False
+
+
+def _note_stuck(deployment: Deployment, host: Host) -> None:
+    """Said once a drain: no other host has room for a model that cannot stop before it."""
+    said = Event.objects.filter(
+        kind="deployment.waiting", deployment_id=deployment.pk,
+        created_at__gte=host.drain_started_at, message__contains="draining",
+    ).exists()  # fmt: skip
+    if not said:
+        transitions.record(
+            deployment,
+            "deployment.waiting",
+            f"{deployment.name} stays on {host.name}, which is draining: no other host has "
+            "room for it now (tried again every few seconds)",
+            level=Event.Level.WARNING,
+        )
 
 
 def _note_drained(host: Host) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from datetime import datetime
 
@@ -29,9 +30,14 @@ from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, DesiredState
 from capyctl.events.services import record_event
-from capyctl.scheduler import actions, errors, requests_in_progress, scaling
+from capyctl.scheduler import actions, deployment_locks, errors, requests_in_progress, scaling
 
 logger = logging.getLogger("capyctl.scheduler")
+
+# A replica brought up that is not up by the next passes (no room, or it failed) is not
+# brought up again by this process for this long: one event and one try, not one a pass.
+BRING_UP_AGAIN_SECONDS = 30.0
+_brought_up: dict[int, float] = {}  # replica id -> when this process last brought it up
 
 
 def scale_all(bring_up: Callable[[int], object]) -> None:
@@ -64,8 +70,13 @@ def scale(first: Deployment, bring_up: Callable[[int], object]) -> scaling.Step 
         idle_park_seconds=idle if idle > 0 else math.inf,
     )
     step = scaling.decide(views, scaling.Demand(0, 0.0), bounds)
-    if step is None:
-        return None
+    if step is None or deployment_locks.driven_anywhere(step.replica_id):
+        return None  # nothing to do, or its step is under way
+    if step.action != scaling.PARK:
+        tried = _brought_up.get(step.replica_id)
+        if tried is not None and time.monotonic() - tried < BRING_UP_AGAIN_SECONDS:
+            return None  # it did not come up lately (no room): not asked again so soon
+        _brought_up[step.replica_id] = time.monotonic()
     record_event("deployment.scaled", f"{first.name}: {step.reason}", subject=first.name,
                  deployment_id=step.replica_id, data=dict(step.figures))  # fmt: skip
     if step.action == scaling.PARK:

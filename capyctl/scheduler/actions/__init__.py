@@ -29,6 +29,7 @@ from capyctl.scheduler.actions.common import (
 )
 from capyctl.scheduler.actions.park import park
 from capyctl.scheduler.actions.ready import ROOM_RETRY_SECONDS, check_park, ensure_ready, start
+from capyctl.scheduler.actions.start import fits_elsewhere
 from capyctl.scheduler.actions.stop import drain_and_stop, end_engine_and_fail, stop, stop_engine
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "drain_and_stop",
     "end_engine_and_fail",
     "ensure_ready",
+    "fits_elsewhere",
     "instance_key",
     "load",
     "park",

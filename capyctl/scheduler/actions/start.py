@@ -172,6 +172,20 @@ def source_host(deployment: Deployment) -> Host:
     return hosts[0]
 
 
+def fits_elsewhere(deployment: Deployment) -> bool:
+    """Whether a host other than its own, and not draining, could take the deployment now
+    (parking or stopping others as a start may)."""
+    others = Host.objects.filter(drain_started_at__isnull=True)
+    if deployment.host_id is not None:
+        others = others.exclude(pk=deployment.host_id)
+    for host in others:
+        with host_lock(host.pk) as locked:
+            result = plan([snapshots.snapshot(locked)], snapshots.need(deployment, locked))
+        if not isinstance(result, NoCapacity):
+            return True
+    return False
+
+
 def _place(deployment: Deployment, actor: str, target: Host) -> Admitted | None:
     """Admit the start on ``target``, evicting victims until the need fits. ``None``:
     another caller started or stopped it meanwhile, and nothing was admitted."""
