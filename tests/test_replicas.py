@@ -249,6 +249,10 @@ async def test_busy_replicas_bring_one_more_up_waking_a_parked_one(
         # Other prompts: the replica that came up takes its share.
         answers = await asyncio.gather(*(chat(f"question {i}") for i in range(8)))
         assert {_replica_of(answer) for answer in answers} == {"local/0", "local/1"}
+        scraped = (await sync_to_async(generate_latest)(REGISTRY)).decode()
+        for replica in ("chat", "chat~1"):  # each replica's requests, and in flight now
+            assert f'capyctl_replica_requests_total{{model="chat",replica="{replica}"}}' in scraped
+        assert 'capyctl_replica_in_flight{model="chat",replica="chat~1"} 0.0' in scraped
     await gateway.close()
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from capyctl.gateway.routing import Route
 from capyctl.scheduler import gateway_api as scheduler
+from capyctl.web import metrics
 
 logger = logging.getLogger("capyctl.gateway")
 
@@ -139,6 +140,7 @@ class Replicas:
         """A request (arrived at ``started``, its ``outcome`` noting when its answer began)
         was admitted on ``replica``; bring one more up if the scaling decision says so."""
         self.in_flight[replica.deployment_id] = self.in_flight.get(replica.deployment_id, 0) + 1
+        metrics.count_replica(group.name, replica.name)
         first = group.deployment_id
         self._asked.setdefault(first, {})[id(outcome)] = (started, outcome)
         if self.shared:

@@ -21,7 +21,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import get_user
 from django.db import close_old_connections
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 from django.http import HttpRequest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -36,7 +36,7 @@ from capyctl.deployments.models import Deployment
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
-from capyctl.scheduler import snapshots, turns
+from capyctl.scheduler import requests_in_progress, snapshots, turns
 
 REGISTRY = CollectorRegistry()
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -79,6 +79,14 @@ OVERHEAD = _Histogram(
 )
 WAITS = _Histogram("capyctl_wait_seconds", "time /v1 requests waited for a start or wake", _LATENCY)
 _counted: dict[tuple[str, int], int] = {}
+
+
+_replica_requests: dict[tuple[str, str], int] = {}  # (model, replica row name) -> requests
+
+
+def count_replica(model: str, replica: str) -> None:
+    """A /v1 request sent to one replica of a model of several (on the event loop)."""
+    _replica_requests[model, replica] = _replica_requests.get((model, replica), 0) + 1
 
 
 def count(model: str, status: int, started: float, headers_at: float, overhead: float) -> None:
@@ -173,18 +181,7 @@ class _Now(Collector):
         ):
             states.add_metric([name, state], 1)
         yield states
-        replicas = GaugeMetricFamily(
-            "capyctl_replicas",
-            "each model's replicas (its engines), by observed state",
-            labels=["model", "state"],
-        )
-        counted = Counter(
-            (row.served_name, row.observed_state)
-            for row in Deployment.objects.only("name", "observed_state")
-        )
-        for (model, state), count in sorted(counted.items()):
-            replicas.add_metric([model, state], count)
-        yield replicas
+        yield from _replica_families()
         steps = CounterMetricFamily(
             "capyctl_switch_steps", "starts, parks, wakes, stops and failures", labels=["step"]
         )
@@ -201,6 +198,45 @@ class _Now(Collector):
             seconds.add_metric([_STEPS[step["kind"]]], (step["ms"] or 0) / 1000)
         yield steps
         yield seconds
+
+
+def _replica_families() -> Iterator[Metric]:
+    """Each model's replicas by state; for a model of several, each replica's requests
+    and its requests in flight."""
+    replicas = GaugeMetricFamily(
+        "capyctl_replicas",
+        "each model's replicas (its engines), by observed state",
+        labels=["model", "state"],
+    )
+    counted = Counter(
+        (row.served_name, row.observed_state)
+        for row in Deployment.objects.only("name", "observed_state")
+    )
+    for (model, state), count in sorted(counted.items()):
+        replicas.add_metric([model, state], count)
+    yield replicas
+    sent = CounterMetricFamily(
+        "capyctl_replica_requests",
+        "/v1 requests sent to each replica of a model of several",
+        labels=["model", "replica"],
+    )
+    for (model, replica), n in sorted(dict(_replica_requests).items()):
+        sent.add_metric([model, replica], n)
+    yield sent
+    in_flight = GaugeMetricFamily(
+        "capyctl_replica_in_flight",
+        "requests in flight on each replica of a model of several (every API process's "
+        "in server mode)",
+        labels=["model", "replica"],
+    )
+    several = Deployment.objects.filter(
+        Q(replicas__gt=1, replica_of__isnull=True) | Q(replica_of__isnull=False)
+    )
+    for row in several.order_by("name").only("name"):
+        known = requests_in_progress.count_if_known(row.pk)
+        if known is not None:
+            in_flight.add_metric([row.served_name, row.name], known)
+    yield in_flight
 
 
 HISTORY_SECONDS = 3600.0
