@@ -9,12 +9,14 @@ ended. Three ways:
 
 least     no key: the replica with the fewest in flight (``choose(in_flight)``).
 prompt    the key read from a realistic chat body (a system prompt of about 1 KB, then the
-          user's message, one of 1000, drawn at random), then the ring walk within the bound.
-session   the key read from an ``x-session-id`` header (one of 1000), then the same walk.
+          user's message, one of 1000, drawn at random), then its replica as the gateway
+          picks it (``Homes.choose``: the key's home while within the bound, a new key
+          placed on the ring within its share of the keys).
+session   the key read from an ``x-session-id`` header (one of 1000), then the same pick.
 
 Each figure is the best of ``--rounds`` runs, in µs a request. ``kept``: the share of the
-prompt-keyed requests that went to their key's own replica (the first on the ring), the
-others having found it past the bound. ``ring build``: building the ring of that many
+prompt-keyed requests that went to their key's home replica, the others having found it
+past the bound. ``ring build``: building the ring of that many
 replicas (256 points each), which happens once each time the set of replicas changes.
 
 Run: .venv/bin/python bench/routing.py [--picks 20000] [--rounds 5] [--replicas 2 8 64]
@@ -28,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from capyctl.scheduler.routing import Ring, affinity_key, choose
+from capyctl.scheduler.routing import Homes, Ring, affinity_key, choose
 
 TARGET_US = 50.0
 TARGET_REPLICAS = 64
@@ -66,16 +68,21 @@ Request = tuple[dict[bytes, bytes], dict[str, object]]
 Picker = Callable[[dict[str, int], Request], str]
 
 
-def least(in_flight: dict[str, int], request: Request) -> str:
-    return choose(in_flight)
+def least() -> Picker:
+    return lambda in_flight, request: choose(in_flight)
 
 
-def keyed(in_flight: dict[str, int], request: Request) -> str:
-    return choose(in_flight, affinity_key(*request))
+def keyed() -> Picker:
+    """The gateway's pick, with a model's homes of its own (one per run)."""
+    homes: Homes[str] = Homes()
+    return lambda in_flight, request: homes.choose(in_flight, affinity_key(*request))
 
 
-def run(picker: Picker, replicas: int, requests: list[Request], outstanding: int) -> float:
+def run(
+    make: Callable[[], Picker], replicas: int, requests: list[Request], outstanding: int
+) -> float:
     """µs a request: the pick, its count in flight and the oldest request's end."""
+    picker = make()
     in_flight = {f"replica-{i}": 0 for i in range(replicas)}
     open_: deque[str] = deque()
     limit = outstanding * replicas
@@ -91,15 +98,15 @@ def run(picker: Picker, replicas: int, requests: list[Request], outstanding: int
 
 
 def kept(replicas: int, requests: list[Request], outstanding: int) -> float:
-    """The share of keyed requests that went to their key's first replica on the ring."""
+    """The share of keyed requests that went to their key's home replica."""
     in_flight = {f"replica-{i}": 0 for i in range(replicas)}
-    idle = dict.fromkeys(in_flight, 0)
+    homes: Homes[str] = Homes()
     open_: deque[str] = deque()
     same = 0
     for request in requests:
         key = affinity_key(*request)
-        chosen = choose(in_flight, key)
-        same += chosen == choose(idle, key)
+        chosen = homes.choose(in_flight, key)
+        same += chosen == homes.home_of(str(key))
         in_flight[chosen] += 1
         open_.append(chosen)
         if len(open_) > outstanding * replicas:
@@ -134,7 +141,7 @@ def main() -> None:
         ({b"x-session-id": f"sess-{rng.randrange(KEYS):05d}".encode()}, rng.choice(bodies))
         for _ in range(args.picks)
     ]
-    ways: list[tuple[Picker, list[Request]]] = [
+    ways: list[tuple[Callable[[], Picker], list[Request]]] = [
         (least, no_key), (keyed, prompt), (keyed, sessions)
     ]  # fmt: skip
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from capyctl.scheduler import routing
-from capyctl.scheduler.routing import Ring, affinity_key, choose, ring_of
+from capyctl.scheduler.routing import Homes, Ring, affinity_key, choose, ring_of
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLICAS = ["r1", "r2", "r3", "r4"]
@@ -274,3 +274,45 @@ def test_the_routing_bench_runs_in_a_tiny_mode_and_prints_its_table():
     assert any(line.split()[:1] == ["2"] for line in lines), done.stdout
     assert any(line.split()[:1] == ["8"] for line in lines), done.stdout
     assert "target: at most 50 µs a request at 64 replicas" in done.stdout
+
+
+def test_homes_spread_keys_evenly_and_keep_each_on_its_replica():
+    """Eight prompt prefixes over four replicas: two each, whatever their hashes (the ring
+    alone may give one replica four and another none), and each key's requests stay on
+    its replica."""
+    homes: Homes[str] = Homes()
+    loads = dict.fromkeys("abcd", 0)
+    keys = [f"p:prefix {i}" for i in range(8)]
+    first = {key: homes.choose(loads, key) for key in keys}
+    assert sorted(Counter(first.values()).values()) == [2, 2, 2, 2]
+    for _ in range(3):
+        assert {key: homes.choose(loads, key) for key in keys} == first
+
+
+def test_a_busy_home_spills_one_request_and_keeps_its_key():
+    homes: Homes[str] = Homes()
+    loads = {"a": 0, "b": 0}
+    home = homes.choose(loads, "s:session")
+    other = "b" if home == "a" else "a"
+    loads[home] = 5  # past ceil(1.25 * 6 / 2) = 4
+    assert homes.choose(loads, "s:session") == other
+    assert homes.home_of("s:session") == home
+    assert homes.choose(loads, "s:session", busy=8) == home  # under busy: not past it
+    loads[home] = 0
+    assert homes.choose(loads, "s:session") == home
+
+
+def test_a_key_whose_replica_left_is_placed_again_and_old_keys_go():
+    homes: Homes[str] = Homes(kept=3)
+    loads = dict.fromkeys("abc", 0)
+    home = homes.choose(loads, "k0")
+    left = {r: 0 for r in loads if r != home}  # its replica is not ready
+    again = homes.choose(left, "k0")
+    assert again in left
+    assert homes.home_of("k0") == again
+    for i in range(1, 4):
+        homes.choose(loads, f"k{i}")
+    assert homes.home_of("k0") is None  # the least recently seen of four, three kept
+    assert sorted(Counter(homes.home_of(f"k{i}") for i in range(1, 4)).values()) == [1, 1, 1]
+    with pytest.raises(ValueError, match="no replica to choose from"):
+        homes.choose({"a": 0}, "k1", exclude=("a",))

@@ -3,7 +3,8 @@ brought up.
 
 :meth:`Replicas.choose` picks among the model's ready replicas by the scheduler's routing
 (:mod:`capyctl.scheduler.routing`: the fewest requests in flight, or the same replica for
-the same session or prompt prefix while its load stays within a bound); with none ready,
+the same session or prompt prefix, its keys spread evenly over the replicas, while its
+load stays within a bound); with none ready,
 the replica the request waits for: one coming up, else a parked one (waking is seconds),
 else the first. It routes on this process's own requests in flight, plus, in server mode,
 the other API processes' as Redis counts them (read in the background at most every
@@ -67,6 +68,7 @@ class Replicas:
         self.others: dict[int, int] = {}
         self._read_at: dict[int, float] = {}  # by the model's first replica
         self._reading: set[int] = set()
+        self._homes: dict[int, Any] = {}  # by the model's first replica: its keys' homes
         self._bringing: dict[int, asyncio.Future[Any]] = {}  # by the model's first replica
         # Replicas whose engine failed a request, with the state it was routed in: out of
         # routing until the scheduler says another (ready again after a restart or wake).
@@ -91,7 +93,7 @@ class Replicas:
         affinity ``key`` (:func:`capyctl.scheduler.routing.affinity_key`)."""
         ready = self._serving(group)
         if ready:
-            return self._least_loaded(ready, key)
+            return self._pick(group, ready, key)
         for wanted in (_COMING_UP, {"ready"}, {"parked"}):
             for replica in group.replicas:
                 if replica.observed_state in wanted and replica.desired_state == "running":
@@ -105,12 +107,16 @@ class Replicas:
         self._failed[replica.deployment_id] = _state_of(replica)
         ready = self._serving(group)
         ready.pop(replica.deployment_id, None)
-        return self._least_loaded(ready, key) if ready else None
+        return self._pick(group, ready, key) if ready else None
 
-    def _least_loaded(self, ready: dict[int, Route], key: str | None) -> Route:
-        """The routing's pick among ``ready`` on this process's counts."""
+    def _pick(self, group: Route, ready: dict[int, Route], key: str | None) -> Route:
+        """The routing's pick among ``ready``: the key's home replica while it is not
+        past its bound, else the least loaded (:class:`capyctl.scheduler.routing.Homes`)."""
+        homes = self._homes.get(group.deployment_id)
+        if homes is None:
+            homes = self._homes[group.deployment_id] = scheduler.KeyHomes()
         loads = {pk: self.in_flight.get(pk, 0) + self.others.get(pk, 0) for pk in ready}
-        return ready[scheduler.choose_replica(loads, key)]
+        return ready[homes.choose(loads, key, busy=group.target_concurrency)]
 
     def _read_shared_soon(self, group: Route) -> None:
         """Read every process's counts of the model's replicas in the background, unless

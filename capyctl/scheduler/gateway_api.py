@@ -10,7 +10,7 @@ the work stays in one place (and a test that replaces it there replaces it here 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.conf import settings
@@ -38,6 +38,7 @@ from capyctl.scheduler.errors import (
     outage,
 )
 from capyctl.scheduler.redislink import Link
+from capyctl.scheduler.routing import Homes as KeyHomes
 from capyctl.scheduler.scaling import ReplicaView, Step
 from capyctl.scheduler.turns import Wait
 
@@ -45,6 +46,7 @@ __all__ = [
     "OUTCOME_GRACE_SECONDS",
     "ControlPlaneUnavailableError",
     "EngineFailedError",
+    "KeyHomes",
     "Link",
     "ModelStoppedError",
     "NoCapacityError",
@@ -56,7 +58,6 @@ __all__ = [
     "affinity_key",
     "begin_request",
     "bring_up",
-    "choose_replica",
     "counts_shared",
     "end_request",
     "is_control_plane_error",
@@ -150,11 +151,6 @@ def redis_errors() -> tuple[type[BaseException], ...]:
 def affinity_key(headers: Any, body: Any) -> str | None:
     """What ties a request to a replica (:func:`capyctl.scheduler.routing.affinity_key`)."""
     return routing.affinity_key(headers, body)
-
-
-def choose_replica(loads: Mapping[int, int], key: str | None, exclude: Collection[int] = ()) -> int:
-    """The ready replica for a request (:func:`capyctl.scheduler.routing.choose`)."""
-    return routing.choose(loads, key, exclude=exclude)
 
 
 def scale_step(

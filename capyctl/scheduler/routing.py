@@ -24,6 +24,7 @@ import bisect
 import hashlib
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Collection, Hashable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -203,6 +204,89 @@ def choose(
         if index == size:
             index = 0
     return _least_loaded(candidates)  # not reached while load_factor >= 1
+
+
+HOMES_KEPT = 4096  # affinity keys whose replica a model remembers (least recently seen go)
+
+
+class Homes(Generic[ReplicaId]):
+    """Which replica each affinity key of one model lives on, so that a prefix stays in
+    one engine's cache and the keys are spread evenly over the replicas.
+
+    Consistent hashing alone (:func:`choose`) leaves the keys where their hashes fall: with
+    a few hot prefixes, one replica may get twice its share of them and another none, and
+    its caches thrash. Here a key seen for the first time goes to the first replica
+    clockwise from its hash that has no more than its share of the keys,
+    ``ceil((keys + 1) / replicas)`` (bounded loads over keys, as the original method
+    bounds items per bin), and stays there: each later request with that key goes to its
+    replica while that replica's requests in flight stay under ``max(busy,
+    ceil(LOAD_FACTOR * (total + 1) / n))``; past it, that one request takes the
+    bounded-load ring walk (:func:`choose`) and the key keeps its home. A key whose
+    replica left routing is placed again. Every API process keeps its own homes; as they
+    all walk the same ring, they mostly agree.
+
+    Plain Python; the gateway calls :meth:`choose` once a request."""
+
+    __slots__ = ("_count", "_home", "_kept")
+
+    def __init__(self, kept: int = HOMES_KEPT) -> None:
+        self._home: OrderedDict[str, ReplicaId] = OrderedDict()
+        self._count: dict[ReplicaId, int] = {}
+        self._kept = kept
+
+    def choose(
+        self,
+        loads: Mapping[ReplicaId, int],
+        key: str | None = None,
+        *,
+        busy: int = 0,
+        exclude: Collection[ReplicaId] = (),
+    ) -> ReplicaId:
+        """The replica for a request (``loads``: each ready replica's requests in flight;
+        ``busy``: in flight below which a replica takes its keys' requests whatever the
+        others carry; ``exclude``: replicas not to use)."""
+        candidates = loads
+        if exclude:
+            candidates = {r: load for r, load in loads.items() if r not in exclude}
+        if not candidates:
+            raise ValueError("no replica to choose from")
+        if key is None or len(candidates) == 1:
+            return _least_loaded(candidates)
+        home = self._home.get(key)
+        if home is None or home not in candidates:
+            home = self._place(key, candidates)
+        else:
+            self._home.move_to_end(key)
+        cap = max(busy, math.ceil(LOAD_FACTOR * (sum(candidates.values()) + 1) / len(candidates)))
+        if candidates[home] < cap:
+            return home
+        return choose(candidates, key, exclude=())  # past the bound: this request only
+
+    def home_of(self, key: str) -> ReplicaId | None:
+        return self._home.get(key)
+
+    def _place(self, key: str, candidates: Mapping[ReplicaId, int]) -> ReplicaId:
+        count = self._count
+        old = self._home.pop(key, None)
+        if old is not None:
+            count[old] -= 1
+        if len(self._home) >= self._kept:  # room for it first: the least recently seen goes
+            _, gone = self._home.popitem(last=False)
+            count[gone] -= 1
+        share = math.ceil((sum(count.get(r, 0) for r in candidates) + 1) / len(candidates))
+        ring = ring_of(candidates.keys())
+        owners, size = ring.owners, len(ring.owners)
+        index = ring.start(key)
+        chosen = owners[index]
+        for _ in range(size):
+            owner = owners[index]
+            if owner in candidates and count.get(owner, 0) < share:
+                chosen = owner
+                break
+            index = index + 1 if index + 1 < size else 0
+        self._home[key] = chosen
+        count[chosen] = count.get(chosen, 0) + 1
+        return chosen
 
 
 def _least_loaded(candidates: Mapping[ReplicaId, int]) -> ReplicaId:
