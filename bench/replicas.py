@@ -8,10 +8,12 @@ names the replica that served it. A simulated engine runs 4 requests at once and
 the rest (``CAPYCTL_SIM_MAX_CONCURRENCY``); it writes 200 tokens a second, and a request
 asks for 10, so an answer takes 50 ms and one engine serves at most 80 a second.
 
-1. Throughput: the same open load, Poisson arrivals at 90 % of four engines' rate, on a
+1. Throughput: the same open load, Poisson arrivals at 1.2 times four engines' rate, on a
    model of 1, 2 and 4 replicas (``--replicas N``: all N kept up; each run starts once
-   all N are ready and each has answered). Printed: answers a second, p50 and p99
-   latency, and the ratios of 2 and of 4 replicas to 1.
+   all N are ready and each has answered). Printed: answers a second (those finished
+   within the load's span, over it), p50 and p99 latency, and the ratios of 2 and of 4
+   replicas to 1. Every run is over its capacity, so its latency is mostly the time its
+   outstanding requests wait in the engines' queues.
 2. Affinity: a prompt-prefix-heavy trace (8 shared prefixes of 1,024 tokens, each
    request one of them chosen at random and a short suffix of its own, streamed) on 4
    replicas, routed with affinity (``--routing affinity``, the default) and by least load
@@ -23,20 +25,27 @@ asks for 10, so an answer takes 50 ms and one engine serves at most 80 a second.
    and after the trace); the answers carry no cached-token count. Time to first token:
    from the request's arrival to its first content chunk.
 3. Scale-up: a model of one replica kept up and up to three by load (``--replicas 1:3``,
-   ``--target-concurrency 4``), under a step from a low load to 2.25 engines' worth. The
-   time from the step until latency is back under a bound (the p90 of each half-second's
-   requests at most 250 ms, none turned away, to the end of the run), first with the
-   extra replicas stopped (never started: each start loads for ``CAPYCTL_SIM_LOAD_SECONDS``,
-   20 s), then with them parked (after the first step, the load stops and they are parked
-   for idleness, ``--idle-park-seconds``; each wake takes ``CAPYCTL_SIM_WAKE_SECONDS``,
-   1 s). One replica is brought up at a time, so two extra replicas take two loads or two
-   wakes.
+   ``--target-concurrency 4``, weights of 4 GiB declared with ``--weights-size``), under
+   a step from a low load to 2.25 engines' worth. The time from the step until latency is
+   back under a bound (the p90 of each half-second's arrivals at most 250 ms, none turned
+   away, to the end of the run), first with the extra replicas stopped (never started:
+   each start loads for ``CAPYCTL_SIM_LOAD_SECONDS``, 20 s), then with them parked (after
+   the first step the load stops, and the model, idle, is parked whole,
+   ``--idle-park-seconds``; a wake from host RAM takes ``CAPYCTL_SIM_WAKE_SECONDS``,
+   1 s). Each run begins with one request alone, which wakes the first replica if it was
+   parked, then the low load at once. One replica is brought up at a time, so two extra
+   replicas take two starts or two wakes. Printed with each: the park mode of the extra
+   replicas, and when each replica answered first.
+
+``--quick``: shorter runs (2.5 s of load for each number of replicas, 240 requests of the
+trace, a start of 4 s and a wake of 0.5 s), under two minutes, to check that it works;
+the default takes about four.
 
 The loads are open: arrivals at set times (a seeded Poisson process, the same in each run
 it is compared across), each request's latency counted from its arrival time. At most so
-many requests are outstanding at once (128 in part 1, 96 in part 3); an arrival that finds
-that many is turned away and counted, as k6's constant-arrival-rate executor drops
-iterations, so the queues of an overloaded run stay bounded.
+many requests are outstanding at once (128 in parts 1 and 2, 96 in part 3); an arrival
+that finds that many is turned away and counted, as k6's constant-arrival-rate executor
+drops iterations, so the queues of an overloaded run stay bounded.
 
 Every process started (the server, and through it the engines) ends with the run, on an
 error or Ctrl-C too: the deployments are stopped, then the server, which runs in a
@@ -80,6 +89,10 @@ ROUTING = {"affinity": ["--routing", "affinity"], "least-load": ["--routing", "l
 
 GPUS = "4x24GiB"
 MODEL_MEMORY = "16GiB"
+# Part 3's weights, declared too: a copy in host RAM is otherwise taken to be as large as
+# the GPU memory until a park has measured it, and the third of three replicas parked at
+# once would not fit (it would park deep).
+WEIGHTS = "4GiB"
 SLOTS = 4  # requests an engine runs at once
 TOKENS_PER_SECOND = 200
 MAX_TOKENS = 10  # 50 ms an answer
@@ -123,11 +136,11 @@ class Settings:
     @property
     def stopped_high_seconds(self) -> float:
         # two starts one after the other, then room to settle
-        return 2 * self.load_seconds + 3 * self.parked_high_seconds / 4 + 5
+        return 2.5 * self.load_seconds + 5
 
 
-QUICK = Settings(throughput_seconds=3, affinity_requests=300, load_seconds=5, wake_seconds=0.5,
-                 idle_park_seconds=2, low_seconds=2, parked_high_seconds=8)  # fmt: skip
+QUICK = Settings(throughput_seconds=2.5, affinity_requests=240, load_seconds=4, wake_seconds=0.5,
+                 idle_park_seconds=2, low_seconds=2, parked_high_seconds=6)  # fmt: skip
 FULL = Settings(throughput_seconds=10, affinity_requests=1200, load_seconds=20, wake_seconds=1,
                 idle_park_seconds=4, low_seconds=4, parked_high_seconds=15)  # fmt: skip
 
@@ -188,8 +201,8 @@ class Server:
         path = self.folder / "server.log"
         return path.read_text(errors="replace")[-2000:] if path.exists() else ""
 
-    def engine(self, name: str, **knobs: float | int) -> None:
-        env = [a for k, v in knobs.items() for a in ("--env", f"CAPYCTL_SIM_{k.upper()}={v:g}")]
+    def engine(self, name: str, **knobs: float | str) -> None:
+        env = [a for k, v in knobs.items() for a in ("--env", f"CAPYCTL_SIM_{k.upper()}={v}")]
         self.capyctl("engine", "add", name, "--kind", "vllm", "--command",
                      f"{sys.executable} -m hostagent.sim vllm", *env)  # fmt: skip
 
@@ -198,12 +211,16 @@ class Server:
                      "--gpu-memory", MODEL_MEMORY, *flags)  # fmt: skip
         self.deployments.append(name)
 
-    def states(self, name: str) -> list[str]:
-        """Each replica's observed state, the first one's first."""
+    def replicas(self, name: str) -> list[dict[str, Any]]:
+        """Each replica as ``deployment list --json`` shows it, the first one's first."""
         for row in json.loads(self.capyctl("deployment", "list", "--json")):
             if row["name"] == name:
-                return [r["observed_state"] for r in row.get("replica_set") or [row]]
+                return list(row.get("replica_set") or [row])
         raise RuntimeError(f"no deployment {name}")
+
+    def states(self, name: str) -> list[str]:
+        """Each replica's observed state, the first one's first."""
+        return [r["observed_state"] for r in self.replicas(name)]
 
     def wait_states(self, name: str, wanted: Any, timeout: float, what: str) -> list[str]:
         """Poll until ``wanted(states)``; RuntimeError after ``timeout``."""
@@ -249,8 +266,11 @@ class Server:
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
         for pid, _ in self.engines():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
+            try:
                 os.killpg(pid, signal.SIGKILL)  # each engine leads a group of its own
+            except ProcessLookupError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -344,7 +364,7 @@ async def ask(lanes: Lanes, body: dict[str, Any], answer: Answer, t0: float) -> 
             else:
                 await response.aread()
             answer.status = response.status_code
-    except httpx.HTTPError:
+    except Exception:  # no answer, or one cut off or unreadable
         answer.status = -1
         return
     now = time.perf_counter()
@@ -455,7 +475,8 @@ def throughput(server: Server, settings: Settings, seed: int) -> dict[int, float
         rates[n] = in_window / run.seconds
         latencies = [a.latency * 1000 for a in answered if a.latency is not None]
         shares = Counter(a.replica for a in answered)
-        by_replica = " ".join(f"{r} {c / len(answered):.0%}" for r, c in sorted(shares.items()))
+        by_replica = " ".join(f"{r or '(no header)'} {c / len(answered):.0%}"
+                              for r, c in sorted(shares.items()))  # fmt: skip
         print(f"   {n:>8}  {rates[n]:>9.1f}  {pct(latencies, 0.5):>7.1f}  "
               f"{pct(latencies, 0.99):>7.1f}  {run.turned_away:>11}  {run.failed:>6}  "
               f"{by_replica}", flush=True)  # fmt: skip
@@ -484,6 +505,7 @@ class AffinityFigures:
     ttft_p50: float
     ttft_p99: float
     usual: float  # the share of each prefix's requests its most used replica served
+    homes: Counter[str]  # prefixes by their most used replica
     answered: int
     failed: int
 
@@ -495,7 +517,7 @@ def prefix_text(i: int) -> str:
 
 def affinity(server: Server, settings: Settings, seed: int) -> dict[str, AffinityFigures]:
     count = settings.affinity_requests
-    print(f"\n2. affinity: {count} streamed requests, Poisson at {AFFINITY_RATE:.0f}/s, on 4 "
+    print(f"\n2. affinity: about {count} streamed requests, Poisson at {AFFINITY_RATE:.0f}/s, on 4 "
           f"replicas; each one of {PREFIXES} prefixes of {PREFIX_TOKENS} tokens (at random) "
           f"and a suffix of its own", flush=True)  # fmt: skip
     print(f"   engines: prefix cache {PREFIX_CACHE_TOKENS} tokens each, misses prefilled at "
@@ -518,6 +540,9 @@ def affinity(server: Server, settings: Settings, seed: int) -> dict[str, Affinit
         f = figures[routing]
         print(f"   {routing:<11}  {f.hit_rate:>8.1%}  {f.ttft_mean:>6.1f} ms  {f.ttft_p50:>6.1f}  "
               f"{f.ttft_p99:>6.1f}  {f.usual:>20.0%}  {f.failed:>6}", flush=True)  # fmt: skip
+    homes = figures["affinity"].homes
+    print("   with affinity, the prefixes by the replica that served most of each: "
+          + ", ".join(f"{r} {homes[r]}" for r in sorted(homes)), flush=True)  # fmt: skip
     ratio = figures["affinity"].hit_rate / max(figures["least-load"].hit_rate, 1e-9)
     print(f"   hit rate, affinity vs least-load: {ratio:.2f}x; mean TTFT "
           f"{figures['affinity'].ttft_mean:.1f} vs {figures['least-load'].ttft_mean:.1f} ms",
@@ -563,12 +588,15 @@ async def _affinity_run(server: Server, name: str, count: int, seed: int) -> Aff
     for a in answered:
         served[a.tag][a.replica] += 1
     usual = sum(max(c.values()) for c in served.values()) / max(len(answered), 1)
+    homes = Counter({r: 0 for c in served.values() for r in c})
+    homes.update(max(c, key=lambda r: c[r]) for c in served.values())
     return AffinityFigures(
         hit_rate=hits / queries if queries else math.nan,
         ttft_mean=statistics.mean(firsts) if firsts else math.nan,
         ttft_p50=pct(firsts, 0.5),
         ttft_p99=pct(firsts, 0.99),
         usual=usual,
+        homes=homes,
         answered=len(answered),
         failed=run.failed + run.turned_away,
     )
@@ -579,6 +607,7 @@ async def _affinity_run(server: Server, name: str, count: int, seed: int) -> Aff
 
 @dataclass
 class StepFigures:
+    early: list[str]  # replicas besides the first that answered before the step
     recovered: float | None  # seconds from the step; None: not by the end
     high_seconds: float
     first_answers: dict[str, float]  # replica -> its first answer, seconds from the step
@@ -602,11 +631,11 @@ def scale_up(server: Server, settings: Settings, seed: int) -> dict[str, StepFig
     server.engine("slow-start", max_concurrency=SLOTS, tokens_per_second=TOKENS_PER_SECOND,
                   completion_tokens=MAX_TOKENS,
                   load_seconds=s.load_seconds, wake_seconds=s.wake_seconds,
-                  sleep_seconds=s.wake_seconds)  # fmt: skip
+                  sleep_seconds=s.wake_seconds, weights_bytes=WEIGHTS)  # fmt: skip
     name = "step"
     server.deployment(name, "slow-start", *SCALED_REPLICAS, "--target-concurrency",
                       str(STEP_TARGET_CONCURRENCY), "--idle-park-seconds",
-                      str(s.idle_park_seconds))  # fmt: skip
+                      str(s.idle_park_seconds), "--weights-size", WEIGHTS)  # fmt: skip
     server.capyctl("deployment", "start", name)
     figures: dict[str, StepFigures] = {}
     extras = slice(1, SCALED_MAX)
@@ -614,34 +643,26 @@ def scale_up(server: Server, settings: Settings, seed: int) -> dict[str, StepFig
     if states[extras] != ["stopped"] * (SCALED_MAX - 1):
         raise RuntimeError(f"{name}: the extra replicas are not stopped before the step ({states})")
     figures["stopped"] = asyncio.run(_step_run(server, name, s, s.stopped_high_seconds, seed))
-    # Idle, the extra replicas are parked; then one request brings the first one back.
+    # Idle, the extra replicas are parked (the first one too, as the model parks whole).
     server.wait_states(name, lambda st: st[extras] == ["parked"] * (SCALED_MAX - 1),
                        s.idle_park_seconds + 60, "the extra replicas parked")  # fmt: skip
-    asyncio.run(_one(server, name))
-    states = server.wait_states(name, lambda st: st[0] == "ready", 60, "the first replica ready")
-    if states[extras] != ["parked"] * (SCALED_MAX - 1):
-        raise RuntimeError(f"{name}: the extra replicas are not parked before the step ({states})")
+    modes = ", ".join(str(r.get("parked_mode")) for r in server.replicas(name)[extras])
     figures["parked"] = asyncio.run(_step_run(server, name, s, s.parked_high_seconds, seed))
     server.stop(name)
     print(f"   {'extra replicas':<18}  {'back under the bound':>20}  {'p50 ms':>7}  {'p99 ms':>7}"
           f"  {'turned away':>11}  {'failed':>6}  first answer of each replica (s after the "
           "step)", flush=True)  # fmt: skip
-    for label, key in (("parked (woken)", "parked"), ("stopped (started)", "stopped")):
+    for label, key in ((f"parked ({modes})", "parked"), ("stopped", "stopped")):
         f = figures[key]
         back = f"{f.recovered:.1f} s" if f.recovered is not None else f"> {f.high_seconds:g} s"
         firsts = ", ".join(f"{r} {t:+.1f}" for r, t in sorted(f.first_answers.items(),
                                                                key=lambda kv: kv[1]))  # fmt: skip
         print(f"   {label:<18}  {back:>20}  {f.p50:>7.1f}  {f.p99:>7.1f}  {f.turned_away:>11}  "
               f"{f.failed:>6}  {firsts}", flush=True)  # fmt: skip
+        if f.early:
+            print(f"      not a step from one replica: {', '.join(f.early)} answered before it",
+                  flush=True)  # fmt: skip
     return figures
-
-
-async def _one(server: Server, name: str) -> None:
-    async with Lanes(server, 1) as lanes:
-        answer = Answer(arrival=0.0)
-        await ask(lanes, chat(name, "one request: wake up"), answer, time.perf_counter())
-        if answer.status != 200:
-            raise RuntimeError(f"{name}: a request to wake it got {answer.status}")
 
 
 async def _step_run(
@@ -649,12 +670,20 @@ async def _step_run(
 ) -> StepFigures:
     low = settings.low_seconds
     async with Lanes(server, STEP_CAP) as lanes:
+        # One request alone first: it wakes the first replica where it was parked for
+        # idleness (requests piling up behind a wake would call for more replicas before
+        # the step); the load follows at once, before it can go idle again.
+        first = Answer(arrival=0.0)
+        await ask(lanes, chat(name, "one request first"), first, time.perf_counter())
+        if first.status != 200:
+            raise RuntimeError(f"{name}: the first request got {first.status}")
 
         def body(i: int) -> tuple[dict[str, Any], int]:
             return chat(name, f"request {i}: what do capybaras eat?"), 0
 
         phases = [(LOW_RATE, low), (HIGH_RATE, high_seconds)]
         run = await open_load(lanes, phases, body, STEP_CAP, seed)
+    early = {a.replica for a in run.answers if a.arrival < low and a.status == 200}
     after = [a for a in run.answers if a.arrival >= low]
     bins: dict[int, list[Answer]] = defaultdict(list)
     for a in after:
@@ -681,6 +710,7 @@ async def _step_run(
             firsts[a.replica] = a.done - low
     latencies = [a.latency * 1000 for a in after if a.status == 200 and a.latency is not None]
     return StepFigures(
+        early=sorted(early - {first.replica}),
         recovered=recovered,
         high_seconds=high_seconds,
         first_answers=firsts,
@@ -726,6 +756,7 @@ def main() -> None:
           f"average {load:.1f} at the start", flush=True)  # fmt: skip
     server = Server()
     results: dict[str, Any] = {}
+    interrupted = False
     with terminated_as_interrupt():
         try:
             server.start()
@@ -735,7 +766,10 @@ def main() -> None:
                 results["affinity"] = affinity(server, settings, args.seed)
             if 3 in args.parts:
                 results["scale"] = scale_up(server, settings, args.seed)
-        except BaseException:
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\ninterrupted: stopping what this run started", file=sys.stderr, flush=True)
+        except Exception:
             tail = server.log_tail()
             if tail:
                 print(f"the server's log, its end:\n{tail}", file=sys.stderr)
@@ -746,6 +780,8 @@ def main() -> None:
                 server.close()
             finally:
                 signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        sys.exit(130)
     summary(results)
     print(f"({time.monotonic() - started:.0f} s in all; load average "
           f"{os.getloadavg()[0]:.1f} at the end)")  # fmt: skip
@@ -769,7 +805,9 @@ def summary(results: dict[str, Any]) -> None:
     if "scale" in results:
         f = results["scale"]
         parked, stopped = f["parked"].recovered, f["stopped"].recovered
-        if parked is None:
+        if f["parked"].early or f["stopped"].early:
+            print("  scale-up: not measured (extra replicas answered before the step)")
+        elif parked is None:
             print("  scale-up: waking did not bring latency back under the bound: no ratio "
                   f"(target >= {TARGETS['scale']:g}x sooner: NOT met)")  # fmt: skip
         else:
