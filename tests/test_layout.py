@@ -201,13 +201,15 @@ def test_the_verbs_call_only_down():
 
 
 def test_the_replay_runs_the_servers_step_and_asks_nothing_of_its_state():
-    """The what-if replay uses the scheduler's step, policy and errors, and reads the
-    server's constants (lazily, once); it imports none of the verbs, the writer, the
-    ledger or the database-backed snapshots: it cannot copy their decisions, only share
-    the step's."""
+    """The what-if replay uses the scheduler's step, policy, scaling decision, routing and
+    errors, and reads the server's constants (lazily, once); it imports none of the verbs,
+    the writer, the ledger or the database-backed snapshots: it cannot copy their
+    decisions, only share the step's."""
     allowed = {
         "capyctl.scheduler.steps",
         "capyctl.scheduler.policy",
+        "capyctl.scheduler.scaling",
+        "capyctl.scheduler.routing",
         "capyctl.scheduler.errors",
         "capyctl.scheduler.estimates",
         "capyctl.scheduler.executor",

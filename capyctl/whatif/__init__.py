@@ -10,9 +10,11 @@ virtual clock, with the scheduler's own decisions.
   :mod:`~capyctl.whatif.clock` (the virtual clock and its processes),
   :mod:`~capyctl.whatif.state` (models and hosts as the ledger sees them),
   :mod:`~capyctl.whatif.ledger` (memory, state changes, snapshots and plans),
-  :mod:`~capyctl.whatif.serving` (requests served, refused and queued),
-  :mod:`~capyctl.whatif.ensure_ready` (a wake, and the parks and stops that make room) and
-  :mod:`~capyctl.whatif.outcome` (what a replay yields);
+  :mod:`~capyctl.whatif.serving` (requests served, refused and queued, in and before
+  their engine), :mod:`~capyctl.whatif.ensure_ready` (a wake, and the parks and stops
+  that make room), :mod:`~capyctl.whatif.replicas` (a model of several replicas: routing
+  and scaling, by :mod:`capyctl.scheduler.routing` and :mod:`capyctl.scheduler.scaling`)
+  and :mod:`~capyctl.whatif.outcome` (what a replay yields);
 - :mod:`capyctl.whatif.report`: the answer (per model and overall), a comparison, and a
   timeline picture.
 """

@@ -9,9 +9,10 @@ their park mode, and every turn comes from :func:`capyctl.scheduler.policy.plan`
 server's step itself, :func:`capyctl.scheduler.steps.until_ready` (how long it pauses, how
 an eviction goes, how long a model counts as busy):
 
-- a request for a ready model is served at once; one for another model joins that model's
-  queue (refused ``queue_full`` past ``max_waiting``), and one wake runs per model,
-  however many requests wait for it; every request that waits shares its outcome;
+- a request for a ready model is sent to its engine at once; one for a model not ready
+  joins that model's queue (refused ``queue_full`` past ``max_waiting``), and one wake
+  runs per model, however many requests wait for it; every request that waits shares its
+  outcome;
 - a wake tries (start a stopped model, wake a parked one, evicting the victims the plan
   names, each drained of its requests first, then parked or stopped, up to
   :data:`~capyctl.scheduler.steps.MAX_SWITCH_ROUNDS` rounds); when what is in the way
@@ -21,37 +22,45 @@ an eviction goes, how long a model counts as busy):
   (refused ``wake_timeout``); a plan that cannot fit even with everything parked refuses
   at once (``no_capacity``);
 - a reconcile pass every :data:`~capyctl.scheduler.executor.RECONCILE_SECONDS` parks models
-  idle for their ``idle_park_seconds``.
+  idle for their ``idle_park_seconds`` (a model of several replicas once all of them are),
+  then takes the scheduler's scaling step for each model of several replicas;
+- a model of several replicas has an engine for each (:mod:`capyctl.whatif.replicas`):
+  requests are routed among the ready ones, and replicas brought up and parked by the
+  scheduler's scaling decision, as the gateway and the scheduler's pass ask it;
+- an engine works on ``max_concurrency`` requests at once (no limit: 0), the others
+  waiting in it (:mod:`capyctl.whatif.serving`).
 
 Not simulated: engines that fail, parks that keep their memory (an engine already marked for
 that is followed: its models are stopped instead), clients that leave, the
-per-key fairness inside one model's queue, drain timeouts (a drain waits for its requests).
+per-key fairness inside one model's queue, drain timeouts (a drain waits for its requests),
+affinity routing (a trace holds no session or prompt: the fewest in flight).
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
-from capyctl.scheduler.policy import NoCapacity, Placement, park_mode
-from capyctl.whatif.ensure_ready import EnsureReady
-from capyctl.whatif.model import Request, Scenario
-from capyctl.whatif.outcome import Outcome, Served
-from capyctl.whatif.state import _constant, _Host, _Model
+from capyctl.scheduler.policy import NoCapacity, Placement
+from capyctl.whatif.model import Request, Scenario, SimReplica
+from capyctl.whatif.outcome import Outcome, ReplicaSet, Served
+from capyctl.whatif.replicas import Replicas
+from capyctl.whatif.state import _constant, _Group, _Host, _Model
 
 
-class Replay(EnsureReady):
+class Replay(Replicas):
     """One run of a trace against a scenario."""
 
     def __init__(
         self, scenario: Scenario, requests: Iterable[Request], *, every_try: bool = False
     ) -> None:
-        """``every_try``: plan at every try for room, as the server does, instead of only
-        when something the plan decides on may have changed (the same answers, slower:
-        tests check that they are the same)."""
+        """``every_try``: plan at every try for room, and take the scaling decision of
+        every model of several replicas at every pass, as the server does, instead of only
+        when something they decide on may have changed (the same answers, slower: tests
+        check that they are the same)."""
         self.every_try = every_try
         self.scenario = scenario
         self.requests = list(requests)
@@ -63,20 +72,39 @@ class Replay(EnsureReady):
         for model in self.models:
             for name in (model.name, *model.spec.aliases):
                 self._by_name.setdefault(name, model)
+        self.groups = [self._replicas_of(m) for m in list(self.models) if m.spec.replicas > 1]
         self.out = Outcome(scenario.name)
         self.out.pools = {(h.name, p): c for h in self.hosts for p, c in h.capacity.items()
                           if p != "ram"}  # fmt: skip
         self._queued = 0
         self._memo: dict[tuple[int, int, bool], tuple[tuple[Any, ...], Placement | NoCapacity]] = {}
         self._engine_ram = int(_constant("engine_ram"))
+        self._idle_parked = [m for m in self.models if m.spec.idle_park_seconds > 0]
         self._place_initial()
+        for group in self.groups:
+            self._note_up(group)
+
+    def _replicas_of(self, first: _Model) -> _Group:
+        """The replicas past ``first`` (after every model's first, so that the ids of
+        models of one replica are the same with or without them), and their group."""
+        spec = first.spec
+        replicas = [first]
+        for n in range(1, spec.replicas):
+            start = spec.replica_set[n - 1] if n <= len(spec.replica_set) else SimReplica(spec.host)
+            replicas.append(_Model(len(self.models) + 1, spec, n, start))
+            self.models.append(replicas[-1])
+        group = _Group(replicas)
+        ids = frozenset(r.id for r in replicas)
+        for replica in replicas:
+            replica.group, replica.siblings = group, ids - {replica.id}
+        return group
 
     def run(self) -> Outcome:
         began = time.perf_counter()
         for index, request in enumerate(self.requests):
             self._at(request.at, partial(self._arrive, request, index))
         self.out.requests = [Served(r.at, r.model, 0, None, 0.0) for r in self.requests]
-        if any(m.spec.idle_park_seconds > 0 for m in self.models):
+        if self.groups or self._idle_parked:
             self._at(0.0, self._reconcile)
         last_arrival = self.requests[-1].at if self.requests else 0.0
         while self._heap:
@@ -89,6 +117,9 @@ class Replay(EnsureReady):
         self.out.duration = max(self.now, last_arrival)
         for model in self.models:
             self._end_hold(model)
+        for group in self.groups:
+            self.out.replica_sets[group.name] = ReplicaSet(group.kept_up, len(group.replicas),
+                                                           group.peak_up)  # fmt: skip
         self.out.wall_seconds = time.perf_counter() - began
         return self.out
 
@@ -107,45 +138,28 @@ class Replay(EnsureReady):
         if model.spec.desired != "running":
             self._answer(index, 503, "model_stopped", 0.0)
             return
+        if model.group is not None:
+            self._arrive_replicas(model.group, request, index)
+            return
         if model.state == "ready":
             self._serve(model, request, index)
             return
-        if len(model.queue) >= model.spec.max_waiting:
-            self._answer(index, 429, "queue_full", 0.0)
-            return
-        model.queue.append((request, index))
-        self._queued += 1
-        self._note_waiting()
-        if not model.waking:
-            model.waking = True
-            self._spawn(self._ensure_ready(model))
+        self._enqueue(model, request, index)
 
-    # -- reconcile: idle parks -------------------------------------------------------------
+    # -- reconcile: idle parks, and the replicas' scaling ---------------------------------------
 
     def _reconcile(self) -> None:
-        for model in self.models:
+        for model in self._idle_parked:
+            if model.state != "ready" or model.in_flight or model.operating or model.spec.pinned:
+                continue
             idle = model.spec.idle_park_seconds
             last = max(model.last_end or 0.0, model.changed_at)
-            if (
-                idle > 0
-                and model.state == "ready"
-                and not model.spec.pinned
-                and not model.operating
-                and model.in_flight == 0
-                and self.now - last >= idle
+            if self.now - last >= idle and (
+                model.group is None or self._replicas_idle(model.group, model, idle)
             ):
-                self._spawn(self._idle_park(model, idle))
+                self._spawn(self._park_as_best(model, f"after {idle:g}s idle"))
+        self._scale_pass()
         self._at(self.now + _constant("reconcile"), self._reconcile)
-
-    def _idle_park(self, model: _Model, idle: float) -> Generator[Any, Any, None]:
-        host = model.host
-        if host is None:
-            return
-        snap = self._snapshot(host)
-        resident = next(r for r in snap.residents if r.deployment_id == model.id)
-        ram_free = snap.pools[snap.ram_pool].free_bytes if snap.ram_pool in snap.pools else 0
-        mode, _why = park_mode(resident, snap, ram_free)
-        yield from self._park(model, mode, f"after {idle:g}s idle")
 
 
 def replay(scenario: Scenario, requests: Iterable[Request], *, every_try: bool = False) -> Outcome:

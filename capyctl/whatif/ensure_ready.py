@@ -29,6 +29,7 @@ from capyctl.scheduler.policy import (
     turn_refusal,
 )
 from capyctl.whatif.clock import _Until
+from capyctl.whatif.model import Request
 from capyctl.whatif.serving import Serving
 from capyctl.whatif.state import _Host, _Model, _pool_names, _ram
 
@@ -60,11 +61,28 @@ class _Step:
         return None  # the replay keeps no events
 
     def wanted(self) -> bool:
-        return bool(self.model.queue)
+        return bool(self.model.queue) or self.model.scale_up is not None
+
+
+def _cause(model: _Model) -> str:
+    return "a scale-up" if model.scale_up is not None and not model.queue else "a request"
 
 
 class EnsureReady(Serving):
     """A model's wake, and the parks and stops that make room for it."""
+
+    def _enqueue(self, model: _Model, request: Request, index: int) -> None:
+        """The request waits for ``model``, which is not ready: one wake runs for it,
+        however many wait (refused ``queue_full`` past ``max_waiting``)."""
+        if len(model.queue) >= model.spec.max_waiting:
+            self._answer(index, 429, "queue_full", 0.0)
+            return
+        model.queue.append((request, index))
+        self._queued += 1
+        self._note_waiting()
+        if not model.waking:
+            model.waking = True
+            self._spawn(self._ensure_ready(model))
 
     def _busy_grace(self) -> float:
         return steps.busy_grace(ends_seen_here=not self.scenario.server_mode)
@@ -95,6 +113,11 @@ class EnsureReady(Serving):
                     yield from self._until_switch_ends(model, deadline, waits.seconds)
         finally:
             model.waking = False
+            if model.scale_up is not None:  # a scale-up's: it happened if it is ready
+                model.scale_up.done = model.state == "ready"
+                model.scale_up = None
+            if model.group is not None and model.group.bringing is model:
+                model.group.bringing = None
             if model.wait_host is not None:
                 model.wait_host.waiters.pop(model.id, None)
                 self._bump(model.wait_host)
@@ -192,11 +215,16 @@ class EnsureReady(Serving):
     def _source_host(self, model: _Model) -> _Host | None:
         if model.host is not None:
             return model.host
-        for host in self.hosts:
+        hosts = self.hosts
+        if model.group is not None and model.spec.spread == "hosts":
+            # hosts with fewer of its replicas first, as a start picks them
+            placed = [r.host for r in model.group.replicas if r is not model and r.host]
+            hosts = sorted(hosts, key=placed.count)
+        for host in hosts:
             result = self._plan_on(host, model, self._need(model, host))
             if not isinstance(result, NoCapacity):
                 return host
-        return self.hosts[0] if self.hosts else None
+        return hosts[0] if hosts else None
 
     def _start(self, model: _Model) -> Generator[Any, Any, NoCapacity | None]:
         host = self._source_host(model)
@@ -220,7 +248,7 @@ class EnsureReady(Serving):
             ram = "unified" if host.spec.unified else "ram"
             model.entries[ram] = model.entries.get(ram, 0) + need.host_ram_bytes
             seconds = model.spec.timings.start
-            self._switch(model, "start", "", seconds, "a request")
+            self._switch(model, "start", "", seconds, _cause(model))
             self._move(model, "starting")
             yield seconds
             model.entries = dict.fromkeys(pools, need.claim_per_gpu_bytes)
@@ -268,7 +296,7 @@ class EnsureReady(Serving):
         for pool in pools:
             model.entries[pool] = claim
         seconds = model.spec.timings.wake(mode)
-        self._switch(model, "wake", mode, seconds, "a request")
+        self._switch(model, "wake", mode, seconds, _cause(model))
         self._move(model, "waking")
         yield seconds
         model.entries = {**dict.fromkeys(pools, claim), _ram(host): self._engine_ram}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from capyctl.scheduler import steps
+from capyctl.scheduler import scaling, steps
 from capyctl.scheduler.policy import (
     RAM,
     Contender,
@@ -23,7 +23,7 @@ from capyctl.scheduler.policy import (
 from capyctl.whatif.clock import Clock
 from capyctl.whatif.model import Scenario
 from capyctl.whatif.outcome import Hold, Outcome, Switch
-from capyctl.whatif.state import _Host, _Model, _phase, _ram
+from capyctl.whatif.state import _Group, _Host, _Model, _phase, _ram
 
 
 class Ledger(Clock):
@@ -158,7 +158,7 @@ class Ledger(Clock):
                     model.spec.claim_bytes if claim is None else claim,
                     self._engine_ram if claim is None else 0, (host.id,),
                     self.now - model.wait_since if model.wait_since is not None else 0.0,
-                    model.spec.priority)  # fmt: skip
+                    model.spec.priority, model.siblings, model.spec.spread)  # fmt: skip
 
     # -- state changes ----------------------------------------------------------------------
 
@@ -171,6 +171,14 @@ class Ledger(Clock):
             model.phase_since = self.now
         model.state = state
         model.changed_at = self.now
+        if model.group is not None:
+            model.group.version += 1
+            self._note_up(model.group)
+
+    def _note_up(self, group: _Group) -> None:
+        """The most replicas of ``group`` up at once (ready or coming up) so far."""
+        up = sum(1 for r in group.replicas if r.state in scaling.UP)
+        group.peak_up = max(group.peak_up, up)
 
     def _bump(self, host: _Host) -> None:
         host.version += 1
@@ -182,20 +190,20 @@ class Ledger(Clock):
             return
         for pool in model.pools or ():
             self.out.holds.append(
-                Hold(model.name, model.host.name, pool, model.phase_since, self.now, phase)
+                Hold(model.served, model.host.name, pool, model.phase_since, self.now, phase)
             )
         model.phase_since = self.now
 
     def _switch(self, model: _Model, kind: str, mode: str, seconds: float, cause: str) -> None:
         host = model.host.name if model.host else ""
         self.out.switches.append(
-            Switch(self.now, seconds, kind, mode, model.name, host, tuple(model.pools), cause)
+            Switch(self.now, seconds, kind, mode, model.served, host, tuple(model.pools), cause)
         )
 
     def _place_initial(self) -> None:
         """Models that hold memory when the replay begins (ready or parked), on their pools."""
         for model in self.models:
-            host = self._host_by_name.get(model.spec.host or "")
+            host = self._host_by_name.get(model.home or "")
             if model.state not in ("ready", "parked") or host is None:
                 model.state, model.sleep_mode, model.pools = "stopped", "", ()
                 if host is not None:

@@ -24,6 +24,11 @@ MIRRORED_SETTINGS = (
     "max_queue_seconds",
     "max_waiting",
     "idle_park_seconds",
+    "replicas",
+    "min_replicas",
+    "target_concurrency",
+    "scale_up_wait_seconds",
+    "spread",
 )
 
 
@@ -97,6 +102,18 @@ class SimHost:
 
 
 @dataclass
+class SimReplica:
+    """Where one of a model's replicas past its first stands when the replay begins: its
+    host (None: placed where it fits), its state (stopped, ready or parked) and the GPU
+    pools it holds then."""
+
+    host: str | None = None
+    state: str = "stopped"
+    parked_mode: str = ""
+    pools: list[str] = field(default_factory=list)
+
+
+@dataclass
 class SimModel:
     """A deployment and its settings (each already resolved from its own value or the
     global default; :data:`MIRRORED_SETTINGS` default as declared), and where it stands
@@ -117,6 +134,15 @@ class SimModel:
     max_queue_seconds: float = _seconds("max_queue_seconds")
     max_waiting: int = _default("max_waiting")
     idle_park_seconds: float = _seconds("idle_park_seconds")
+    # Its replicas: ``replicas`` engines at most (MAX), ``min_replicas`` kept up while it
+    # serves (0: all of them), more brought up by load (docs/replicas.md).
+    replicas: int = _default("replicas")
+    min_replicas: int = _default("min_replicas")
+    target_concurrency: int = _default("target_concurrency")
+    scale_up_wait_seconds: float = _seconds("scale_up_wait_seconds")
+    spread: str = _default("spread")
+    # Requests one engine works on at once; the rest wait in it, in order (0: no limit).
+    max_concurrency: int = 0
     can_park_ram: bool = True
     can_park_deep: bool = True
     parks_unverified: bool = False  # its engine's parks kept their memory: it is stopped instead
@@ -127,6 +153,14 @@ class SimModel:
     state: str = "stopped"
     parked_mode: str = ""
     pools: list[str] = field(default_factory=list)
+    # Where its replicas past the first stand at the start (replica 1 first); one not
+    # listed is stopped, on ``host``.
+    replica_set: list[SimReplica] = field(default_factory=list)
+
+    @property
+    def kept_up(self) -> int:
+        """How many of its replicas are kept up while it serves."""
+        return min(self.min_replicas or self.replicas, self.replicas)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """What a replay yields: each request's outcome, each switch, each model's time on a pool,
-the queue's length over time, and the simulator's own figures (events, plans, time)."""
+each scaling step of a model of several replicas, the queue's length over time, and the
+simulator's own figures (events, plans, time)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Served:
     code: str | None
     waited: float  # seconds queued before the engine had it (for a refusal: until refused)
     ended: float = 0.0
+    replica: str = ""  # the engine that served it: NAME, or NAME~N for another replica
 
 
 @dataclass
@@ -50,11 +52,38 @@ class Hold:
 
 
 @dataclass
+class Scaled:
+    """One scaling step of a model of several replicas (a ``deployment.scaled`` event):
+    ``action`` ``wake`` or ``start`` (one more replica up) or ``park`` (one fewer);
+    ``done``: whether it happened (a replica brought up is ready at its end; one that
+    found no room, or no time within ``max_queue_seconds``, was not)."""
+
+    at: float
+    model: str
+    replica: str  # its name: NAME for the first, NAME~N for the others
+    action: str
+    reason: str
+    done: bool = True
+
+
+@dataclass
+class ReplicaSet:
+    """A model of several replicas: ``minimum`` kept up while it serves, ``maximum`` at
+    most, and the most that were up at once (ready or coming up)."""
+
+    minimum: int
+    maximum: int
+    peak_up: int
+
+
+@dataclass
 class Outcome:
     scenario: str
     requests: list[Served] = field(default_factory=list)
     switches: list[Switch] = field(default_factory=list)
     holds: list[Hold] = field(default_factory=list)
+    scaled: list[Scaled] = field(default_factory=list)
+    replica_sets: dict[str, ReplicaSet] = field(default_factory=dict)  # by model
     waiting: list[tuple[float, int]] = field(default_factory=list)  # (time, requests queued)
     duration: float = 0.0  # virtual seconds replayed
     pools: dict[tuple[str, str], int] = field(default_factory=dict)  # (host, pool) -> capacity

@@ -1,12 +1,14 @@
 """A replay's answer: per model and overall, side by side for two scenarios, as text or
-JSON; and a timeline picture of each GPU pool."""
+JSON; and a timeline picture of each GPU pool. A model of several replicas is one model
+here, its replicas counted together, with its scaling steps and the most replicas it had
+up at once."""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from typing import Any
 
-from capyctl.whatif.outcome import Hold, Outcome, Served, Switch
+from capyctl.whatif.outcome import Hold, Outcome, ReplicaSet, Scaled, Served, Switch
 
 SWITCH_KINDS = ("start", "wake ram", "wake deep", "park ram", "park deep", "stop")
 
@@ -34,6 +36,21 @@ def _figures(requests: list[Served], switches: list[Switch], holds: list[Hold]) 
     }
 
 
+def _scaling(steps: list[Scaled], replica_set: ReplicaSet | None = None) -> dict[str, Any]:
+    """A model's scaling steps (every model's, for ``replica_set`` None): replicas brought
+    up, by how (woken or started), and parked; and the steps that brought none up."""
+    actions = Counter(step.action for step in steps if step.done)
+    figures: dict[str, Any] = {}
+    if replica_set is not None:
+        figures = {"minimum": replica_set.minimum, "maximum": replica_set.maximum,
+                   "peak_up": replica_set.peak_up}  # fmt: skip
+    figures["scaled_up"] = {"wake": actions.get("wake", 0), "start": actions.get("start", 0)}
+    figures["scaled_down"] = actions.get("park", 0)
+    # steps that brought no replica up: no room for one, or none in max_queue_seconds
+    figures["scale_ups_not_done"] = sum(1 for step in steps if not step.done)
+    return figures
+
+
 def _idle_gpu_seconds(outcome: Outcome) -> float:
     """Pool-seconds in which no model held the pool (its GPU idle) over the replay."""
     spans: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -56,6 +73,9 @@ def summary(outcome: Outcome) -> dict[str, Any]:
     requests: dict[str, list[Served]] = defaultdict(list)
     switches: dict[str, list[Switch]] = defaultdict(list)
     holds: dict[str, list[Hold]] = defaultdict(list)
+    scaled: dict[str, list[Scaled]] = defaultdict(list)
+    for step in outcome.scaled:
+        scaled[step.model].append(step)
     for request in outcome.requests:
         requests[request.model].append(request)
     for switch in outcome.switches:
@@ -66,10 +86,16 @@ def summary(outcome: Outcome) -> dict[str, Any]:
     overall = _figures(outcome.requests, outcome.switches, outcome.holds)
     overall["idle_gpu_seconds"] = round(_idle_gpu_seconds(outcome), 1)
     overall["replayed_seconds"] = round(outcome.duration, 1)
+    models = {name: _figures(requests[name], switches[name], holds[name]) for name in names}
+    if outcome.replica_sets:
+        overall["replicas"] = _scaling(outcome.scaled)
+        for name, replica_set in outcome.replica_sets.items():
+            if name in models:
+                models[name]["replicas"] = _scaling(scaled[name], replica_set)
     return {
         "scenario": outcome.scenario,
         "overall": overall,
-        "models": {name: _figures(requests[name], switches[name], holds[name]) for name in names},
+        "models": models,
         "simulator": {
             "events": outcome.events,
             "wall_seconds": round(outcome.wall_seconds, 3),
@@ -84,7 +110,9 @@ def summary(outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def _cells(figures: dict[str, Any]) -> list[tuple[str, str]]:
+def _cells(figures: dict[str, Any], replicas: bool = False) -> list[tuple[str, str]]:
+    """The rows of one column; ``replicas``: with the rows of models of several replicas
+    (a model of one replica shows 1 replica, and no steps)."""
     switches = figures["switches"]
     refused = figures["refused"]
     cells = [
@@ -95,15 +123,33 @@ def _cells(figures: dict[str, Any]) -> list[tuple[str, str]]:
         ("wait p99", f"{figures['wait_p99_seconds']:.2f} s"),
     ]
     cells += [(kind, str(switches[kind])) for kind in SWITCH_KINDS]
+    if replicas:
+        cells += _replica_cells(figures)
     cells.append(("GPU-s held", f"{figures['gpu_seconds_held']:.0f}"))
     if "idle_gpu_seconds" in figures:
         cells.append(("GPU-s idle", f"{figures['idle_gpu_seconds']:.0f}"))
     return cells
 
 
-def _cell(figures: dict[str, Any] | None, at: int) -> str:
-    cells = _cells(figures) if figures is not None else []
-    return cells[at][1] if at < len(cells) else ""
+def _replica_cells(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """A column's rows of replicas: a model's bounds (``MIN:MAX``, or ``N`` where all are
+    kept up), the most up at once and its scaling steps; overall, every model's steps."""
+    found = figures.get("replicas")
+    if found is None and "idle_gpu_seconds" not in figures:  # a model of one replica
+        return [("replicas", "1"), ("replicas peak", "-"), ("scale-up wake", "-"),
+                ("scale-up start", "-"), ("scale-down", "-")]  # fmt: skip
+    found = found or _scaling([])
+    bounds = peak = ""
+    if "maximum" in found:
+        low, high = found["minimum"], found["maximum"]
+        bounds, peak = (str(high) if low == high else f"{low}:{high}"), str(found["peak_up"])
+    return [
+        ("replicas", bounds),
+        ("replicas peak", peak),
+        ("scale-up wake", str(found["scaled_up"]["wake"])),
+        ("scale-up start", str(found["scaled_up"]["start"])),
+        ("scale-down", str(found["scaled_down"])),
+    ]
 
 
 def text(result: dict[str, Any], other: dict[str, Any] | None = None) -> str:
@@ -119,18 +165,24 @@ def text(result: dict[str, Any], other: dict[str, Any] | None = None) -> str:
         )
         return found
 
+    replicas = any(
+        "replicas" in found for data in (result, other) if data for found in data["models"].values()
+    )
+
+    def cells(data: dict[str, Any], column: str) -> list[tuple[str, str]]:
+        found = figures(data, column)
+        return _cells(found, replicas) if found is not None else []
+
     rows: list[list[str]] = []
-    labels = [label for label, _ in _cells(result["overall"])]
+    labels = [label for label, _ in _cells(result["overall"], replicas)]
     for at, label in enumerate(labels):
         row = [label]
         for column in columns:
-            mine = figures(result, column)
-            cell = _cells(mine)[at][1] if mine is not None and at < len(_cells(mine)) else ""
+            mine = cells(result, column)
+            cell = mine[at][1] if at < len(mine) else ""
             if other is not None:
-                theirs = figures(other, column)
-                then = (
-                    _cells(theirs)[at][1] if theirs is not None and at < len(_cells(theirs)) else ""
-                )
+                theirs = cells(other, column)
+                then = theirs[at][1] if at < len(theirs) else ""
                 cell = cell if cell == then else f"{then} -> {cell}"
             row.append(cell)
         rows.append(row)

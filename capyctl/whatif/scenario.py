@@ -9,7 +9,8 @@ median of its recorded starts, parks, wakes and stops). Memory claims follow DES
 through :mod:`capyctl.scheduler.estimates`, as a start would.
 
 Changes: ``--set NAME.FIELD=VALUE`` (NAME ``*``: every model) for the fields in
-:data:`SETTABLE`, and ``--hosts 2x80GiB,1x24GiB`` (hosts of N GPUs of a size each, host
+:data:`SETTABLE` (``replicas``: ``N`` or ``MIN:MAX``, as ``capyctl deployment scale``
+takes them), and ``--hosts 2x80GiB,1x24GiB`` (hosts of N GPUs of a size each, host
 RAM after a colon: ``2x80GiB:512GiB``), which replaces the hosts: models then go where they
 fit.
 """
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import statistics
 from pathlib import Path
 from typing import Any
 
+from capyctl.deployments.settings_spec import MAX_REPLICAS, SPREAD_CHOICES, builtin_default
 from capyctl.errors import UserError
-from capyctl.whatif.model import TIMING_NAMES, Scenario, SimHost, SimModel, Timings
+from capyctl.whatif.model import TIMING_NAMES, Scenario, SimHost, SimModel, SimReplica, Timings
 
 GIB = 1024**3
 DEFAULT_HOST_RAM = 64 * GIB  # host RAM of a host given by --hosts without one
@@ -45,9 +48,15 @@ SETTABLE: dict[str, str] = {
     "gpu_memory": "size",
     "weights": "size",
     "host": "host",
+    "replicas": "replicas",
+    "target_concurrency": "positive",
+    "scale_up_wait_seconds": "positive",
+    "spread": "spread",
+    "max_concurrency": "count",
     **{f"{name}_seconds": "timing" for name in TIMING_NAMES},
 }
 _PARK_POLICIES = ("auto", "ram", "deep", "stop", "never")
+_REPLICAS_RE = re.compile(r"^(?:(\d{1,6}):)?(\d{1,6})$")
 _HOSTS_RE = re.compile(r"^(\d{1,3})x([0-9.]+[A-Za-z]*)(?::([0-9.]+[A-Za-z]*))?$")
 
 
@@ -96,9 +105,9 @@ def current() -> dict[str, Any]:
 
 def measured_timings() -> dict[str, dict[str, float]]:
     """Per deployment, the median seconds of its recorded starts, parks and wakes (by
-    mode) and stops: what its events say they took. A start's or a wake's event counts
-    from when it was asked, so it holds the parks and stops that made room for it on its
-    host meanwhile: those are taken out."""
+    mode) and stops, its replicas' with its own: what its events say they took. A start's
+    or a wake's event counts from when it was asked, so it holds the parks and stops that
+    made room for it on its host meanwhile: those are taken out."""
     from capyctl.events.models import Event  # noqa: PLC0415
 
     rows = Event.objects.filter(
@@ -126,8 +135,9 @@ def measured_timings() -> dict[str, dict[str, float]]:
             "deployment.parked": f"park_{mode}" if mode in ("ram", "deep") else None,
             "deployment.woke": f"wake_{mode}" if mode in ("ram", "deep") else None,
         }[kind]
-        if step is not None:
-            found.setdefault(name, {}).setdefault(step, []).append(max(seconds, 0.0))
+        if step is not None:  # a replica's (NAME~N) count as its deployment's
+            served = name.partition("~")[0]
+            found.setdefault(served, {}).setdefault(step, []).append(max(seconds, 0.0))
     return {
         name: {step: round(statistics.median(values), 3) for step, values in steps.items()}
         for name, steps in found.items()
@@ -160,33 +170,40 @@ def apply_sets(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
     return data
 
 
-def _value(kind: str, value: str, item: str) -> Any:  # noqa: PLR0911 - one answer per kind
+# Each kind of number: its type, its bounds, and what a value of it is called.
+_NUMBERS: dict[str, tuple[type[float] | type[int], float, float, str]] = {
+    "seconds": (float, 0, 10**7, "a seconds value"),
+    "timing": (float, 0, 10**7, "a timing value"),
+    "count": (int, 0, 10**6, "a count value"),
+    "integer": (int, -math.inf, math.inf, "an integer value"),
+    "positive": (int, 1, 10**7, "a whole number of 1 or more"),
+}
+_CHOICES = {"park": _PARK_POLICIES, "spread": SPREAD_CHOICES}
+
+
+def _value(kind: str, value: str, item: str) -> Any:
     from capyctl.validation import parse_size_value  # noqa: PLC0415
 
     text = value.strip()
-    try:
-        if kind in ("seconds", "timing"):
-            number = float(text)
-            if not 0 <= number <= 10**7:
-                raise ValueError
-            return number
-        if kind == "count":
-            count = int(text)
-            if not 0 <= count <= 10**6:
-                raise ValueError
-            return count
-        if kind == "integer":
-            return int(text)
-    except ValueError:
-        raise UserError(f"--set {item!r}: {value!r} is not a {kind} value") from None
+    if kind in _NUMBERS:
+        number_type, least, most, words = _NUMBERS[kind]
+        try:
+            number = number_type(text)
+        except ValueError:
+            number = None
+        if number is None or not least <= number <= most:  # NaN too
+            raise UserError(f"--set {item!r}: {value!r} is not {words}")
+        return number
+    if kind in _CHOICES:
+        if text not in _CHOICES[kind]:
+            raise UserError(f"--set {item!r}: {kind} is one of {', '.join(_CHOICES[kind])}")
+        return text
+    if kind == "replicas":
+        return _replicas(text, item)
     if kind == "bool":
         if text.lower() not in ("true", "false", "yes", "no", "1", "0"):
             raise UserError(f"--set {item!r}: use true or false")
         return text.lower() in ("true", "yes", "1")
-    if kind == "park":
-        if text not in _PARK_POLICIES:
-            raise UserError(f"--set {item!r}: park is one of {', '.join(_PARK_POLICIES)}")
-        return text
     if kind == "size":
         try:
             return parse_size_value(text, field="size")
@@ -195,7 +212,24 @@ def _value(kind: str, value: str, item: str) -> Any:  # noqa: PLR0911 - one answ
     return text or None  # a host's name; empty: placed where it fits
 
 
+def _replicas(text: str, item: str) -> tuple[int, int]:
+    """``N`` (N kept up) or ``MIN:MAX``: (MIN, MAX), MIN 0 where only N is given."""
+    match = _REPLICAS_RE.match(text)
+    if match is None:
+        raise UserError(f"--set {item!r}: replicas is N or MIN:MAX, like 2 or 1:3")
+    low, high = int(match[1] or 0), int(match[2])
+    for number in (low, high) if match[1] else (high,):
+        if not 1 <= number <= MAX_REPLICAS:
+            raise UserError(f"--set {item!r}: replicas are 1 to {MAX_REPLICAS}, not {number}")
+    if low > high:
+        raise UserError(f"--set {item!r}: {low} is more than {high}")
+    return low, high
+
+
 def _set(row: dict[str, Any], field: str, kind: str, value: Any) -> None:
+    if kind == "replicas":
+        row["min_replicas"], row["replicas"] = value
+        return
     if kind == "timing":
         row.setdefault("timings", {})[field.removesuffix("_seconds")] = value
     elif field == "gpu_memory":
@@ -207,6 +241,18 @@ def _set(row: dict[str, Any], field: str, kind: str, value: Any) -> None:
         row[field] = value
     if field in ("gpus", "host", "gpu_memory"):
         row["observed_state"] = "stopped"  # placed afresh
+        for replica in _replica_rows(row):
+            replica["observed_state"] = "stopped"
+            if field == "host":
+                replica["host"] = value
+
+
+def _replica_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The replicas past the first that a deployment's ``replica_set`` lists."""
+    rows = row.get("replica_set")
+    if not isinstance(rows, list):
+        return []
+    return [r for r in rows if isinstance(r, dict) and r.get("index") != 0]
 
 
 def parse_hosts(spec: str) -> list[dict[str, Any]]:
@@ -257,6 +303,8 @@ def with_hosts(data: dict[str, Any], spec: str) -> dict[str, Any]:
     data["ledger"] = []
     for row in data["deployments"]:
         row["host"], row["observed_state"] = None, "stopped"
+        for replica in _replica_rows(row):
+            replica["host"], replica["observed_state"] = None, "stopped"
     return data
 
 
@@ -290,8 +338,9 @@ def build(data: dict[str, Any], name: str = "current", *, warm: bool = False) ->
                 f"model {row['name']}: a setting in the scenario is not a number or name it "
                 f"can be ({type(exc).__name__})"
             ) from None
-        if model.host is not None and model.host not in sizes:
-            raise UserError(f"model {model.name}: no host {model.host!r} in the scenario")
+        for host in (model.host, *(r.host for r in model.replica_set)):
+            if host is not None and host not in sizes:
+                raise UserError(f"model {model.name}: no host {host!r} in the scenario")
         models.append(model)
     return Scenario(hosts, models, name, server_mode=data.get("mode") == "server")
 
@@ -363,9 +412,16 @@ def _model(
     for step, seconds in (row.get("timings") or {}).items():
         if step in TIMING_NAMES and isinstance(seconds, int | float) and seconds >= 0:
             setattr(timings, step, float(seconds))
-    state = str(row.get("observed_state") or "stopped") if warm else "stopped"
-    if state not in ("ready", "parked"):
-        state = "stopped"
+    state = _start_state(row, warm)
+    replicas, least = int(row.get("replicas") or 1), int(row.get("min_replicas") or 0)
+    if not 1 <= replicas <= MAX_REPLICAS or not 0 <= least <= replicas:
+        raise UserError(
+            f"model {name}: replicas must be 1 to {MAX_REPLICAS} and min_replicas 0 to "
+            f"replicas (got {replicas} and {least})"
+        )
+    spread = str(row.get("spread") or "hosts")
+    if spread not in SPREAD_CHOICES:
+        raise UserError(f"model {name}: spread is one of {', '.join(SPREAD_CHOICES)}")
     return SimModel(
         name=name,
         kind=kind,
@@ -383,6 +439,16 @@ def _model(
         ),
         max_waiting=int(row.get("max_waiting") or 256),
         idle_park_seconds=float(row.get("idle_park_seconds") or 0),
+        replicas=replicas,
+        min_replicas=least,
+        target_concurrency=int(
+            row.get("target_concurrency") or builtin_default("target_concurrency")
+        ),
+        scale_up_wait_seconds=float(
+            row.get("scale_up_wait_seconds") or builtin_default("scale_up_wait_seconds")
+        ),
+        spread=spread,
+        max_concurrency=max(int(row.get("max_concurrency") or 0), 0),
         can_park_ram=can_ram,
         can_park_deep=can_deep,
         parks_unverified=unverified,
@@ -392,6 +458,35 @@ def _model(
         state=state,
         parked_mode=str(row.get("parked_mode") or "") if state == "parked" else "",
         pools=sorted(held.get(name, []), key=_pool_order) if state != "stopped" else [],
+        replica_set=[_replica(row, n, held, warm=warm) for n in range(1, replicas)],
+    )
+
+
+def _start_state(row: dict[str, Any], warm: bool) -> str:
+    """Where a deployment (or a replica's row) stands when the replay begins: as the
+    ledger has it (ready or parked) where ``warm``, else stopped."""
+    state = str(row.get("observed_state") or "stopped") if warm else "stopped"
+    return state if state in ("ready", "parked") else "stopped"
+
+
+def _replica(
+    row: dict[str, Any], index: int, held: dict[str, list[str]], *, warm: bool
+) -> SimReplica:
+    """Replica ``index`` of the deployment ``row`` as its ``replica_set`` lists it. One
+    not listed yet (more replicas than the deployment has) is stopped, on the
+    deployment's host where a person chose it (``host_chosen``), else placed where it
+    fits, as the server makes a new replica's row."""
+    listed = next((r for r in _replica_rows(row) if r.get("index") == index), None)
+    if listed is None:
+        host = row.get("host") if row.get("host_chosen") else None
+        return SimReplica(str(host) if host else None)
+    state = _start_state(listed, warm)
+    name = str(listed.get("name") or f"{row['name']}~{index}")
+    return SimReplica(
+        str(listed["host"]) if listed.get("host") else None,
+        state,
+        str(listed.get("parked_mode") or "") if state == "parked" else "",
+        sorted(held.get(name, []), key=_pool_order) if state != "stopped" else [],
     )
 
 

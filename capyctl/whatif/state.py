@@ -4,9 +4,13 @@ server's constants the replay's world follows (the step's own are in
 
 from __future__ import annotations
 
+import math
+from collections import deque
+
 from capyctl.scheduler.policy import Placement, Resident, expected_residual
 from capyctl.whatif.clock import _Signal
-from capyctl.whatif.model import Request, SimHost, SimModel
+from capyctl.whatif.model import Request, SimHost, SimModel, SimReplica
+from capyctl.whatif.outcome import Scaled
 
 # The server's constants (read once: importing them needs Django's settings).
 _constants: dict[str, float] = {}
@@ -22,23 +26,36 @@ def _constant(name: str) -> float:
 
 
 class _Model:
-    """A model's state as the ledger and the gateway would see it."""
+    """A model's state as the ledger and the gateway would see it: one engine, so one of
+    a model's replicas (``replica`` 0, the first, is the deployment itself; replica N is
+    named ``NAME~N``, as the server names its row)."""
 
-    def __init__(self, index: int, spec: SimModel) -> None:
+    def __init__(
+        self, index: int, spec: SimModel, replica: int = 0, start: SimReplica | None = None
+    ) -> None:
         self.id = index
         self.spec = spec
-        self.name = spec.name
-        self.state = spec.state if spec.desired == "running" else "stopped"
-        self.sleep_mode = spec.parked_mode  # ram | deep, when parked
+        self.served = spec.name  # the name its requests and the report use
+        self.name = spec.name if replica == 0 else f"{spec.name}~{replica}"
+        if start is None:
+            start = SimReplica(spec.host, spec.state, spec.parked_mode, list(spec.pools))
+        self.home = start.host  # its host's name at the start (None: placed where it fits)
+        self.state = start.state if spec.desired == "running" else "stopped"
+        self.sleep_mode = start.parked_mode  # ram | deep, when parked
         self.host: _Host | None = None
-        self.pools: tuple[str, ...] = tuple(spec.pools)
+        self.pools: tuple[str, ...] = tuple(start.pools)
         self.entries: dict[str, int] = {}  # pool -> bytes, on its host
         self.changed_at = 0.0
         self.last_used = 0.0
         self.last_end: float | None = None
-        self.in_flight = 0
+        self.in_flight = 0  # requests sent to its engine, served or waiting in it
+        self.running = 0  # those its engine works on (max_concurrency at most)
+        self.backlog: deque[tuple[Request, int]] = deque()  # those waiting in its engine
         self.queue: list[tuple[Request, int]] = []  # waiting requests, with their index
         self.waking = False  # a wake loop runs for it
+        self.scale_up: Scaled | None = None  # the scale-up that brings it up, if one does
+        self.group: _Group | None = None  # its model's replicas, when it has several
+        self.siblings: frozenset[int] = frozenset()  # their ids, its own left out
         self.drained = _Signal()
         self.changed = _Signal()  # its state changed, or an operation on it ended
         self.operating = False  # an eviction or an idle park has it
@@ -53,6 +70,34 @@ class _Model:
         if self.spec.residual_bytes is not None:
             return min(self.spec.residual_bytes, held)
         return expected_residual(_bare_resident(self, held), held)
+
+
+class _Group:
+    """A model of several replicas: its replicas (the first first) and what its scaling
+    decisions read: the figures of the gateway's model route and of the scheduler's pass,
+    the requests sent to its engines whose answer has not begun, and the scale-up under
+    way."""
+
+    def __init__(self, replicas: list[_Model]) -> None:
+        spec = replicas[0].spec
+        self.name = spec.name
+        self.replicas = replicas
+        self.kept_up = spec.kept_up
+        self.target_concurrency = spec.target_concurrency
+        self.scale_up_wait_seconds = spec.scale_up_wait_seconds or math.inf
+        self.idle_park_seconds = spec.idle_park_seconds or math.inf
+        # Requests sent to an engine of it and waiting there: how many, and a heap of
+        # (arrival, index) whose ended entries are dropped as they come to its top.
+        self.waiting = 0
+        self.waiting_since: list[tuple[float, int]] = []
+        self.bringing: _Model | None = None  # the gateway's scale-up under way
+        self.peak_up = 0
+        # What the scheduler's pass decides on changes with ``version`` (a replica's state
+        # or requests in flight), or with time once an idle replica may be parked: until
+        # ``quiet_until``, a pass that found nothing to do at ``version`` finds the same.
+        self.version = 0
+        self.quiet_version = -1
+        self.quiet_until = 0.0
 
 
 def _bare_resident(model: _Model, held: int) -> Resident:
