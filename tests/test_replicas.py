@@ -220,6 +220,12 @@ async def test_busy_replicas_bring_one_more_up_waking_a_parked_one(
     gate.touch()  # open while the engines start (their start asks them once)
 
     key = await sync_to_async(_one_ready_one_parked)(gate, target_concurrency=1)
+    # The copy its ram park measured sizes the other replica's first ram park too.
+    measured = {
+        row.name: row.measured_weights_bytes
+        async for row in Deployment.objects.filter(name__startswith="chat")
+    }
+    assert measured["chat"] == measured["chat~1"] is not None, measured
     gateway = Gateway()
     async with _client(gateway, key) as client:
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from django.db.models import Q
+
 from capyctl.deployments.models import Deployment, ObservedState
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
@@ -128,6 +130,13 @@ def parked(
             hold_measured(locked, deployment, figures, f"parked {mode}")
     if not won:
         return False
+    copy = remembered.get("measured_weights_bytes")
+    if copy and (deployment.replicas > 1 or deployment.replica_of_id is not None):
+        # The same weights: a replica's measured copy sizes its siblings' first ram parks.
+        first = deployment.replica_of_id or deployment.pk
+        Deployment.objects.filter(
+            Q(pk=first) | Q(replica_of_id=first), measured_weights_bytes__isnull=True
+        ).update(measured_weights_bytes=copy)
     if figures is None:
         record(
             deployment,
