@@ -82,8 +82,9 @@ def test_replicas_run_on_gpus_of_their_own_and_a_running_one_is_not_dropped(two_
     assert sorted(gpus.values()) == [(0,), (1,)], gpus  # each a GPU of its own
     shown = cli("status").out.splitlines()
     lines = [line.split()[:5] for line in shown if line.startswith("chat")]
-    assert sorted(lines) == [["chat", "sim-vllm", "local", "running", "ready"],
-                             ["chat~1", "sim-vllm", "local", "running", "ready"]]  # fmt: skip
+    # A line for each replica, its GPUs beside its host.
+    assert sorted(lines) == [[name, "sim-vllm", f"local/{gpus[name][0]}", "running", "ready"]
+                             for name in ("chat", "chat~1")]  # fmt: skip
     listed = cli("deployment", "list").out.splitlines()
     assert listed[0].split()[6] == "REPLICAS"
     assert listed[1].split()[6] == "2/2"

@@ -58,12 +58,12 @@ def status(args: argparse.Namespace) -> int:
     deployment_rows = []
     for d in data["deployments"]:
         # A deployment of several replicas: a line for each replica past the first.
-        for r in [d, *d["replica_set"][1:]]:
+        for index, r in enumerate([d, *d["replica_set"][1:]]):
             deployment_rows.append(
                 [
                     r["name"],
                     d["engine"],
-                    r["host"] or "(auto)",
+                    _where(d["replica_set"][index], several=len(d["replica_set"]) > 1),
                     d["desired_state"],
                     r["observed_state"] + (f" ({r['parked_mode']})" if r["parked_mode"] else ""),
                     _memory_text(d),
@@ -84,6 +84,15 @@ def status(args: argparse.Namespace) -> int:
     active = sum(1 for k in data["keys"] if k["active"])
     print(f"\nengines: {len(data['engines'])}   keys: {active} active of {len(data['keys'])}")
     return 0
+
+
+def _where(replica: dict[str, Any], *, several: bool) -> str:
+    """Its host; for a replica of a model of several, with its GPUs while it runs
+    (``local/0,1``, as the answers' ``x-capyctl-replica`` names it)."""
+    host = replica["host"] or "(auto)"
+    if several and replica.get("gpus"):
+        return f"{host}/{','.join(str(g) for g in replica['gpus'])}"
+    return host
 
 
 def _server_serving() -> tuple[dict[str, Any], str]:
