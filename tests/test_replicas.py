@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from typing import Any, cast
+from unittest import mock
 
 import httpx
 import pytest
@@ -90,7 +91,8 @@ def test_replicas_run_on_gpus_of_their_own_and_a_running_one_is_not_dropped(two_
     assert listed[1].split()[6] == "2/2"
     # --json: each replica's host, GPUs and state; its requests in flight are known only
     # to the serving process (a command line beside standalone says null).
-    (shown,) = json.loads(cli("deployment", "list", "--json").out)
+    with mock.patch.object(requests_in_progress, "_serving", False):  # a command line
+        (shown,) = json.loads(cli("deployment", "list", "--json").out)
     assert [(r["name"], r["host"], r["observed_state"], r["in_flight"])
             for r in shown["replica_set"]] == [("chat", "local", "ready", None),
                                                ("chat~1", "local", "ready", None)]  # fmt: skip
@@ -151,8 +153,6 @@ def _client(gateway: Any, key: str) -> httpx.AsyncClient:
 
 def replica_data_of(name: str, *, serving: bool) -> list[dict[str, Any]]:
     """``replica_set`` as the process serving /v1 reports it (REST, the dashboard)."""
-    from unittest import mock
-
     from capyctl.reports import deployment_data
 
     with mock.patch.object(requests_in_progress, "_serving", serving):
