@@ -165,3 +165,26 @@ def test_a_model_no_other_host_has_room_for_stays_and_serves(two_hosts):
         "solo stays on gpu2, which is draining: no other host has room for it now (tried "
         "again every few seconds)"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_drain_moves_one_replica_of_a_model_at_a_time(two_hosts):
+    """Both replicas of ``chat`` on gpu2 (``--spread gpus``): a pass sends one of them to
+    move; the other serves until that one is done. Naming back the host a model was
+    placed on does not make it chosen."""
+    from dataclasses import replace
+
+    from capyctl.deployments.services import get_deployment, spec_of, update_deployment
+    from capyctl.scheduler import actions
+
+    chat = deployment("chat", replicas=2, spread="gpus")
+    second = Deployment.objects.get(name="chat~1")
+    actions.ensure_ready(chat.pk)
+    actions.ensure_ready(second.pk)
+    assert (_where("chat"), _where("chat~1")) == (("gpu2", "ready"), ("gpu2", "ready"))
+    named = replace(spec_of(get_deployment("chat")), host="gpu2", priority=3)
+    assert update_deployment("chat", named).host_chosen is False
+    drain_host("gpu2", actor="test")
+    sent: list[int] = []
+    host_drains.drain_all(sent.append)
+    assert sent == [chat.pk]

@@ -386,9 +386,11 @@ def test_an_idle_replica_is_not_parked_on_its_own_while_another_serves(two_gpus)
 async def test_a_request_waiting_past_scale_up_wait_brings_one_more_up(
     two_gpus, bob, database_threads, tmp_path
 ):
-    """``--replicas 1:2 --scale-up-wait-seconds 1``: a request held by the engine for more
-    than a second, its answer not begun, calls for one more replica at the next request's
-    arrival, whatever the load's average; the event says how long it waited."""
+    """``--replicas 1:2 --scale-up-wait-seconds 1``: a streamed request held by the engine
+    for more than a second, its answer not begun, calls for one more replica at the next
+    request's arrival, whatever the load's average; the event says how long it waited.
+    (A non-streamed answer's head comes once it is all generated: its wait cannot be told
+    from its work, and does not count.)"""
     from capyctl.gateway.app import Gateway
 
     gate = tmp_path / "requests-may-finish"
@@ -402,7 +404,7 @@ async def test_a_request_waiting_past_scale_up_wait_brings_one_more_up(
 
         async def chat(prompt: str) -> httpx.Response:
             body = {"model": "chat", "messages": [{"role": "user", "content": prompt}],
-                    "max_tokens": 1}  # fmt: skip
+                    "max_tokens": 1, "stream": True}  # fmt: skip
             return await client.post("/v1/chat/completions", json=body)
 
         gate.unlink()
@@ -421,7 +423,9 @@ async def test_a_request_waiting_past_scale_up_wait_brings_one_more_up(
         finally:
             gate.touch()
         for answer in held:
-            _replica_of(await answer)
+            streamed = await answer
+            assert streamed.status_code == 200, streamed.text
+            assert "x-capyctl-replica" in streamed.headers
         scaled = await Event.objects.filter(kind="deployment.scaled").aget()
         assert "over scale_up_wait_seconds 1 s" in scaled.message, scaled.message
         assert "waking parked replica" in scaled.message
@@ -557,3 +561,28 @@ async def test_server_mode_routes_on_every_api_process_s_requests_in_flight(
     finally:
         ours.stop()
         theirs.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_model_is_not_brought_back_up_to_its_kept_replicas(two_gpus, database_threads):
+    """``--replicas 2`` with ``idle_park_seconds``: once every replica up has been idle that
+    long (one already parked for it), the pass brings none up again; the model parks as a
+    whole."""
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    first = deployment("chat", replicas=2, idle_park_seconds=1)
+    second = Deployment.objects.get(name="chat~1")
+    actions.ensure_ready(second.pk)
+    actions.park(second.pk, "ram")
+    actions.ensure_ready(first.pk)
+    assert replica_scaling.scale(Deployment.objects.get(pk=first.pk), wakes.ready_later)
+    deadline = time.monotonic() + 30
+    while state("chat~1") != ("ready", ""):  # not idle yet: the second is brought up
+        assert time.monotonic() < deadline, state("chat~1")
+        time.sleep(0.05)
+    actions.park(second.pk, "ram")
+    time.sleep(1.1)
+    assert replica_scaling.scale(Deployment.objects.get(pk=first.pk), _fail) is None
+
+
+def _fail(deployment_id: int) -> None:
+    raise AssertionError(f"deployment {deployment_id} brought up")

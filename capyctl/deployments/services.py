@@ -316,7 +316,9 @@ def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> De
         .get(pk=get_deployment(name).pk)
     )
     engine, host = check_deployment(spec, exclude_pk=deployment.pk)
-    chosen = host is not None
+    # A host a person names is chosen; the host it was placed on, named back (the admin's
+    # form, a REST body read and sent again), changes nothing.
+    chosen = host is not None and (deployment.host_chosen or host.pk != deployment.host_id)
     if host is None and not deployment.host_chosen:
         host = deployment.host  # where its placement put it, until a person says otherwise
     moved = (

@@ -178,11 +178,14 @@ class Replicas:
         self._bringing[first].add_done_callback(_logged)
 
     def _demand(self, first: int) -> tuple[int, float]:
-        """This process's requests of the model whose answer has not begun: how many, and
-        how long the oldest has waited (seconds)."""
+        """This process's streamed requests of the model whose answer has not begun: how
+        many, and how long the oldest has waited (seconds)."""
         now, waiting, oldest = time.perf_counter(), 0, 0.0
         for started, outcome in self._asked.get(first, {}).values():
-            if not outcome.headers_at:  # its answer has not begun
+            # A streamed request whose first byte has not come: it waits (in CapyCTL or
+            # in the engine's queue). A non-streamed answer's head comes only once it is
+            # all generated, so its wait cannot be told from its work: not counted.
+            if outcome.stream and not outcome.headers_at:
                 waiting += 1
                 oldest = max(oldest, now - started)
         return waiting, oldest

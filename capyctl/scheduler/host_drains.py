@@ -46,19 +46,28 @@ _MOVED_FROM = (ObservedState.READY, ObservedState.PARKED)
 
 def drain_all(move_later: Callable[[int], object]) -> None:
     """One pass over the draining hosts: ``move_later(deployment_id)`` runs :func:`move`
-    in the background for each model still on one that nothing drives now."""
+    in the background for a model still on one that nothing drives now, one replica of a
+    model at a time."""
     for host in Host.objects.filter(drain_started_at__isnull=False):
         left = Deployment.objects.filter(host=host, observed_state__in=transitions.LIVE)
         if not left.exists():
             _note_drained(host)
             continue
-        for deployment_id in left.filter(observed_state__in=_MOVED_FROM).values_list(
-            "pk", flat=True
-        ):
-            if deployment_locks.flight_free(deployment_id) and not (
-                deployment_locks.driven_anywhere(deployment_id)
-            ):
-                move_later(deployment_id)
+        moving: set[int] = set()  # models (by first replica) with a move sent this pass
+        rows = left.filter(observed_state__in=_MOVED_FROM).order_by("replica_index")
+        for deployment_id, first in rows.values_list("pk", "replica_of_id"):
+            model = first or deployment_id
+            if model in moving or _model_driven(model):
+                continue  # one replica of a model at a time: the others serve meanwhile
+            moving.add(model)
+            move_later(deployment_id)
+
+
+def _model_driven(first: int) -> bool:
+    """Whether any replica of the model is being started, woken, parked, stopped or moved
+    now (its next replica moves once that is done)."""
+    rows = Deployment.objects.filter(Q(pk=first) | Q(replica_of_id=first))
+    return any(deployment_locks.driven_anywhere(pk) for pk in rows.values_list("pk", flat=True))
 
 
 def move(deployment_id: int) -> None:  # noqa: PLR0911 - one move, read top to bottom

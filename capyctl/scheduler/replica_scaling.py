@@ -72,6 +72,8 @@ def scale(first: Deployment, bring_up: Callable[[int], object]) -> scaling.Step 
     step = scaling.decide(views, scaling.Demand(0, 0.0), bounds)
     if step is None or deployment_locks.driven_anywhere(step.replica_id):
         return None  # nothing to do, or its step is under way
+    if step.action != scaling.PARK and idle > 0 and _all_idle(views, idle):
+        return None  # the model is idle: it parks as a whole (reconcile), nothing comes up
     if step.action != scaling.PARK:
         tried = _brought_up.get(step.replica_id)
         if tried is not None and time.monotonic() - tried < BRING_UP_AGAIN_SECONDS:
@@ -84,6 +86,13 @@ def scale(first: Deployment, bring_up: Callable[[int], object]) -> scaling.Step 
     else:
         bring_up(step.replica_id)
     return step
+
+
+def _all_idle(views: list[scaling.ReplicaView], idle: int) -> bool:
+    """Whether every replica up has had no request for ``idle`` seconds and has none in
+    flight (the model went idle: one of its replicas may already be parked for it)."""
+    up = [v for v in views if v.state in scaling.UP]
+    return all(v.in_flight == 0 and v.idle_seconds >= idle for v in up)
 
 
 def view(row: Deployment, now: datetime) -> scaling.ReplicaView:
