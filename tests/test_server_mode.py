@@ -141,6 +141,23 @@ def test_server_mode_needs_postgresql_and_redis(program_env, redis_url):
     assert len(refused.err.strip().splitlines()) == 1
 
 
+def hosts_setup(env, *names):
+    """Ports for the server and its enrolment; hosts ``names`` added, each with a port for
+    its agent and its join token; the engine ``sim`` added."""
+    port, enrol_port = free_port(), free_port()
+    env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{enrol_port}"
+    run = lambda *argv: run_program(env, *argv)  # noqa: E731
+    ports = {name: free_port() for name in names}
+    tokens = {}
+    for name, agent_port in ports.items():
+        added = run("host", "add", name, "--address", f"127.0.0.1:{agent_port}")
+        assert added.code == 0, added.err
+        tokens[name] = added.out.split("--join ")[1].split()[0]
+    assert run("engine", "add", "sim", "--kind", "vllm", "--command", SIM,
+               "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
+    return run, port, enrol_port, ports, tokens
+
+
 def two_models(run):
     """Models ``a`` and ``b`` (16 GiB each, 2 GiB weights) on host ``box``; an admin key."""
     assert run("engine", "add", "sim", "--kind", "vllm", "--command", SIM,
@@ -240,17 +257,7 @@ def test_requests_wake_models_on_workers_and_a_restart_recovers(server_env, tmp_
 
 def test_two_hosts_with_different_gpus_switch_apart(server_env, tmp_path):
     env = server_env
-    port, enrol_port = free_port(), free_port()
-    env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{enrol_port}"
-    run = lambda *argv: run_program(env, *argv)  # noqa: E731
-    ports = {"small": free_port(), "big": free_port()}
-    tokens = {}
-    for name, agent_port in ports.items():
-        added = run("host", "add", name, "--address", f"127.0.0.1:{agent_port}")
-        assert added.code == 0, added.err
-        tokens[name] = added.out.split("--join ")[1].split()[0]
-    assert run("engine", "add", "sim", "--kind", "vllm", "--command", SIM,
-               "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
+    run, port, enrol_port, ports, tokens = hosts_setup(env, "small", "big")
     placed = {"s1": ("small", "16GiB"), "s2": ("small", "16GiB"), "b1": ("big", "40GiB")}
     for name, (host, size) in placed.items():
         added = run("deployment", "add", name, "--engine", "sim", "--host", host, "--source",
@@ -372,17 +379,7 @@ def test_a_host_drain_moves_a_model_to_the_other_host_without_a_failed_request(
     import threading
 
     env = server_env
-    port, enrol_port = free_port(), free_port()
-    env["CAPYCTL_ENROL_ADDRESS"] = f"127.0.0.1:{enrol_port}"
-    run = lambda *argv: run_program(env, *argv)  # noqa: E731
-    ports = {"one": free_port(), "two": free_port()}
-    tokens = {}
-    for name, agent_port in ports.items():
-        added = run("host", "add", name, "--address", f"127.0.0.1:{agent_port}")
-        assert added.code == 0, added.err
-        tokens[name] = added.out.split("--join ")[1].split()[0]
-    assert run("engine", "add", "sim", "--kind", "vllm", "--command", SIM,
-               "--env", "CAPYCTL_SIM_WEIGHTS_BYTES=2GiB").code == 0  # fmt: skip
+    run, port, enrol_port, ports, tokens = hosts_setup(env, "one", "two")
     assert run("deployment", "add", "chat", "--engine", "sim", "--source", "m-chat",
                "--gpu-memory", "16GiB", "--weights-size", "2GiB").code == 0  # fmt: skip
     key = run("key", "create", "--user", "admin", "--admin").out.strip()

@@ -181,11 +181,7 @@ def choose(
     or when ``load_factor`` is below 1."""
     if not load_factor >= 1:  # NaN too
         raise ValueError(f"load_factor must be 1 or more, not {load_factor!r}")
-    candidates = replicas
-    if exclude:
-        candidates = {r: load for r, load in replicas.items() if r not in exclude}
-    if not candidates:
-        raise ValueError("no replica to choose from")
+    candidates = _candidates(replicas, exclude)
     if key is None or len(candidates) == 1:
         return _least_loaded(candidates)
     # With at least one load under the mean, n * cap >= total + 1 makes one load < cap.
@@ -245,11 +241,7 @@ class Homes(Generic[ReplicaId]):
         """The replica for a request (``loads``: each ready replica's requests in flight;
         ``busy``: in flight below which a replica takes its keys' requests whatever the
         others carry; ``exclude``: replicas not to use)."""
-        candidates = loads
-        if exclude:
-            candidates = {r: load for r, load in loads.items() if r not in exclude}
-        if not candidates:
-            raise ValueError("no replica to choose from")
+        candidates = _candidates(loads, exclude)
         if key is None or len(candidates) == 1:
             return _least_loaded(candidates)
         home = self._home.get(key)
@@ -287,6 +279,18 @@ class Homes(Generic[ReplicaId]):
         self._home[key] = chosen
         count[chosen] = count.get(chosen, 0) + 1
         return chosen
+
+
+def _candidates(
+    loads: Mapping[ReplicaId, int], exclude: Collection[ReplicaId]
+) -> Mapping[ReplicaId, int]:
+    """``loads`` without the replicas of ``exclude``; ValueError when none is left."""
+    candidates = loads
+    if exclude:
+        candidates = {r: load for r, load in loads.items() if r not in exclude}
+    if not candidates:
+        raise ValueError("no replica to choose from")
+    return candidates
 
 
 def _least_loaded(candidates: Mapping[ReplicaId, int]) -> ReplicaId:
