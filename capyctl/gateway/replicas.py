@@ -15,10 +15,11 @@ counts last read stand).
 decision (:func:`capyctl.scheduler.scaling.decide`, the same function the what-if
 simulator and the scheduler's own pass run) whether to bring one more replica up: fewer
 than the model's kept-up replicas are up, or a streamed request of this process has
-waited longer than ``scale_up_wait_seconds`` for its answer to begin, or the ready replicas carry more
-than ``target_concurrency`` on average. One comes up at a time (a parked one woken
-first), in the background; the request itself is not held for it. Parking replicas
-beyond the kept-up ones is the scheduler's pass (:mod:`capyctl.scheduler.replica_scaling`).
+waited longer than ``scale_up_wait_seconds`` for its answer to begin, or the ready
+replicas carry more than ``target_concurrency`` on average. One comes up at a time (a
+parked one woken first), in the background; the request itself is not held for it.
+Parking replicas beyond the kept-up ones is the scheduler's pass
+(:mod:`capyctl.scheduler.replica_scaling`).
 """
 
 from __future__ import annotations
