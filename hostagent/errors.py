@@ -51,3 +51,8 @@ class MemoryNotReleasedError(EngineError):
 class EngineStuckError(EngineError):
     """The engine's process did not end after SIGKILL (stuck in the kernel or a GPU
     driver): what it holds cannot be confirmed released."""
+
+
+class AdapterError(EngineError):
+    """An engine refused to load or unload a LoRA adapter (its own message, one line), or
+    an adapter cannot be served where it was asked for."""

@@ -20,10 +20,11 @@ def test_every_design_kind_is_registered():
 
 
 def test_park_capabilities_follow_the_engines():
-    both = Capabilities(ram=True, deep=True)
+    both = Capabilities(ram=True, deep=True, adapters=True, runtime_adapters=True)
     assert get_kind("vllm").capabilities({}) == both
     assert get_kind("sglang").capabilities({}) == both
-    for name in ("llamacpp", "tensorfold", "custom"):
+    assert get_kind("llamacpp").capabilities({}) == Capabilities(adapters=True)
+    for name in ("tensorfold", "custom"):
         assert get_kind(name).capabilities({}) == Capabilities()
 
 

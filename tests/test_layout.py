@@ -33,12 +33,21 @@ def test_hostagent_imports_no_django_and_nothing_from_capyctl():
 def test_the_v1_routes_are_listed_in_one_place():
     """The OpenAI routes /v1 serves are named only in ``hostagent.routes``, which the
     gateway and the agent's relay both use. The simulated engines play engines (they serve
-    routes, they do not let them through), and engine control sends its own warm-up."""
+    routes, they do not let them through), and engine control sends its own calls (the
+    warm-up, the model list, vLLM's adapter routes), named in ``hostagent.kinds.base``."""
     import ast
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    allowed = {("hostagent/kinds/base.py", "/v1/completions")}
+    allowed = {
+        ("hostagent/kinds/base.py", path)
+        for path in (
+            "/v1/completions",
+            "/v1/models",
+            "/v1/load_lora_adapter",
+            "/v1/unload_lora_adapter",
+        )
+    }
     found = []
     for package in ("capyctl", "hostagent"):
         for file in sorted((root / package).rglob("*.py")):

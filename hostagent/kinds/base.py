@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hostagent.errors import CannotParkError, EngineCallError
+from hostagent.errors import AdapterError, CannotParkError, EngineCallError
 from hostagent.sources import ENGINE_DOWNLOADS_OPTION, HUB_NAME_KINDS, engine_downloads
 from hostagent.versions import EngineFeatures, ProbeCommands
 
@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     import httpx
 
 LOOPBACK = "127.0.0.1"
+# Engine control calls under /v1 (hostagent.routes lists the routes /v1 serves; these are
+# CapyCTL's own calls to an engine): its model list, and vLLM's adapter routes.
+MODELS_PATH = "/v1/models"
+VLLM_LOAD_ADAPTER_PATH = "/v1/load_lora_adapter"
+VLLM_UNLOAD_ADAPTER_PATH = "/v1/unload_lora_adapter"
 
 # Variables an engine takes API keys from: vLLM's VLLM_API_KEY, llama-server's LLAMA_API_KEY
 # and LLAMA_ARG_API_KEY_FILE, TensorFold's TENSORFOLD_API_KEY. Only a kind sets one, with the
@@ -47,6 +52,11 @@ class Capabilities:
 
     ram: bool = False
     deep: bool = False
+    # ``adapters``: can serve LoRA adapters beside its base model (launched with adapter
+    # slots). ``runtime_adapters``: can load and unload them while running (else only
+    # those named at launch).
+    adapters: bool = False
+    runtime_adapters: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,13 @@ class LaunchSpec:
     # Where the engine listens instead of ``127.0.0.1:port``: a Unix socket in a 0700
     # folder of its own (None: loopback TCP, on ``port``).
     socket_path: Path | None = None
+    # LoRA adapters (hostagent/kinds/adapters.py): how many the engine holds on its GPUs at
+    # once (0: launched without adapter support), the largest rank it takes (0: the
+    # engine's default), and (name, local path) of those loaded at launch, in order (only
+    # engines that cannot load them at run time take these).
+    adapter_slots: int = 0
+    adapter_max_rank: int = 0
+    adapters: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -242,6 +259,19 @@ class EngineKind(Protocol):
         """Take the GPU memory back after a park in ``mode``."""
         ...
 
+    def load_adapter(self, client: EngineClient, spec: LaunchSpec, name: str, path: str) -> None:
+        """Load the LoRA adapter at ``path`` (on this host) as ``name``; one already loaded
+        is success. Raise :class:`AdapterError` with the engine's refusal."""
+        ...
+
+    def unload_adapter(self, client: EngineClient, spec: LaunchSpec, name: str) -> None:
+        """Unload the adapter ``name``; one not loaded is success."""
+        ...
+
+    def loaded_adapters(self, client: EngineClient, spec: LaunchSpec) -> list[str] | None:
+        """The adapters the engine has loaded now, by name (None: it cannot tell)."""
+        ...
+
 
 def split_command(command: str) -> list[str]:
     """Split a command line the way a POSIX shell would, without ever running a shell."""
@@ -287,6 +317,27 @@ def check_reserved_flags(kind: str, args: list[str], reserved: tuple[str, ...]) 
                 f"engine args may not set {flag}{also}: CapyCTL sets it for every {kind} "
                 "launch (engines listen on their own Unix socket or on 127.0.0.1 only, with "
                 "a key CapyCTL makes)"
+            )
+
+
+def check_adapter_spec(kind: str, spec: LaunchSpec, reserved: tuple[str, ...]) -> None:
+    """Refuse, in one line, adapter settings ``kind`` cannot honour: slots on a kind with no
+    adapter flags (``reserved`` empty), adapters without slots, and a deployment's args
+    that would set a flag the slots set."""
+    if spec.adapter_slots < 0 or spec.adapter_max_rank < 0:
+        raise KindError("adapter slots and the adapters' maximum rank cannot be negative")
+    if spec.adapter_slots > 0 and not reserved:
+        raise KindError(f"{kind} cannot serve LoRA adapters: launch it with no adapter slots")
+    if spec.adapters and spec.adapter_slots <= 0:
+        raise KindError(f"{len(spec.adapters)} adapters given to a {kind} launch with no slots")
+    if spec.adapter_slots <= 0:
+        return
+    for arg in spec.extra_args:
+        flag = reserved_flag_in(arg, reserved)
+        if flag is not None:
+            raise KindError(
+                f"engine args may not set {flag}: CapyCTL sets it for a {kind} launch with "
+                "adapter slots (set the deployment's adapter slots and maximum rank instead)"
             )
 
 
@@ -367,7 +418,24 @@ class ProgramKind:
     def capabilities(
         self, options: dict[str, Any], features: EngineFeatures | None = None
     ) -> Capabilities:
-        return Capabilities(ram="ram" in self.park_modes, deep="deep" in self.park_modes)
+        return Capabilities(
+            ram="ram" in self.park_modes,
+            deep="deep" in self.park_modes,
+            adapters=self.serves_adapters(features),
+            runtime_adapters=self.loads_adapters(features),
+        )
+
+    # The flag whose presence in the program's help says it serves adapters (None: this
+    # kind serves none). Unknown features (not asked): assumed to, the launch will tell.
+    adapter_help_flag: str | None = None
+    runtime_adapter_loading = False
+
+    def serves_adapters(self, features: EngineFeatures | None) -> bool:
+        flag = self.adapter_help_flag
+        return flag is not None and (features is None or features.has(flag))
+
+    def loads_adapters(self, features: EngineFeatures | None) -> bool:
+        return self.runtime_adapter_loading and self.serves_adapters(features)
 
     def check_args(self, args: list[str]) -> None:
         check_reserved_flags(self.name, args, self.reserved_flags)
@@ -401,11 +469,17 @@ class ProgramKind:
         return argv
 
     def build_launch(self, spec: LaunchSpec) -> Launch:
-        argv = [*split_command(spec.command), *self.engine_flags(spec), *spec.extra_args]
+        argv = [
+            *split_command(spec.command),
+            *self.engine_flags(spec),
+            *self.adapter_flags(spec),
+            *spec.extra_args,
+        ]
         env = {
             **self.offline_env(spec),
             **gpu_env(spec),
             **self.extra_env(spec),
+            **(self.adapter_env(spec) if spec.adapter_slots > 0 else {}),
             **self.cap_env(spec),
             **self.key_env(spec),
         }
@@ -413,6 +487,43 @@ class ProgramKind:
 
     def engine_flags(self, spec: LaunchSpec) -> list[str]:
         raise NotImplementedError
+
+    # -- LoRA adapters (hostagent/kinds/adapters.py) ------------------------------------------
+
+    # The flags a launch with adapter slots sets itself: a deployment's args may not set
+    # them beside its adapter settings. Empty: this kind serves no adapters.
+    adapter_reserved: tuple[str, ...] = ()
+
+    def adapter_flags(self, spec: LaunchSpec) -> list[str]:
+        """The flags that give the engine its adapter slots (none without slots); refuses
+        adapters this kind cannot serve, and args that would set what the slots set."""
+        check_adapter_spec(self.name, spec, self.adapter_reserved)
+        if spec.adapter_slots <= 0:
+            return []
+        return self.slot_flags(spec)
+
+    def slot_flags(self, spec: LaunchSpec) -> list[str]:
+        raise NotImplementedError
+
+    def adapter_env(self, spec: LaunchSpec) -> dict[str, str]:
+        """Variables a launch with adapter slots needs."""
+        return {}
+
+    def load_adapter(self, client: EngineClient, spec: LaunchSpec, name: str, path: str) -> None:
+        raise self.refuse_runtime_adapters()
+
+    def unload_adapter(self, client: EngineClient, spec: LaunchSpec, name: str) -> None:
+        raise self.refuse_runtime_adapters()
+
+    def loaded_adapters(self, client: EngineClient, spec: LaunchSpec) -> list[str] | None:
+        return None
+
+    def refuse_runtime_adapters(self) -> AdapterError:
+        if self.adapter_reserved:
+            return AdapterError(
+                f"{self.name} cannot load adapters while running: it serves those given at launch"
+            )
+        return AdapterError(f"{self.name} cannot serve LoRA adapters")
 
     def extra_env(self, spec: LaunchSpec) -> dict[str, str]:
         return {}

@@ -27,7 +27,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-from hostagent.errors import CannotParkError
+from hostagent.errors import AdapterError, CannotParkError
 from hostagent.kinds.base import (
     LOOPBACK,
     Capabilities,
@@ -35,6 +35,7 @@ from hostagent.kinds.base import (
     KindError,
     Launch,
     LaunchSpec,
+    check_adapter_spec,
     gpu_env,
     key_file_path,
     one_token_completion,
@@ -138,6 +139,7 @@ class CustomKind:
                 _check_hook(f"{group}.{mode}", hook)
 
     def build_launch(self, spec: LaunchSpec) -> Launch:
+        check_adapter_spec(self.name, spec, ())  # a template's server: no adapters known
         template = self.check_command(spec.command)
         values = {
             "port": str(spec.port),
@@ -183,3 +185,12 @@ class CustomKind:
 
     def wake(self, client: EngineClient, spec: LaunchSpec, mode: str) -> None:
         self._call(client, spec, "wake", mode)
+
+    def load_adapter(self, client: EngineClient, spec: LaunchSpec, name: str, path: str) -> None:
+        raise AdapterError("custom cannot serve LoRA adapters")
+
+    def unload_adapter(self, client: EngineClient, spec: LaunchSpec, name: str) -> None:
+        raise AdapterError("custom cannot serve LoRA adapters")
+
+    def loaded_adapters(self, client: EngineClient, spec: LaunchSpec) -> list[str] | None:
+        return None

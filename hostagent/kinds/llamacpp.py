@@ -12,6 +12,7 @@ import math
 
 from hostagent.kinds.base import (
     RESERVED_FLAGS,
+    EngineClient,
     KindError,
     LaunchSpec,
     ProgramKind,
@@ -58,6 +59,8 @@ class LlamaCppKind(ProgramKind):
     name = "llamacpp"
     description = "llama.cpp llama-server"
     reserved_flags = (*RESERVED_FLAGS, "--api-key-file", "-m", "--model", "--alias", "-a")
+    adapter_reserved = ("--lora", "--lora-scaled", "--lora-init-without-apply")
+    adapter_help_flag = "--lora-init-without-apply"
     # `version: N (hash)` on stderr; its --help lists every flag of this build.
     probes = ProbeCommands(help=["--help"], abilities=((UNIX_SOCKET, UNIX_SOCKET_HELP),))
 
@@ -75,6 +78,23 @@ class LlamaCppKind(ProgramKind):
 
     def socket_listening(self, features: EngineFeatures | None) -> bool:
         return features is not None and features.can(UNIX_SOCKET)
+
+    def slot_flags(self, spec: LaunchSpec) -> list[str]:
+        if len(spec.adapters) > spec.adapter_slots:
+            raise KindError(
+                f"{len(spec.adapters)} adapters given to a llamacpp launch with "
+                f"{spec.adapter_slots} adapter slots"
+            )
+        flags = []
+        for _, path in spec.adapters:
+            flags += ["--lora", path]
+        return [*flags, "--lora-init-without-apply"]
+
+    def loaded_adapters(self, client: EngineClient, spec: LaunchSpec) -> list[str] | None:
+        # All of the launch's adapters stay loaded; /lora-adapters lists them by index.
+        listed = client.request("GET", "/lora-adapters").json()
+        paths = [str(a.get("path")) for a in listed if isinstance(a, dict)]
+        return [name for name, path in spec.adapters if path in paths]
 
     def key_env(self, spec: LaunchSpec) -> dict[str, str]:
         return {"LLAMA_API_KEY": spec.api_key}

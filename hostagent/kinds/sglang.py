@@ -7,6 +7,16 @@ SGLang's API key guards these routes, so calls carry the launch key. Where its h
 0700 run dir instead of loopback TCP. SGLang reads its key
 from no variable, so it is in a 0600 ``--config`` file (YAML; SGLang merges its options
 inside the process), never on the command line.
+
+Adapters: with adapter slots it is launched with ``--enable-lora --max-loras-per-batch N+1
+--max-lora-rank R --lora-target-modules all``. Its GPU pool counts requests for the base
+model as one of its slots (``docs/advanced_features/lora.md``: "one slot for adaptor and
+another one for base model"), hence the +1. With no ``--lora-paths`` at launch it needs both
+a rank and target modules (``server_args.py``: "When no initial --lora-paths is provided,
+you need to specify both --max-lora-rank and --lora-target-modules"), so where the
+deployment gives no rank it gets :data:`DEFAULT_LORA_RANK` (vLLM's default). No
+``--max-loaded-loras``: with it SGLang would unload its least recently used adapter on a
+load, unasked (``tokenizer_control_mixin.py``), behind the control plane's back.
 """
 
 from __future__ import annotations
@@ -14,11 +24,15 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hostagent.errors import CannotParkError
+from hostagent.errors import AdapterError, CannotParkError
+from hostagent.kinds.adapters import ANY_STATUS, engine_message
 from hostagent.kinds.base import (
+    MODELS_PATH,
     RESERVED_FLAGS,
     EngineClient,
+    KindError,
     LaunchSpec,
     ProgramKind,
     fraction_flag,
@@ -31,11 +45,15 @@ from hostagent.kinds.media import FLAG as MEDIA_FLAG
 from hostagent.kinds.media import media_domain_flags
 from hostagent.versions import EngineFeatures, ProbeCommands
 
+if TYPE_CHECKING:
+    import httpx
+
 CPU_BACKUP_FLAG = "--enable-weights-cpu-backup"
 # What SGLang allocates outside its static part (activations, CUDA graph buffers), kept
 # inside the claim.
 OUTSIDE_STATIC_BYTES = 2 * 1024**3
 CONFIG_FILE = "sglang-config.yaml"  # SGLang takes only .yaml or .yml
+DEFAULT_LORA_RANK = 16
 
 
 def static_fraction(spec: LaunchSpec) -> LaunchSpec:
@@ -70,6 +88,17 @@ class SGLangKind(ProgramKind):
         CPU_BACKUP_FLAG,
         MEDIA_FLAG,  # the deployment's media domains say it
     )
+    adapter_reserved = (
+        "--enable-lora",
+        "--max-loras-per-batch",
+        "--max-lora-rank",
+        "--lora-target-modules",
+        "--max-loaded-loras",
+        "--lora-paths",
+    )
+    # Its runtime routes came with --enable-lora (before, --lora-paths alone turned LoRA on).
+    adapter_help_flag = "--enable-lora"
+    runtime_adapter_loading = True
     park_modes = ("ram", "deep")
     sizes_by_free_memory = True  # its static fraction counts what else the GPU holds
     # launch_server has no --version; its --help lists the flags.
@@ -129,3 +158,53 @@ class SGLangKind(ProgramKind):
         if mode == "deep" and not spec.ram_park:
             # Without a CPU backup the weights were dropped: load them from disk again.
             client.request("POST", "/update_weights_from_disk", json={"model_path": spec.source})
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    def slot_flags(self, spec: LaunchSpec) -> list[str]:
+        if spec.adapters:
+            raise KindError("sglang loads adapters while running: a launch names none")
+        return [
+            "--enable-lora",
+            "--max-loras-per-batch",
+            str(spec.adapter_slots + 1),
+            "--max-lora-rank",
+            str(spec.adapter_max_rank or DEFAULT_LORA_RANK),
+            "--lora-target-modules",
+            "all",
+        ]
+
+    def load_adapter(self, client: EngineClient, spec: LaunchSpec, name: str, path: str) -> None:
+        body = {"lora_name": name, "lora_path": path}
+        answer = client.request("POST", "/load_lora_adapter", json=body, expect=ANY_STATUS)
+        message = engine_message(answer)
+        if answer.status_code == 200 and _succeeded(answer):
+            return
+        # Its registry refuses a name it holds (lora_registry.py, 400): already there.
+        if f"LoRA with name {name} already exists" in message:
+            return
+        raise AdapterError(f"sglang refused to load adapter {name}: {message}")
+
+    def unload_adapter(self, client: EngineClient, spec: LaunchSpec, name: str) -> None:
+        body = {"lora_name": name}
+        answer = client.request("POST", "/unload_lora_adapter", json=body, expect=ANY_STATUS)
+        message = engine_message(answer)
+        if answer.status_code == 200 and _succeeded(answer):
+            return
+        # Its registry refuses a name it does not hold (lora_registry.py, 400): gone.
+        if f"LoRA with name {name} does not exist" in message:
+            return
+        raise AdapterError(f"sglang refused to unload adapter {name}: {message}")
+
+    def loaded_adapters(self, client: EngineClient, spec: LaunchSpec) -> list[str] | None:
+        # /v1/models lists the loaded adapters after the base, each with its parent.
+        cards = client.request("GET", MODELS_PATH).json().get("data") or []
+        return [str(c["id"]) for c in cards if isinstance(c, dict) and c.get("parent")]
+
+
+def _succeeded(answer: httpx.Response) -> bool:
+    try:
+        data = answer.json()
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("success") is True

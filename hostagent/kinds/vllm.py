@@ -10,15 +10,31 @@ reach those routes, and reconcile notices a park CapyCTL did not ask for. A 200 
 ``/sleep`` is not trusted alone: ``/is_sleeping`` must agree, and the runtime confirms the
 release with the GPU probe.
 
+Adapters: with adapter slots it is launched with ``--enable-lora --max-loras N
+--max-cpu-loras N`` (and ``--max-lora-rank R`` where given; vLLM's default is 16 and it
+takes only 1, 8, 16, 32, 64, 128, 256, 320 or 512: ``vllm/config/lora.py``'s
+``MaxLoRARanks``) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, without which vLLM has no
+``/v1/load_lora_adapter`` or ``/v1/unload_lora_adapter`` at all
+(``entrypoints/serve/lora/api_router.py``). ``--max-cpu-loras`` (its default: the same as
+``--max-loras``) is set so its host-RAM cache is as many adapters as it has slots.
+
 The key is in ``VLLM_API_KEY``, which vLLM's server reads when no ``--api-key`` is given
 (``args.api_key or envs.VLLM_API_KEY``), never on the command line.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from hostagent.errors import AdapterError
+from hostagent.kinds.adapters import ANY_STATUS, engine_message
 from hostagent.kinds.base import (
+    MODELS_PATH,
     RESERVED_FLAGS,
+    VLLM_LOAD_ADAPTER_PATH,
+    VLLM_UNLOAD_ADAPTER_PATH,
     EngineClient,
+    KindError,
     LaunchSpec,
     ProgramKind,
     fraction_flag,
@@ -31,7 +47,14 @@ from hostagent.kinds.media import FLAG as MEDIA_FLAG
 from hostagent.kinds.media import media_domain_flags
 from hostagent.versions import EngineFeatures, ProbeCommands
 
+if TYPE_CHECKING:
+    import httpx
+
 SLEEP_LEVELS = {"ram": 1, "deep": 2}
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py, MaxLoRARanks
+RUNTIME_LORA_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+LOAD_ROUTE = VLLM_LOAD_ADAPTER_PATH
+UNLOAD_ROUTE = VLLM_UNLOAD_ADAPTER_PATH
 
 
 def flag_spelling(given: str) -> str:
@@ -54,6 +77,9 @@ class VLLMKind(ProgramKind):
         "--enable-sleep-mode",
         MEDIA_FLAG,  # the deployment's media domains say it
     )
+    adapter_reserved = ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras")
+    adapter_help_flag = "--enable-lora"
+    runtime_adapter_loading = True
     # vLLM reports usage to stats.vllm.ai unless one of these is 1 (``usage/usage_lib.py``).
     quiet_env = (("VLLM_NO_USAGE_STATS", "1"), ("VLLM_DO_NOT_TRACK", "1"))
     park_modes = ("ram", "deep")
@@ -77,6 +103,66 @@ class VLLMKind(ProgramKind):
 
     def extra_env(self, spec: LaunchSpec) -> dict[str, str]:
         return {"VLLM_SERVER_DEV_MODE": "1"}
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    def slot_flags(self, spec: LaunchSpec) -> list[str]:
+        if spec.adapters:
+            raise KindError("vllm loads adapters while running: a launch names none")
+        slots = str(spec.adapter_slots)
+        flags = ["--enable-lora", "--max-loras", slots, "--max-cpu-loras", slots]
+        if spec.adapter_max_rank:
+            if spec.adapter_max_rank not in LORA_RANKS:
+                allowed = ", ".join(str(r) for r in LORA_RANKS)
+                raise KindError(
+                    f"vllm takes an adapter maximum rank of {allowed} (got {spec.adapter_max_rank})"
+                )
+            flags += ["--max-lora-rank", str(spec.adapter_max_rank)]
+        return flags
+
+    def adapter_env(self, spec: LaunchSpec) -> dict[str, str]:
+        return {RUNTIME_LORA_VARIABLE: "True"}
+
+    def load_adapter(self, client: EngineClient, spec: LaunchSpec, name: str, path: str) -> None:
+        body = {"lora_name": name, "lora_path": path}
+        answer = client.request("POST", LOAD_ROUTE, json=body, expect=ANY_STATUS)
+        if answer.status_code == 200:
+            return
+        message = engine_message(answer)
+        # serving.py: "The lora adapter 'X' has already been loaded. If you want to load
+        # the adapter in place, set 'load_inplace' to True." (400)
+        if answer.status_code == 400 and "has already been loaded" in message:
+            return
+        raise AdapterError(f"vllm refused to load adapter {name}: {self._why(answer, message)}")
+
+    def unload_adapter(self, client: EngineClient, spec: LaunchSpec, name: str) -> None:
+        answer = client.request("POST", UNLOAD_ROUTE, json={"lora_name": name}, expect=ANY_STATUS)
+        if answer.status_code == 200:
+            return
+        message = engine_message(answer)
+        # serving.py: "The lora adapter 'X' cannot be found." (404 NotFoundError)
+        if answer.status_code == 404 and "cannot be found" in message:
+            return
+        raise AdapterError(f"vllm refused to unload adapter {name}: {self._why(answer, message)}")
+
+    def _why(self, answer: httpx.Response, message: str) -> str:
+        # vLLM's own refusals are {"error": {...}}; a 404 without one is its web
+        # framework's: the route is not there at all.
+        try:
+            data = answer.json()
+        except ValueError:
+            data = None
+        if answer.status_code == 404 and not (isinstance(data, dict) and "error" in data):
+            return (
+                f"it has no {LOAD_ROUTE} (launched without {RUNTIME_LORA_VARIABLE}=True "
+                "and --enable-lora)"
+            )
+        return message
+
+    def loaded_adapters(self, client: EngineClient, spec: LaunchSpec) -> list[str] | None:
+        # /v1/models lists each loaded adapter as a card whose parent is the base.
+        cards = client.request("GET", MODELS_PATH).json().get("data") or []
+        return [str(c["id"]) for c in cards if isinstance(c, dict) and c.get("parent")]
 
     def key_env(self, spec: LaunchSpec) -> dict[str, str]:
         return {"VLLM_API_KEY": spec.api_key}
