@@ -71,8 +71,10 @@ def test_the_route_table_is_the_simulators_routes(monkeypatch: pytest.MonkeyPatc
     table = route_table()
     for kind in KINDS:
         monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+        monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         full = served(kind, FULL[kind], monkeypatch)
         monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
+        monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
         bare = served(kind, BARE[kind], monkeypatch)
         assert full - set(table) == set(), f"{kind} serves routes the table lacks"
         for route, cells in table.items():
@@ -387,3 +389,206 @@ async def test_a_chat_without_messages_is_refused_as_each_engine_refuses_it(
         assert "'loc': ('body', 'messages'), 'msg': 'Field required'" in message
         (body.get("error") or body).pop("message")
     assert body == refusal
+
+
+# -- LoRA adapters (hostagent/sim/adapters.py) ------------------------------------------------
+
+
+def adapter_dir(root: Path, name: str, rank: int = 8) -> str:
+    folder = root / name
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": rank}), encoding="utf-8")
+    return str(folder)
+
+
+def run_engine(argv: list[str], steps: Any) -> Any:
+    """Run ``steps(client)`` against an in-process simulated engine, loaded and ready."""
+
+    async def main() -> Any:
+        engine = SimEngine(parse_options(argv), read_knobs())
+        engine.ready.set()
+        async with TestClient(TestServer(engine.app())) as client:
+            return await steps(client)
+
+    import asyncio
+
+    return asyncio.run(main())
+
+
+def test_vllm_loads_lists_serves_and_unloads_adapters_as_vllm_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    monkeypatch.setenv("CAPYCTL_SIM_LORA_LOAD_SECONDS", "0")
+    sql = adapter_dir(tmp_path, "sql")
+    big = adapter_dir(tmp_path, "big", rank=64)
+
+    async def steps(client: TestClient[Any, Any]) -> None:
+        async def load(name: str, path: str) -> tuple[int, str]:
+            answer = await client.post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
+            )
+            return answer.status, await answer.text()
+
+        assert await load("sql", sql) == (200, "Success: LoRA adapter 'sql' added successfully.")
+        status, text = await load("sql", sql)
+        assert status == 400
+        assert json.loads(text)["error"]["message"].startswith(
+            "The lora adapter 'sql' has already been loaded."
+        )
+        status, text = await load("gone", str(tmp_path / "nowhere"))
+        assert status == 404
+        error = json.loads(text)["error"]
+        assert (error["type"], error["message"]) == (
+            "NotFoundError",
+            f"Loading lora gone failed: No adapter found for {tmp_path / 'nowhere'}",
+        )
+        status, text = await load("big", big)  # rank 64 > --max-lora-rank 16
+        assert status == 500
+        assert "LoRA rank 64 is greater than max_lora_rank 16." in text
+
+        cards = (await (await client.get("/v1/models")).json())["data"]
+        assert [(c["id"], c.get("root"), c.get("parent")) for c in cards] == [
+            ("m", None, None),
+            ("sql", sql, "m"),
+        ]
+        answer = await client.post("/v1/completions", json={"model": "sql", "prompt": "hi"})
+        assert (answer.status, (await answer.json())["model"]) == (200, "sql")
+        answer = await client.post("/v1/completions", json={"model": "poet", "prompt": "hi"})
+        assert answer.status == 404
+        assert (await answer.json())["error"]["message"] == "The model `poet` does not exist."
+
+        unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert await unloaded.text() == "Success: LoRA adapter 'sql' removed successfully."
+        again = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert again.status == 404
+        assert (await again.json())["error"]["message"] == "The lora adapter 'sql' cannot be found."
+        answer = await client.post("/v1/completions", json={"model": "sql", "prompt": "hi"})
+        assert answer.status == 404
+
+    run_engine(["vllm", "serve", "m", "--enable-lora"], steps)
+
+
+def test_vllm_without_runtime_updating_has_no_adapter_routes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+
+    async def steps(client: TestClient[Any, Any]) -> int:
+        answer = await client.post("/v1/load_lora_adapter", json={"lora_name": "a"})
+        return answer.status
+
+    assert run_engine(["vllm", "serve", "m", "--enable-lora"], steps) == 404
+
+
+def test_sglang_loads_serves_and_refuses_adapters_as_sglang_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CAPYCTL_SIM_LORA_LOAD_SECONDS", "0")
+    sql = adapter_dir(tmp_path, "sql")
+
+    async def steps(client: TestClient[Any, Any]) -> None:
+        async def call(route: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+            answer = await client.post(route, json=body)
+            return answer.status, await answer.json()
+
+        status, answer = await call("/load_lora_adapter", {"lora_name": "sql", "lora_path": sql})
+        assert (status, answer) == (
+            200,
+            {"success": True, "error_message": "", "loaded_adapters": {"sql": sql}},
+        )
+        status, answer = await call("/load_lora_adapter", {"lora_name": "sql", "lora_path": sql})
+        assert (status, answer["success"]) == (400, False)
+        assert answer["error_message"] == (
+            "LoRA with name sql already exists. Loaded LoRAs: odict_keys(['sql'])"
+        )
+        status, answer = await call("/unload_lora_adapter", {"lora_name": "poet"})
+        assert (status, answer["success"]) == (400, False)
+        assert answer["error_message"].startswith("LoRA with name poet does not exist.")
+        status, answer = await call(
+            "/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "none")}
+        )
+        assert (status, answer["success"]) == (400, False)
+
+        chat = {"model": "m", "messages": [{"content": "hi"}]}
+        status, answer = await call("/v1/chat/completions", {**chat, "lora_path": "sql"})
+        assert (status, answer["model"]) == (200, "m")
+        status, answer = await call("/v1/chat/completions", {**chat, "model": "m:sql"})
+        assert (status, answer["model"]) == (200, "m:sql")
+        status, answer = await call("/v1/chat/completions", {**chat, "lora_path": "poet"})
+        assert (status, answer["object"], answer["code"]) == (400, "error", 400)
+        assert answer["message"].startswith(
+            "The following requested LoRA adapters are not loaded: poet\n"
+        )
+        cards = (await (await client.get("/v1/models")).json())["data"]
+        assert [c["id"] for c in cards if c.get("parent") == "m"] == ["sql"]
+
+    argv = ["sglang", "--model-path", "m", "--served-model-name", "m", "--enable-lora",
+            "--max-lora-rank", "16", "--lora-target-modules", "all"]  # fmt: skip
+    run_engine(argv, steps)
+
+
+def test_sglang_without_lora_says_so_and_will_not_start_lora_without_a_shape() -> None:
+    async def steps(client: TestClient[Any, Any]) -> dict[str, Any]:
+        answer = await client.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/"})
+        assert answer.status == 400
+        return dict(await answer.json())
+
+    answer = run_engine(["sglang", "--model-path", "m"], steps)
+    assert (
+        answer["error_message"] == "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+    )
+    with pytest.raises(SystemExit, match="both --max-lora-rank and --lora-target-modules"):
+        parse_options(["sglang", "--model-path", "m", "--enable-lora"])
+
+
+def test_llama_server_applies_its_launch_adapters_per_request(tmp_path: Path) -> None:
+    files = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    for file in files:
+        file.write_bytes(b"lora")
+
+    async def steps(client: TestClient[Any, Any]) -> None:
+        listed = await (await client.get("/lora-adapters")).json()
+        assert listed == [
+            {"id": 0, "path": str(files[0]), "scale": 0.0},
+            {"id": 1, "path": str(files[1]), "scale": 0.0},
+        ]
+        chat = {"model": "m", "messages": [{"content": "hi"}]}
+        ok = await client.post(
+            "/v1/chat/completions", json={**chat, "lora": [{"id": 1, "scale": 1}]}
+        )
+        assert ok.status == 200
+        bad = await client.post(
+            "/v1/chat/completions", json={**chat, "lora": [{"id": 2, "scale": 1}]}
+        )
+        assert bad.status == 400
+        assert (await bad.json())["error"]["message"] == "invalid adapter id"
+
+    argv = ["llamacpp", "-m", "m.gguf", "--alias", "m", "--lora", str(files[0]),
+            "--lora", str(files[1]), "--lora-init-without-apply"]  # fmt: skip
+    run_engine(argv, steps)
+
+
+def test_adapter_slots_reserve_gpu_memory_from_the_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """vLLM's slots come out of its share (its KV cache shrinks) and move with its weights
+    on a park; llama-server's --lora files come on top of what it takes."""
+    monkeypatch.setenv("CAPYCTL_SIM_GPUS", "24GiB")
+    monkeypatch.setenv("CAPYCTL_SIM_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("CAPYCTL_SIM_LORA_SLOT_BYTES", "100MiB")
+
+    def weights(argv: list[str]) -> tuple[int, int]:
+        engine = SimEngine(parse_options(argv), read_knobs())
+        engine.memory.load()
+        held = sum(engine.memory.gpu_bytes().values())
+        return held, sum(engine.memory.weights.values())
+
+    plain = weights(["vllm", "serve", "m"])
+    slots = weights(["vllm", "serve", "m", "--enable-lora", "--max-loras", "3"])
+    assert slots == (plain[0], plain[1] + 300 * 1024**2)
+    file = tmp_path / "a.gguf"
+    file.write_bytes(b"x" * 4096)
+    base = weights(["llamacpp", "-m", "m.gguf"])
+    with_lora = weights(["llamacpp", "-m", "m.gguf", "--lora", str(file)])
+    assert with_lora == (base[0] + 4096, base[1] + 4096)

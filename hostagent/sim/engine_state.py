@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,10 @@ class EngineState:
         self.ready = asyncio.Event()
         # After a deep park with CAPYCTL_SIM_DEEP_WAKE_SECONDS: the wake's time is the reload's.
         self.reload_pending = False
+        # LoRA adapters loaded at run time, name: path, least recently used first
+        # (hostagent/sim/adapters.py); llama-server's --lora files' scales.
+        self.adapters: OrderedDict[str, str] = OrderedDict()
+        self.llama_scales: list[float] = []
         record = os.environ.get("CAPYCTL_SIM_RECORD", "")
         self._record = Path(record).open("a", buffering=1) if record else None  # noqa: SIM115
 
@@ -121,12 +126,27 @@ class EngineState:
             return _json(missing[1], missing[0])
         # TensorFold serves any `model` under its --name (src/tensorfold/cuda/http.py).
         known = body.get("model") in (self.options.served_name, None)
+        known = known or self.serves_model(body.get("model"))
         if not known and self.options.kind != "tensorfold":
             return _error(f"The model `{body.get('model')}` does not exist.", 404, "NotFoundError")
         if not self.memory.serving and self.memory.devices:
             return _error("the engine is sleeping or its weights are not loaded", 503)
+        refused = self.adapter_refusal(body)
+        if refused is not None:
+            return refused
         self.count_request()
         return body
+
+    # Adapters (overridden by hostagent.sim.adapters.AdapterRoutes).
+
+    def serves_model(self, model: object) -> bool:
+        return False
+
+    def adapter_refusal(self, body: dict[str, Any]) -> web.Response | None:
+        return None
+
+    def answer_model(self, body: dict[str, Any]) -> str:
+        return self.options.served_name
 
     def _tokens(self, body: dict[str, Any]) -> int:
         limit = body.get("max_completion_tokens") or body.get("max_tokens")

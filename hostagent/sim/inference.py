@@ -24,6 +24,9 @@ class InferenceRoutes(EngineState):
 
     # -- OpenAI routes ----------------------------------------------------------------------
 
+    def adapter_cards(self) -> list[dict[str, Any]]:
+        return []
+
     async def models(self, request: web.Request) -> web.Response:
         if self.options.kind != "llamacpp" and not self.authorized(request):
             return _error("Invalid API key", 401, "authentication_error")
@@ -33,7 +36,7 @@ class InferenceRoutes(EngineState):
             "created": self.created,
             "owned_by": self.options.kind,
         }
-        return _json({"object": "list", "data": [model]})
+        return _json({"object": "list", "data": [model, *self.adapter_cards()]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, required="messages")
@@ -101,7 +104,7 @@ class InferenceRoutes(EngineState):
                     "id": ident,
                     "object": obj,
                     "created": int(time.time()),
-                    "model": self.options.served_name,
+                    "model": self.answer_model(body),
                     "choices": [choice],
                     "usage": usage,
                 }
@@ -109,7 +112,13 @@ class InferenceRoutes(EngineState):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         include_usage = include_usage or self.usage_on_last_chunk
         return await self._stream(
-            request, ident, words, finish, usage if include_usage else None, chat=chat
+            request,
+            ident,
+            words,
+            finish,
+            usage if include_usage else None,
+            chat=chat,
+            model=self.answer_model(body),
         )
 
     @property
@@ -128,13 +137,14 @@ class InferenceRoutes(EngineState):
         usage: dict[str, int] | None,
         *,
         chat: bool,
+        model: str,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
         try:
-            await self._stream_chunks(response, ident, words, finish, usage, chat=chat)
+            await self._stream_chunks(response, ident, words, finish, usage, chat=chat, model=model)
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away: stop generating, as engines do, and say so in the log.
             print(f"stream {ident} cancelled by the client", flush=True)
@@ -150,6 +160,7 @@ class InferenceRoutes(EngineState):
         usage: dict[str, int] | None,
         *,
         chat: bool,
+        model: str,
     ) -> None:
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -159,7 +170,7 @@ class InferenceRoutes(EngineState):
                 "id": ident,
                 "object": chunk_obj,
                 "created": created,
-                "model": self.options.served_name,
+                "model": model,
                 "choices": choices,
                 **(extra or {}),
             }

@@ -61,6 +61,16 @@ def tensorfold_budget(free: int, total: int, knobs: Knobs) -> int:
     return max(0, min(granted, limit)) if limit is not None else max(0, granted)
 
 
+def lora_bytes(options: SimOptions, knobs: Knobs) -> int:
+    """What an engine's adapters take on each GPU from its start: vLLM's and SGLang's
+    slots (``CAPYCTL_SIM_LORA_SLOT_BYTES`` each, default 64 MiB), llama-server's --lora
+    files (their size on disk)."""
+    if options.kind == "llamacpp":
+        files = [Path(p) for p in options.lora_files]
+        return sum(f.stat().st_size for f in files if f.is_file())
+    return options.lora_slots * knobs.lora_slot_bytes if options.lora else 0
+
+
 def _others(state_dir: Path, pid: int) -> dict[int, int]:
     """What the other live processes hold on each simulated GPU."""
     held: dict[int, int] = {}
@@ -121,12 +131,17 @@ class SimMemory:
                 # What it would take, held to its budget (its CUDA context on top).
                 budget = tensorfold_budget(free[index], total, knobs)
                 claims[index] = min(claims[index], knobs.residual_bytes + budget)
-        self.claims = claims
-        self.residual = {i: min(knobs.residual_bytes, c) for i, c in claims.items()}
+        # LoRA: vLLM and SGLang allocate their adapter slots' buffers as they load the
+        # model, inside their share (the KV cache gets less); llama-server loads its --lora
+        # files at start on top of what it takes. Both are kept with the weights on a park.
+        lora = lora_bytes(options, knobs)
+        grows = options.kind == "llamacpp" and knobs.gpu_bytes is None
+        self.claims = {i: min(c + lora * grows, totals[i]) for i, c in claims.items()}
+        self.residual = {i: min(knobs.residual_bytes, c) for i, c in self.claims.items()}
         self.weights = {
             i: min(
-                knobs.weights_bytes if knobs.weights_bytes is not None else c // 2,
-                c - self.residual[i],
+                (knobs.weights_bytes if knobs.weights_bytes is not None else c // 2) + lora,
+                self.claims[i] - self.residual[i],
             )
             for i, c in claims.items()
         }

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hostagent.sim import flags
 from hostagent.sim.cuda import check_device
@@ -31,6 +32,16 @@ class SimOptions:
     memory_fraction: float | None
     # vLLM's and SGLang's --allowed-media-domains (empty: media fetched from any host)
     media_domains: tuple[str, ...] = ()
+    # LoRA (hostagent/sim/adapters.py): vLLM/SGLang --enable-lora; the GPU slots (vLLM
+    # --max-loras, SGLang --max-loras-per-batch); the largest rank (0: none given); SGLang's
+    # --lora-target-modules; llama-server's --lora files, in order, and whether they start
+    # at scale 0 (--lora-init-without-apply).
+    lora: bool = False
+    lora_slots: int = 0
+    lora_max_rank: int = 0
+    lora_target_modules: tuple[str, ...] = ()
+    lora_files: tuple[str, ...] = ()
+    lora_init_without_apply: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,10 @@ class Knobs:
     prefix_cache_tokens: int = 0
     prefill_tokens_per_second: float = 0.0
     request_gate: Path | None = None
+    # LoRA: how long an adapter's load takes, and the GPU bytes each adapter slot reserves
+    # at start (vLLM and SGLang allocate their slots' buffers as they load the model).
+    lora_load_seconds: float = 0.05
+    lora_slot_bytes: int = 64 * 1024**2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,6 +102,9 @@ _READ: dict[str, list[tuple[tuple[str, ...], dict[str, object]]]] = {
         (("--enable-sleep-mode", "--no-enable-sleep-mode", "--disable-sleep-mode"), {}),
         (("--gpu-memory-utilization",), {"type": float, "default": 0.9}),  # 0.92 from 0.12
         (("--allowed-media-domains",), {"nargs": "+", "default": []}),
+        (("--enable-lora", "--no-enable-lora", "--disable-lora"), {}),
+        (("--max-loras",), {"type": int, "default": 1}),  # vllm/config/lora.py
+        (("--max-lora-rank",), {"type": int, "default": 16}),
     ],
     "sglang": [  # python/sglang/srt/server_args.py and its arg_groups/fields
         (("--model-path", "--model"), {"dest": "source", "required": True}),
@@ -99,6 +117,11 @@ _READ: dict[str, list[tuple[tuple[str, ...], dict[str, object]]]] = {
         (("--mem-fraction-static",), {"type": float, "default": 0.88}),
         (("--config",), {}),
         (("--allowed-media-domains",), {"nargs": "+", "default": []}),
+        (("--enable-lora",), {"action": "store_true"}),
+        (("--max-loras-per-batch",), {"type": int, "default": 8}),
+        (("--max-lora-rank",), {"type": int}),
+        (("--lora-target-modules",), {"nargs": "*"}),
+        (("--lora-paths",), {"nargs": "*"}),
     ],
     "tensorfold": [  # src/tensorfold/cli_args.py
         (("--host",), {"default": "127.0.0.1"}),
@@ -134,7 +157,33 @@ def parse_options(argv: list[str]) -> SimOptions:
         cpu_backup=bool(getattr(args, "enable_weights_cpu_backup", False)),
         memory_fraction=fraction,
         media_domains=tuple(getattr(args, "allowed_media_domains", None) or ()),
+        **_lora_options(kind, args),
     )
+
+
+def _lora_options(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The LoRA settings as each engine reads them. SGLang turns LoRA on for
+    ``--lora-paths`` too, and refuses to start with neither those nor both a rank and
+    target modules (server_args.py's check, an assertion: the process exits)."""
+    if kind == "llamacpp":
+        files = tuple(args.lora)
+        return {"lora": bool(files), "lora_slots": len(files), "lora_files": files,
+                "lora_init_without_apply": args.lora_init_without_apply}  # fmt: skip
+    if kind == "vllm":
+        enabled = bool(args.enable_lora)
+        return {"lora": enabled, "lora_slots": args.max_loras if enabled else 0,
+                "lora_max_rank": args.max_lora_rank}  # fmt: skip
+    if kind != "sglang":
+        return {}
+    enabled = bool(args.enable_lora or args.lora_paths)
+    if enabled and not args.lora_paths and not (args.max_lora_rank and args.lora_target_modules):
+        raise SystemExit(
+            "AssertionError: When no initial --lora-paths is provided, you need to specify "
+            "both --max-lora-rank and --lora-target-modules for LoRA initialization."
+        )
+    return {"lora": enabled, "lora_slots": args.max_loras_per_batch if enabled else 0,
+            "lora_max_rank": args.max_lora_rank or 0,
+            "lora_target_modules": tuple(args.lora_target_modules or ())}  # fmt: skip
 
 
 def _socket_path(kind: str, args: argparse.Namespace) -> str | None:
@@ -171,8 +220,9 @@ def _engine_parser(kind: str) -> argparse.ArgumentParser:
     if kind in ("vllm", "tensorfold"):
         parser.add_argument("source", nargs="?" if kind == "vllm" else None)
     for names, options in _READ[kind]:
-        if kind == "vllm" and names[0] == "--enable-sleep-mode":
-            parser.add_argument(*names, dest="enable_sleep_mode", action=_EnableDisable)
+        if kind == "vllm" and names[0] in ("--enable-sleep-mode", "--enable-lora"):
+            dest = names[0].removeprefix("--").replace("-", "_")
+            parser.add_argument(*names, dest=dest, action=_EnableDisable)
         else:
             parser.add_argument(*names, **options)  # type: ignore[arg-type]
     taken = set(parser._option_string_actions)
@@ -252,6 +302,8 @@ def _parse_llamacpp(rest: list[str]) -> argparse.Namespace:
             "--alias": "served_model_name", "--host": "host", "--port": "port",
             "--api-key": "api_key", "--api-key-file": "api_key_file"}  # fmt: skip
     values: dict[str, str] = {}
+    loras: list[str] = []  # --lora is repeatable: each adds a file, in order
+    switches: set[str] = set()
     i = 0
     while i < len(rest):
         arg = rest[i]
@@ -264,6 +316,10 @@ def _parse_llamacpp(rest: list[str]) -> argparse.Namespace:
             raise SystemExit(f'error while handling argument "{arg}": expected value for argument')
         if arg in read:
             values[read[arg]] = rest[i + 1]
+        elif arg == "--lora":
+            loras.append(rest[i + 1])
+        elif count == 0:
+            switches.add(arg)
         i += count + 1
     if "port" in values and not values["port"].lstrip("-").isdigit():
         raise SystemExit('error while handling argument "--port": stoi')
@@ -274,6 +330,8 @@ def _parse_llamacpp(rest: list[str]) -> argparse.Namespace:
         port=int(values.get("port", "8080")),
         api_key=values["api_key"].split(",") if "api_key" in values else [],
         api_key_file=values.get("api_key_file"),
+        lora=loras,
+        lora_init_without_apply="--lora-init-without-apply" in switches,
     )
 
 
@@ -361,4 +419,6 @@ def read_knobs() -> Knobs:
         prefix_cache_tokens=int(_float("CAPYCTL_SIM_PREFIX_CACHE", 0)),
         prefill_tokens_per_second=_float("CAPYCTL_SIM_PREFILL_TOKENS_PER_SECOND", 0.0),
         request_gate=_path("CAPYCTL_SIM_REQUEST_GATE"),
+        lora_load_seconds=_float("CAPYCTL_SIM_LORA_LOAD_SECONDS", 0.05),
+        lora_slot_bytes=_size("CAPYCTL_SIM_LORA_SLOT_BYTES") or 64 * 1024**2,
     )

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 from aiohttp import web
 
+from hostagent.sim.adapters import AdapterRoutes
 from hostagent.sim.control import ControlRoutes
 from hostagent.sim.engine_state import _held_at
 from hostagent.sim.inference import InferenceRoutes
@@ -93,7 +95,7 @@ VLLM_DEV_ROUTES = [
 ]
 
 
-class SimEngine(InferenceRoutes, ControlRoutes):
+class SimEngine(AdapterRoutes, InferenceRoutes, ControlRoutes):
     """A simulated engine: its routes (those of its kind), served by an aiohttp app once
     its model is loaded."""
 
@@ -113,6 +115,7 @@ class SimEngine(InferenceRoutes, ControlRoutes):
             app.router.add_post("/release_memory_occupation", self.release)
             app.router.add_post("/resume_memory_occupation", self.resume)
             app.router.add_post("/update_weights_from_disk", self.update_weights)
+        self.adapter_routes(app)  # LoRA adapters, as each engine serves them
         # -- TensorFold's prototype sleep API (hostagent/sim/tfsleep.py) --
         if self.options.kind == "tensorfold" and self.options.sleep_mode:
             TensorFoldSleep(self, sleep_token()).add_routes(app)
@@ -123,6 +126,10 @@ class SimEngine(InferenceRoutes, ControlRoutes):
         self.memory.clear()
 
     async def _load(self) -> None:
+        missing = [path for path in self.options.lora_files if not Path(path).exists()]
+        if missing:  # llama-server: common_init_from_params fails, the server exits
+            print(f"failed to apply lora adapter '{missing[0]}'", flush=True)
+            os._exit(1)
         await _held_at(self.knobs.load_gate)
         await asyncio.sleep(self.knobs.load_seconds)
         self.memory.load()
