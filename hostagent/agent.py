@@ -207,6 +207,15 @@ class AgentApp:
             return 200, {"seconds": seconds}
         if (method, action) == ("POST", "stop"):
             return 200, {"exit_code": await run(host.stop, ident, float(body["grace_seconds"]))}
+        if (method, action) == ("POST", "adapters/load"):
+            name, source = str(body["name"]), str(body["source"])
+            seconds = await run(host.load_adapter, ident, name, source, float(body["timeout"]))
+            return 200, {"seconds": seconds}
+        if (method, action) == ("POST", "adapters/unload"):
+            await run(host.unload_adapter, ident, str(body["name"]))
+            return 200, {}
+        if (method, action) == ("GET", "adapters"):
+            return 200, {"loaded": await run(host.loaded_adapters, ident)}
         message = f"no route {method} /instances/{ident}/{action}"
         return 404, {"error": {"type": "NotFound", "message": message}}
 

@@ -17,10 +17,11 @@ from typing import Any
 
 import psutil
 
-from hostagent.errors import EngineExitedError
+from hostagent.errors import AdapterError, EngineExitedError
+from hostagent.kinds.adapters import check_adapter_name
 from hostagent.probe import DeviceReading, Inventory, Probe, ProcessUsage
 from hostagent.runtime import DEFAULT_RELEASE_SECONDS, EngineRuntime, Instance, InstanceRequest
-from hostagent.sources import FetchStatus, SourceCache
+from hostagent.sources import FetchStatus, SourceCache, classify
 
 logger = logging.getLogger("hostagent.host")
 
@@ -102,7 +103,7 @@ class HostRuntime:
             records = []
         adopted = []
         for record in records:
-            request = InstanceRequest(**record["request"])
+            request = InstanceRequest.from_dict(record["request"])
             instance = self.runtime.adopt(
                 request,
                 port=int(record["port"]),
@@ -189,6 +190,49 @@ class HostRuntime:
             return self.runtime.wake(self._get(instance_id), mode, timeout)
         finally:
             self._save()
+
+    # -- LoRA adapters ------------------------------------------------------------------------
+
+    def load_adapter(self, instance_id: str, name: str, source: str, timeout: float) -> float:
+        """Load the adapter fetched on this host from ``source`` into the instance's engine
+        as ``name``; return the seconds the load took. Only a source this host resolves
+        itself is loaded (a finished fetch, or a local path that exists): never a path the
+        caller names. One already loaded is success."""
+        check_adapter_name(name)
+        path = self.adapter_path(source)
+        return self.runtime.load_adapter(self._get(instance_id), name, path, timeout)
+
+    def unload_adapter(self, instance_id: str, name: str) -> None:
+        """Unload the adapter ``name``; one not loaded is success."""
+        check_adapter_name(name)
+        self.runtime.unload_adapter(self._get(instance_id), name)
+
+    def loaded_adapters(self, instance_id: str) -> list[str] | None:
+        """The adapters the instance's engine has loaded (None: it cannot tell)."""
+        return self.runtime.loaded_adapters(self._get(instance_id))
+
+    def adapter_path(self, source: str) -> str:
+        """Where an adapter's files are on this host, from its source; AdapterError in one
+        line where it is not fetched here."""
+        kind = classify(source)
+        if kind == "local":
+            job: FetchStatus | None = self.sources.start(source)  # checked on the spot
+        elif kind in ("hf", "http"):
+            job = self.sources.status(source)
+        else:
+            raise AdapterError(
+                f"adapter source {source!r} is neither a local path nor an hf:// or "
+                "http(s):// source"
+            )
+        if job is None or job.state != "done" or not job.path:
+            why = f": {job.error}" if job is not None and job.error else ""
+            state = (
+                "is being fetched"
+                if job is not None and job.state == "running"
+                else ("is not fetched")
+            )
+            raise AdapterError(f"adapter source {source} {state} on this host{why}")
+        return job.path
 
     def stop(self, instance_id: str, grace_seconds: float) -> int:
         with self._lock:

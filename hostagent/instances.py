@@ -10,6 +10,7 @@ where its program can (:func:`socket_path_for`), else on a loopback port
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import socket
 import tempfile
@@ -69,6 +70,32 @@ class InstanceRequest:
     claim_bytes: int | None = None  # the ledger's claim per GPU, for engines that take a size
     # Hosts whose media URLs the engine may fetch (empty: none); None: no policy, no flag.
     media_domains: list[str] | None = None
+    # LoRA adapters (hostagent/kinds/adapters.py): GPU slots (0: none), the largest rank
+    # (0: the engine's default), and (name, local path) of those loaded at launch (only
+    # llama-server takes these).
+    adapter_slots: int = 0
+    adapter_max_rank: int = 0
+    adapters: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> InstanceRequest:
+        """A request from its JSON form (the agent's API, the state file): adapters come
+        as [name, path] pairs. Raises ValueError naming what is wrong."""
+        try:
+            request = cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"bad instance request: {exc}") from None
+        pairs = request.adapters
+        if not isinstance(pairs, list) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, str) for x in p)
+            for p in pairs
+        ):
+            raise ValueError("bad instance request: adapters must be [name, path] pairs")
+        for name in ("adapter_slots", "adapter_max_rank"):
+            value = getattr(request, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"bad instance request: {name} must be a whole number >= 0")
+        return dataclasses.replace(request, adapters=[(str(n), str(p)) for n, p in pairs])
 
 
 SOCKET_NAME = "engine.sock"  # llama-server takes a path ending in .sock as a socket

@@ -23,6 +23,7 @@ from hostagent.instances import (
     Instance,
     InstanceRequest,
     call_engine,
+    client_for,
     engine_client,
     free_port,
     remove_socket_dir,
@@ -138,6 +139,9 @@ class EngineRuntime:
             claim_bytes=request.claim_bytes,
             media_domains=request.media_domains,
             run_dir=self.run_root / request.instance_id,
+            adapter_slots=request.adapter_slots,
+            adapter_max_rank=request.adapter_max_rank,
+            adapters=list(request.adapters),
         )
 
     def adopt(
@@ -328,6 +332,32 @@ class EngineRuntime:
         """Wake from a ``mode`` park and wait until healthy; return the seconds it took.
         See :func:`hostagent.parking.wake`."""
         return parking.wake(self.meter, instance, mode, timeout)
+
+    def load_adapter(self, instance: Instance, name: str, path: str, timeout: float) -> float:
+        """Load the adapter at ``path`` into the engine as ``name``; the seconds it took."""
+        started = time.monotonic()
+        with client_for(instance, timeout) as client:
+            call_engine(
+                instance, lambda: instance.kind.load_adapter(client, instance.spec, name, path)
+            )
+        seconds = time.monotonic() - started
+        logger.info(
+            "loaded adapter %s into %s (%s) in %.2fs", name, instance.request.served_name,
+            instance.request.instance_id, seconds,
+        )  # fmt: skip
+        return seconds
+
+    def unload_adapter(self, instance: Instance, name: str) -> None:
+        with client_for(instance, 60.0) as client:
+            call_engine(instance, lambda: instance.kind.unload_adapter(client, instance.spec, name))
+
+    def loaded_adapters(self, instance: Instance) -> list[str] | None:
+        found: list[list[str] | None] = []
+        with client_for(instance, 30.0) as client:
+            call_engine(
+                instance, lambda: found.append(instance.kind.loaded_adapters(client, instance.spec))
+            )
+        return found[0]
 
     def stop(self, instance: Instance, grace_seconds: float = 10.0) -> int:
         """End the engine process (SIGTERM, then SIGKILL); return its exit status. A step of

@@ -20,10 +20,7 @@ def usage_from_json(data: dict[str, Any]) -> ProcessUsage:
 
 def request_from_json(data: dict[str, Any]) -> InstanceRequest:
     """An instance request from the server; raises ValueError naming what is wrong."""
-    try:
-        request = InstanceRequest(**data)
-    except TypeError as exc:
-        raise ValueError(f"bad instance request: {exc}") from None
+    request = InstanceRequest.from_dict(data)
     for field in ("instance_id", "kind", "command", "source", "served_name"):
         if not isinstance(getattr(request, field), str) or not getattr(request, field):
             raise ValueError(f"bad instance request: {field} must be a non-empty string")
@@ -62,6 +59,7 @@ def error_from_json(data: dict[str, Any]) -> errors.EngineError:
     plain: dict[str, type[errors.EngineError]] = {
         "CannotParkError": errors.CannotParkError,
         "EngineStuckError": errors.EngineStuckError,
+        "AdapterError": errors.AdapterError,
     }
     if kind in plain:
         return plain[kind](message)

@@ -178,6 +178,19 @@ class RemoteHostDriver:
         path = f"/instances/{instance_id}/wake"
         return float(self._call("POST", path, json=body, timeout=timeout + 30)["seconds"])
 
+    def load_adapter(self, instance_id: str, name: str, source: str, timeout: float) -> float:
+        body = {"name": name, "source": source, "timeout": timeout}
+        path = f"/instances/{instance_id}/adapters/load"
+        return float(self._call("POST", path, json=body, timeout=timeout + 30)["seconds"])
+
+    def unload_adapter(self, instance_id: str, name: str) -> None:
+        path = f"/instances/{instance_id}/adapters/unload"
+        self._call("POST", path, json={"name": name}, timeout=90)
+
+    def loaded_adapters(self, instance_id: str) -> list[str] | None:
+        loaded = self._call("GET", f"/instances/{instance_id}/adapters", timeout=60)["loaded"]
+        return None if loaded is None else [str(name) for name in loaded]
+
     def stop(self, instance_id: str, grace_seconds: float) -> int:
         body = {"grace_seconds": grace_seconds}
         path = f"/instances/{instance_id}/stop"
