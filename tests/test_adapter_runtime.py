@@ -128,3 +128,42 @@ def test_a_request_with_adapters_and_an_adapter_error_travel_as_json() -> None:
     error = wire.error_from_json(wire.error_to_json(AdapterError("vllm refused: nope")))
     assert type(error) is AdapterError
     assert str(error) == "vllm refused: nope"
+
+
+def agent_call(app: Any, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    """One request to the agent's ASGI app, in process: its status and JSON answer."""
+    import asyncio
+
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": json.dumps(body or {}).encode()}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "query_string": b""}
+    asyncio.run(app(scope, receive, send))
+    answer = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(answer)
+
+
+def test_the_agent_serves_the_adapter_routes(host: HostRuntime, tmp_path: Path) -> None:
+    from hostagent.agent import AgentApp
+
+    app = AgentApp("gpu-box", host)
+    ident = launch(host, "vllm", adapter_slots=1)
+    base = f"/instances/{ident}/adapters"
+    source = str(adapter_dir(tmp_path, "sql"))
+    status, answer = agent_call(app, "POST", f"{base}/load", {"name": "sql", "source": source,
+                                                               "timeout": 30})  # fmt: skip
+    assert status == 200
+    assert answer["seconds"] >= 0.2
+    assert agent_call(app, "GET", base) == (200, {"loaded": ["sql"]})
+    # A refusal crosses as the same error class (409, as every engine error).
+    status, answer = agent_call(app, "POST", f"{base}/load", {"name": "x", "source": "hf://o/x",
+                                                               "timeout": 5})  # fmt: skip
+    assert status == 409
+    assert type(wire.error_from_json(answer["error"])) is AdapterError
+    assert agent_call(app, "POST", f"{base}/unload", {"name": "sql"}) == (200, {})
+    assert agent_call(app, "GET", base) == (200, {"loaded": []})
