@@ -12,6 +12,7 @@ from django.core.exceptions import ObjectDoesNotExist
 from django.db.models import Count, QuerySet
 
 from capyctl.access.models import ApiKey, UserLimits
+from capyctl.deployments.adapters import AdapterView, adapter_views
 from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
 from capyctl.events.models import Event
@@ -117,7 +118,12 @@ def key_data(key: ApiKey) -> dict[str, Any]:
         "prefix": key.prefix,
         "user": key.user.get_username(),
         "name": key.name,
-        "models": [d.name for d in key.allowed_models.all()],
+        "models": sorted(
+            [
+                *(d.name for d in key.allowed_models.all()),
+                *(a.name for a in key.allowed_adapters.all()),
+            ]
+        ),
         "all_models": not key.limit_models,  # else only ``models``: none left means none
         "admin": key.is_admin,
         "requests_per_minute": key.requests_per_minute,
@@ -216,7 +222,7 @@ def users_query() -> QuerySet[Any]:
         .objects.order_by("username")
         .annotate(key_count=Count("api_keys"))
         .select_related("limits")
-        .prefetch_related("limits__allowed_models")
+        .prefetch_related("limits__allowed_models", "limits__allowed_adapters")
     )
 
 
@@ -231,6 +237,21 @@ def all_users() -> list[Any]:
 def engines_query() -> QuerySet[Engine]:
     """Engines by name, with their host."""
     return Engine.objects.select_related("host").order_by("name")
+
+
+def all_adapters() -> list[AdapterView]:
+    return adapter_views()
+
+
+def adapter_data(view: AdapterView) -> dict[str, Any]:
+    """An adapter as ``capyctl adapter list --json`` and REST show it."""
+    return {
+        "name": view.name,
+        "base": view.base,
+        "source": view.source,
+        "state": view.state,
+        "loaded_on": list(view.loaded_on),
+    }
 
 
 def all_engines() -> list[Engine]:
@@ -256,7 +277,7 @@ def keys_query() -> QuerySet[ApiKey]:
     """API keys, newest first, with their user and allowed models."""
     return (
         ApiKey.objects.select_related("user")
-        .prefetch_related("allowed_models")
+        .prefetch_related("allowed_models", "allowed_adapters")
         .order_by("-created_at", "key_id")
     )
 

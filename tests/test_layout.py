@@ -190,7 +190,7 @@ def test_hosts_import_nothing_from_the_scheduler():
 
 
 # The verbs, each importing only those after it: a verb never calls back up.
-VERB_ORDER = ["ready", "wake", "start", "evict", "park", "stop", "drain", "common"]
+VERB_ORDER = ["ready", "wake", "start", "evict", "park", "stop", "drain", "adapters", "common"]
 
 
 def test_the_verbs_call_only_down():
@@ -378,9 +378,9 @@ def test_the_admin_checks_see_every_model_admin(tmp_path):
     )
     out = _run_cli_code(code, tmp_path)
     registered = (
-        "access.ApiKey access.UserLimits auth.Group auth.User deployments.Deployment "
-        "deployments.Instance engines.Engine events.Event hosts.Host ledger.LedgerEntry "
-        "traces.RequestTrace"
+        "access.ApiKey access.UserLimits auth.Group auth.User deployments.Adapter "
+        "deployments.Deployment deployments.Instance deployments.LoadedAdapter engines.Engine "
+        "events.Event hosts.Host ledger.LedgerEntry traces.RequestTrace"
     )
     assert out.splitlines() == ["0", "[]", registered]
 
@@ -457,6 +457,26 @@ def state_writers(name: str, source: str) -> list[str]:  # noqa: PLR0912 - one w
                     ):
                         found.append(f"{where}: assigns {leaf.attr}")
     return found
+
+
+def test_which_engines_hold_an_adapter_has_one_writer():
+    """Rows of ``LoadedAdapter`` (which engines hold an adapter) are written by the
+    adapters' verb alone: no other module creates, updates or deletes them."""
+    root = Path(__file__).resolve().parent.parent
+    own = root / "capyctl/scheduler/actions/adapters.py"
+    found, seen = [], 0
+    for file in sorted((root / "capyctl").rglob("*.py")):
+        if "migrations" in file.parts:
+            continue
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                chain = ast.unparse(node.func)
+                if node.func.attr in WRITES and "LoadedAdapter" in chain:
+                    seen += file == own
+                    if file != own:
+                        found.append(f"{file.relative_to(root)}:{node.lineno}: {chain}")
+    assert seen, "the check finds the verb's own writes"
+    assert found == []
 
 
 def test_state_and_the_ledger_have_one_writer():

@@ -36,12 +36,20 @@ def _check_on_fields(form: forms.ModelForm, check: Any, *args: Any, **kwargs: An
         form.add_error(field if field in form.fields else None, exc.message)
 
 
+def _chosen(data: dict[str, Any]) -> list[Any]:
+    """The deployments and adapters a form's allowlist chose."""
+    return [*(data.get("allowed_models") or []), *(data.get("allowed_adapters") or [])]
+
+
 class NewKeyForm(forms.ModelForm):  # type: ignore[type-arg]
     class Meta:
         model = ApiKey
-        fields = ("user", "name", "allowed_models", "is_admin", "requests_per_minute",
-                  "max_concurrent", "expires_at")  # fmt: skip
-        help_texts: ClassVar = {"allowed_models": "none chosen: every model its user may use"}
+        fields = ("user", "name", "allowed_models", "allowed_adapters", "is_admin",
+                  "requests_per_minute", "max_concurrent", "expires_at")  # fmt: skip
+        help_texts: ClassVar = {
+            "allowed_models": "none chosen here or below: every model its user may use",
+            "allowed_adapters": "adapters it may use: one does not allow its base",
+        }
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -60,7 +68,7 @@ class NewKeyForm(forms.ModelForm):  # type: ignore[type-arg]
             # The same ceilings as the service applies, shown on the field at fault.
             made = self.instance.created_at if self.instance.pk else timezone.now()
             _check_on_fields(
-                self, within_ceilings, owner, list(data.get("allowed_models") or []),
+                self, within_ceilings, owner, _chosen(data),
                 data.get("requests_per_minute"), data.get("max_concurrent"),
                 expires, since=made,
             )  # fmt: skip
@@ -95,20 +103,21 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     fields = (
         "name",
         "allowed_models",
+        "allowed_adapters",
         "is_admin",
         "requests_per_minute",
         "max_concurrent",
         "expires_at",
         *readonly_fields,
     )
-    filter_horizontal = ("allowed_models",)
+    filter_horizontal = ("allowed_models", "allowed_adapters")
     actions = ("revoke_keys",)
 
     def get_form(
         self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
     ) -> Any:
         kwargs["form"] = NewKeyForm
-        kwargs["fields"] = NewKeyForm.Meta.fields if obj is None else self.fields[:6]
+        kwargs["fields"] = NewKeyForm.Meta.fields if obj is None else self.fields[:7]
         return super().get_form(request, obj, change, **kwargs)
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
@@ -120,13 +129,14 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
         actor = request.user.get_username()
         data = form.cleaned_data
-        models = [d.name for d in data.get("allowed_models") or []]
+        models = [m.name for m in _chosen(data)]
+        changed = {"allowed_models", "allowed_adapters"} & set(form.changed_data)
         if change:
             update_api_key(
                 obj.key_id, name=data.get("name", ""),
                 # Untouched, a limited key whose models were all removed stays limited to
                 # none (an empty choice would otherwise read as every model).
-                models=models if "allowed_models" in form.changed_data else None,
+                models=models if changed else None,
                 requests_per_minute=data.get("requests_per_minute"),
                 max_concurrent=data.get("max_concurrent"),
                 expires_at=data.get("expires_at"), actor=actor,
@@ -176,8 +186,8 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 class UserLimitsForm(forms.ModelForm):  # type: ignore[type-arg]
     class Meta:
         model = UserLimits
-        fields = ("user", "models_limited", "allowed_models", "requests_per_minute",
-                  "max_concurrent", "key_lifetime")  # fmt: skip
+        fields = ("user", "models_limited", "allowed_models", "allowed_adapters",
+                  "requests_per_minute", "max_concurrent", "key_lifetime")  # fmt: skip
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -196,9 +206,9 @@ class UserLimitsAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_display = ("user", "models_limited", "requests_per_minute", "max_concurrent",
                     "key_lifetime")  # fmt: skip
     search_fields = ("user__username",)
-    fields = ("user", "models_limited", "allowed_models", "requests_per_minute",
-              "max_concurrent", "key_lifetime")  # fmt: skip
-    filter_horizontal = ("allowed_models",)
+    fields = ("user", "models_limited", "allowed_models", "allowed_adapters",
+              "requests_per_minute", "max_concurrent", "key_lifetime")  # fmt: skip
+    filter_horizontal = ("allowed_models", "allowed_adapters")
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         return () if obj is None else ("user",)
@@ -207,9 +217,7 @@ class UserLimitsAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         data = form.cleaned_data
         limits = set_user_limits(
             obj.user.get_username(),
-            models=[d.name for d in data.get("allowed_models") or []]
-            if data.get("models_limited")
-            else None,
+            models=[m.name for m in _chosen(data)] if data.get("models_limited") else None,
             requests_per_minute=data.get("requests_per_minute"),
             max_concurrent=data.get("max_concurrent"),
             key_lifetime=data.get("key_lifetime"),

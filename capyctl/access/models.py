@@ -32,6 +32,10 @@ class ApiKey(models.Model):
     allowed_models = models.ManyToManyField(
         "deployments.Deployment", blank=True, related_name="api_keys"
     )
+    allowed_adapters = models.ManyToManyField(
+        "deployments.Adapter", blank=True, related_name="api_keys",
+        help_text="adapters it may use (with limit_models on): one does not allow its base",
+    )  # fmt: skip
     is_admin = models.BooleanField(default=False, help_text="may use the REST API as admin")
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
     max_concurrent = models.PositiveIntegerField(
@@ -80,6 +84,9 @@ class UserLimits(models.Model):
     allowed_models = models.ManyToManyField(
         "deployments.Deployment", blank=True, related_name="user_limits"
     )
+    allowed_adapters = models.ManyToManyField(
+        "deployments.Adapter", blank=True, related_name="user_limits"
+    )
     requests_per_minute = models.PositiveIntegerField(
         null=True, blank=True, help_text="across all of the user's keys"
     )
@@ -103,7 +110,12 @@ class UserLimits(models.Model):
         if limits is None:
             return Ceilings()
         return Ceilings(
-            models=frozenset(d.name for d in limits.allowed_models.all())
+            models=frozenset(
+                [
+                    *(d.name for d in limits.allowed_models.all()),
+                    *(a.name for a in limits.allowed_adapters.all()),
+                ]
+            )
             if limits.models_limited
             else None,
             requests_per_minute=limits.requests_per_minute,

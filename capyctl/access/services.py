@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from capyctl.access.guessing import RecentMisses
 from capyctl.access.models import ApiKey, Ceilings, UserLimits
-from capyctl.deployments.models import Deployment
+from capyctl.deployments.models import Adapter, Deployment
 from capyctl.deployments.services import get_deployment
 from capyctl.errors import NotFoundError, UserError
 from capyctl.events.services import record_event
@@ -124,15 +124,32 @@ def _narrow(
     return value
 
 
+def model_named(name: str) -> Deployment | Adapter:
+    """What ``name`` names in ``"model"``: a deployment (by its name or an alias) or an
+    adapter, for allowlists (a key allowed an adapter is not thereby allowed its base)."""
+    adapter = Adapter.objects.filter(name=name).first()
+    return adapter if adapter is not None else get_deployment(name)
+
+
+def set_models(owner: ApiKey | UserLimits, models: list[Deployment | Adapter] | None) -> None:
+    """Write an allowlist: its deployments and its adapters, each in its own table."""
+    owner.allowed_models.set([m for m in models or [] if isinstance(m, Deployment)])
+    owner.allowed_adapters.set([m for m in models or [] if isinstance(m, Adapter)])
+
+
 def _within_models(
-    deployments: list[Deployment], ceilings: Ceilings, username: str
-) -> list[Deployment] | None:
+    deployments: list[Deployment | Adapter], ceilings: Ceilings, username: str
+) -> list[Deployment | Adapter] | None:
     """A key's models under its user's ceiling: none chosen means all the user may use,
     which is every model (None) or exactly the ceiling's."""
     if not deployments:
         if ceilings.models is None:
             return None
-        return list(Deployment.objects.filter(name__in=ceilings.models).order_by("name"))
+        named: list[Deployment | Adapter] = [
+            *Deployment.objects.filter(name__in=ceilings.models),
+            *Adapter.objects.filter(name__in=ceilings.models),
+        ]
+        return sorted(named, key=lambda m: m.name)
     if ceilings.models is None:
         return deployments
     outside = sorted(d.name for d in deployments if d.name not in ceilings.models)
@@ -174,13 +191,13 @@ def span_text(span: timedelta) -> str:
 
 def within_ceilings(
     user: User,
-    deployments: list[Deployment],
+    deployments: list[Deployment | Adapter],
     requests_per_minute: int | None,
     max_concurrent: int | None,
     expires_at: datetime | None,
     *,
     since: datetime,
-) -> tuple[list[Deployment] | None, int | None, int | None, datetime | None]:
+) -> tuple[list[Deployment | Adapter] | None, int | None, int | None, datetime | None]:
     """A key's models (None: every model), limits and expiry, narrowed to ``user``'s
     ceilings: a limit left out takes the ceiling, one beyond it raises a
     :class:`UserError` naming the field. ``since``: when the key was made (its lifetime
@@ -214,7 +231,7 @@ def issue_api_key(
     The key's limits can only narrow its user's ceilings, whoever issues it: a limit left
     out takes the ceiling, one beyond it is refused."""
     user = get_user(username)
-    deployments = [get_deployment(model) for model in models or []]
+    deployments = [model_named(model) for model in models or []]
     if admin and not user.is_staff:
         raise UserError(
             f"user {username!r} is not staff, so their keys cannot have the admin scope",
@@ -243,7 +260,7 @@ def issue_api_key(
         max_concurrent=max_concurrent,
         expires_at=expires_at,
     )
-    key.allowed_models.set(scope or [])
+    set_models(key, scope)
     record_event(
         "key.created",
         f"API key {key.prefix} created for {username}"
@@ -254,7 +271,7 @@ def issue_api_key(
     return key, f"{KEY_PREFIX}{key_id}_{secret}"
 
 
-def _names(deployments: list[Deployment]) -> str:
+def _names(deployments: list[Deployment | Adapter]) -> str:
     return ", ".join(d.name for d in deployments) or "none"
 
 
@@ -375,9 +392,9 @@ def update_api_key(
         )
         changed.append("expiry")
     if models is not None:
-        scope = _within_models([get_deployment(m) for m in models], ceilings, username)
+        scope = _within_models([model_named(m) for m in models], ceilings, username)
         key.limit_models = scope is not None
-        key.allowed_models.set(scope or [])
+        set_models(key, scope)
         changed.append(f"models {_names(scope)}" if scope is not None else "all models")
     key.save()
     record_event(
@@ -406,7 +423,7 @@ def set_user_limits(
                    for value in (requests_per_minute, max_concurrent, key_lifetime)))  # fmt: skip
     deployments = None
     if models is not UNCHANGED and models is not None:
-        deployments = [get_deployment(m) for m in cast("list[str]", models)]
+        deployments = [model_named(m) for m in cast("list[str]", models)]
     limits, _ = UserLimits.objects.select_for_update().get_or_create(user=user)
     changed = []
     if models is not UNCHANGED:
@@ -423,7 +440,7 @@ def set_user_limits(
         changed.append("key lifetime")
     limits.save()
     if models is not UNCHANGED:
-        limits.allowed_models.set(deployments or [])
+        set_models(limits, deployments)
     record_event(
         "user.limits",
         f"user {username} limits changed: {', '.join(changed) or 'nothing'}",

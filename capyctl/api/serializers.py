@@ -56,6 +56,25 @@ class EngineOut(_Report):
     created_at = serializers.DateTimeField()
 
 
+class AdapterOut(_Report):
+    report = staticmethod(reports.adapter_data)
+    name = serializers.CharField(help_text="the model name requests use for it")
+    base = serializers.CharField(help_text="the deployment whose engine serves it")
+    source = serializers.CharField()  # type: ignore[assignment]
+    state = serializers.ChoiceField(choices=["loaded", "on the host", "not fetched"])
+    loaded_on = serializers.ListField(
+        child=serializers.CharField(), help_text="the base's engines (rows) that hold it"
+    )
+
+
+class AdapterIn(serializers.Serializer):  # type: ignore[type-arg]
+    name = serializers.CharField(max_length=63)
+    base = serializers.CharField(max_length=128, help_text="a deployment given adapter slots")
+    source = serializers.CharField(  # type: ignore[assignment]
+        max_length=1024, help_text="local path, hf://ORG/NAME or URL"
+    )
+
+
 class DeploymentOutBase(_Report):
     report = staticmethod(reports.deployment_data)
     name = serializers.CharField()

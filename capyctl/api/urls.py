@@ -9,6 +9,7 @@ from capyctl.api import views
 router = DefaultRouter()
 router.register("engines", views.EngineViewSet, basename="engine")
 router.register("deployments", views.DeploymentViewSet, basename="deployment")
+router.register("adapters", views.AdapterViewSet, basename="adapter")
 router.register("hosts", views.HostViewSet, basename="host")
 router.register("keys", views.KeyViewSet, basename="key")
 router.register("users", views.UserViewSet, basename="user")

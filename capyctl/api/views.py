@@ -25,6 +25,7 @@ from capyctl.access import services as access
 from capyctl.access.models import ApiKey
 from capyctl.api import serializers as s
 from capyctl.api.auth import IsAdmin, IsSignedIn, is_admin
+from capyctl.deployments import adapters
 from capyctl.deployments import services as deployments
 from capyctl.deployments.models import Deployment
 from capyctl.engines import services as engines
@@ -128,6 +129,47 @@ class EngineViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ig
 
     def destroy(self, request: Request, name: str) -> Response:
         engines.remove_engine(name, actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# -- adapters -------------------------------------------------------------------------------
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Adapters", responses=s.AdapterOut(many=True)),
+    retrieve=extend_schema(summary="One adapter", responses=s.AdapterOut),
+    create=extend_schema(
+        summary="Add an adapter (loaded when first asked for)",
+        request=s.AdapterIn,
+        responses={201: s.AdapterOut},
+    ),
+    destroy=extend_schema(
+        summary="Remove an adapter (not while an engine holds it)", responses={204: None}
+    ),
+)
+class AdapterViewSet(viewsets.ViewSet):
+    permission_classes = (IsAdmin,)
+    lookup_field = "name"
+    lookup_value_regex = "[^/]+"
+    serializer_class = s.AdapterOut
+
+    def list(self, request: Request) -> Response:
+        return Response(s.AdapterOut(reports.all_adapters(), many=True).data)
+
+    def retrieve(self, request: Request, name: str) -> Response:
+        found = adapters.adapter_views([name])
+        if not found:
+            raise NotFoundError(f"no adapter named {name!r}", field="name")
+        return Response(s.AdapterOut(found[0]).data)
+
+    def create(self, request: Request) -> Response:
+        data = _valid(s.AdapterIn, request)
+        adapters.add_adapter(data["name"], data["base"], data["source"], actor=_actor(request))
+        view = adapters.adapter_views([data["name"]])[0]
+        return Response(s.AdapterOut(view).data, status=status.HTTP_201_CREATED)
+
+    def destroy(self, request: Request, name: str) -> Response:
+        adapters.remove_adapter(name, actor=_actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

@@ -144,6 +144,41 @@ def engine_remove(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- adapters ----------------------------------------------------------------------------
+
+
+def adapter_add(args: argparse.Namespace) -> int:
+    from capyctl.deployments.adapters import add_adapter
+
+    prepare()
+    adapter = add_adapter(args.name, args.base, args.source, actor=_actor())
+    print(f"adapter {adapter.name} added on {adapter.base.name} (loaded when first asked for)")
+    return 0
+
+
+def adapter_list(args: argparse.Namespace) -> int:
+    from capyctl.reports import adapter_data, all_adapters
+
+    prepare()
+    adapters = [adapter_data(a) for a in all_adapters()]
+    if args.json:
+        print_json(adapters)
+    else:
+        rows = [[a["name"], a["base"], a["state"], ",".join(a["loaded_on"]) or "-", a["source"]]
+                for a in adapters]  # fmt: skip
+        print_table(["name", "base", "state", "loaded in", "source"], rows, empty="no adapters")
+    return 0
+
+
+def adapter_remove(args: argparse.Namespace) -> int:
+    from capyctl.deployments.adapters import remove_adapter
+
+    prepare()
+    remove_adapter(args.name, actor=_actor())
+    print(f"adapter {args.name} removed")
+    return 0
+
+
 # --- deployments -------------------------------------------------------------------------
 
 

@@ -143,6 +143,7 @@ def build_parser() -> Parser:
     _build_start(commands)
     _build_engine(commands)
     _build_deployment(commands)
+    _build_adapter(commands)
     _build_key(commands)
     _build_user(commands)
     _build_host(commands)
@@ -345,6 +346,28 @@ def _build_engine(commands: Any) -> None:
     listing = _sub(sub, "list", "list engines", "engine_list")
     _add_json(listing)
     remove = _sub(sub, "remove", "remove an engine no deployment uses", "engine_remove")
+    remove.add_argument("name")
+
+
+def _build_adapter(commands: Any) -> None:
+    adapter = _sub(commands, "adapter", "LoRA adapters served as models by a base deployment")
+    sub = adapter.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
+    add = _sub(sub, "add", "add an adapter; it loads when first asked for", "adapter_add")
+    add.add_argument("name", help="the model name requests use for it")
+    add.add_argument(
+        "--base",
+        required=True,
+        metavar="DEPLOYMENT",
+        help="the deployment whose engine serves it (given --adapter-slots)",
+    )
+    add.add_argument(
+        "--source",
+        required=True,
+        help="its files: a local path, hf://ORG/NAME or an http(s) URL#sha256=HEX",
+    )
+    listing = _sub(sub, "list", "list adapters, their base and where each stands", "adapter_list")
+    _add_json(listing)
+    remove = _sub(sub, "remove", "remove an adapter no engine holds", "adapter_remove")
     remove.add_argument("name")
 
 

@@ -11,7 +11,8 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from capyctl.admin_utils import ReadOnlyAdmin, attach_user_error
-from capyctl.deployments.models import Deployment, Instance
+from capyctl.deployments import adapters
+from capyctl.deployments.models import Adapter, Deployment, Instance, LoadedAdapter
 from capyctl.deployments.services import (
     SETTING_FIELDS,
     DeploymentSpec,
@@ -239,3 +240,62 @@ class InstanceAdmin(ReadOnlyAdmin):
                     "ended_at")  # fmt: skip
     list_filter = ("state", "host")
     exclude = ("launch_key",)
+
+
+class AdapterForm(forms.ModelForm):  # type: ignore[type-arg]
+    class Meta:
+        model = Adapter
+        fields = ("name", "base", "source")
+
+    def clean(self) -> dict[str, Any]:
+        """The service's checks, each shown on its field, before anything is saved."""
+        data = super().clean() or {}
+        if self.errors:
+            return data
+        try:
+            adapters.check_adapter(data["name"], data["base"].name, data["source"])
+        except UserError as exc:
+            attach_user_error(self, exc)
+        return data
+
+
+@admin.register(Adapter)
+class AdapterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Adapters: added through the same service as ``capyctl adapter add`` and REST; one
+    is not edited (remove it and add it again), and is removed only while no engine holds
+    it."""
+
+    form = AdapterForm
+    list_display = ("name", "base", "source", "source_bytes", "created_at")
+    list_filter = ("base",)
+    search_fields = ("name", "base__name", "source")
+    readonly_fields = ("source_bytes", "created_at")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return ("name", "base", "source", *self.readonly_fields) if obj else self.readonly_fields
+
+    def save_model(
+        self, request: HttpRequest, obj: Adapter, form: AdapterForm, change: bool
+    ) -> None:
+        if change:
+            return
+        data = form.cleaned_data
+        saved = adapters.add_adapter(data["name"], data["base"].name, data["source"],
+                                     actor=request.user.get_username())  # fmt: skip
+        obj.pk = saved.pk
+        obj.refresh_from_db()
+
+    def delete_model(self, request: HttpRequest, obj: Adapter) -> None:
+        adapters.remove_adapter(obj.name, actor=request.user.get_username())
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Adapter]) -> None:
+        for adapter in queryset:
+            try:
+                adapters.remove_adapter(adapter.name, actor=request.user.get_username())
+            except UserError as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+
+
+@admin.register(LoadedAdapter)
+class LoadedAdapterAdmin(ReadOnlyAdmin):
+    list_display = ("adapter", "instance", "loaded_at", "load_seconds", "last_used_at")

@@ -128,6 +128,8 @@ class Deployment(models.Model):
     )
     spread = models.CharField(max_length=8, choices=Spread.choices, **declared("spread"))
     routing = models.CharField(max_length=12, choices=Routing.choices, **declared("routing"))
+    adapter_slots = models.PositiveSmallIntegerField(**declared("adapter_slots"))
+    adapter_max_rank = models.PositiveSmallIntegerField(**declared("adapter_max_rank"))
     # A replica beyond the first is a row of its own (its own host, GPUs, engine, state
     # and ledger entries) named NAME~INDEX, made and kept in step with its first replica
     # by the deployments' services; people see and name only the first.
@@ -297,6 +299,63 @@ class DeploymentAlias(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class Adapter(models.Model):
+    """A LoRA fine-tune served by its base deployment's engine, under a name of its own:
+    to the callers of ``/v1`` a model like any other. Its name shares the namespace of
+    deployments and their aliases (the service layer keeps them apart). Which engines hold
+    it loaded is :class:`LoadedAdapter`'s, written by the scheduler alone."""
+
+    name = models.CharField(max_length=128, unique=True)
+    base = models.ForeignKey(Deployment, on_delete=models.PROTECT, related_name="adapters")
+    source = models.CharField(max_length=1024, help_text="local path, hf://ORG/NAME or URL")
+    source_bytes = models.BigIntegerField(
+        null=True, blank=True, help_text="size of its files, once fetched"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def ref_of(pk: int) -> int:
+        """How key allowlists (:class:`capyctl.gateway.keys.KeyInfo`) and the counts of
+        requests in flight hold the adapter ``pk`` beside deployments' ids: negative, so
+        the two never meet."""
+        return -pk
+
+    @property
+    def ref(self) -> int:
+        return self.ref_of(self.pk)
+
+
+class LoadedAdapter(models.Model):
+    """An adapter held by one engine process of its base: written only by
+    :mod:`capyctl.scheduler.actions.adapters` (a load, an unload, a deep park or an end of
+    the engine that dropped it)."""
+
+    adapter = models.ForeignKey(Adapter, on_delete=models.CASCADE, related_name="loads")
+    instance = models.ForeignKey(
+        "deployments.Instance", on_delete=models.CASCADE, related_name="adapters"
+    )
+    loaded_at = models.DateTimeField(auto_now_add=True)
+    load_seconds = models.FloatField(default=0.0)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["loaded_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["adapter", "instance"], name="loaded_adapter_once_per_instance"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.adapter_id} on {self.instance_id}"
 
 
 class Instance(models.Model):

@@ -14,7 +14,13 @@ from django.db import transaction
 from django.db.models import Q
 
 from capyctl.deployments import guards
-from capyctl.deployments.models import Deployment, DeploymentAlias, ObservedState, ParkPolicy
+from capyctl.deployments.models import (
+    Adapter,
+    Deployment,
+    DeploymentAlias,
+    ObservedState,
+    ParkPolicy,
+)
 from capyctl.deployments.settings_spec import SETTING, SETTINGS
 from capyctl.engines.models import Engine
 from capyctl.engines.services import check_engine_args, get_engine
@@ -57,6 +63,8 @@ class DeploymentSpec:
     scale_up_wait_seconds: int | None = None
     spread: str = _default("spread")
     routing: str = _default("routing")
+    adapter_slots: int = _default("adapter_slots")
+    adapter_max_rank: int = _default("adapter_max_rank")
     park: str = _default("park")
     pinned: bool = _default("pinned")
     over_claim: str = _default("over_claim")
@@ -130,6 +138,13 @@ def _check_names(spec: DeploymentSpec, *, exclude_pk: int | None = None) -> None
             f"name {spec.name!r} is already an alias of deployment {owner.deployment.name!r}",
             field="name",
         )
+    for given in (spec.name, *spec.aliases):
+        adapter = Adapter.objects.filter(name=given).values_list("base__name", flat=True).first()
+        if adapter is not None:
+            raise UserError(
+                f"{given!r} is already the name of an adapter on {adapter!r}",
+                field="name" if given == spec.name else "aliases",
+            )
     if spec.aliases:
         clash = others.filter(name__in=spec.aliases).values_list("name", flat=True).first()
         if clash is not None:
@@ -222,6 +237,12 @@ def check_deployment(
                 "use --park auto, stop or never",
                 field="park",
             )
+    if spec.adapter_slots and not kind.capabilities(engine.options, engine.features()).adapters:
+        raise UserError(
+            f"engine {engine.name!r} ({engine.kind}) cannot serve adapters; leave its adapter "
+            "slots at 0",
+            field="adapter_slots",
+        )
     host = get_host(spec.host) if spec.host else engine.host
     if engine.host is not None and host is not None and host.pk != engine.host.pk:
         raise UserError(
@@ -443,6 +464,13 @@ def remove_deployment(name: str, *, actor: str = "") -> None:
     deployment = get_deployment(name)
     for row in (deployment, *deployment.replica_set.all()):
         _check_removable(row, deployment.name)
+    adapters = list(deployment.adapters.values_list("name", flat=True))
+    if adapters:
+        raise UserError(
+            f"deployment {deployment.name!r} is the base of adapters {', '.join(adapters)}; "
+            "remove them first (capyctl adapter remove NAME)",
+            field="name",
+        )
     deployment_name = deployment.name
     deployment.delete()
     record_event(

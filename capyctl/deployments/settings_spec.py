@@ -30,6 +30,8 @@ MAX_REPLICAS = 64
 MAX_SECONDS = 10**9  # about 31 years, within the 32-bit columns that hold them
 MAX_COUNT = 2**31 - 1
 MAX_PRIORITY = 1000
+MAX_ADAPTER_SLOTS = 256
+MAX_ADAPTER_RANK = 512
 
 STAFF = "staff"  # who may set it: staff users and admin keys
 
@@ -219,6 +221,28 @@ SETTINGS: tuple[Setting, ...] = (
         MEMORY,
         default="affinity",
         choices=ROUTING_CHOICES,
+    ),
+    Setting(
+        "adapter_slots",
+        COUNT,
+        "adapters (LoRA fine-tunes named as models of their own) its engine holds on the GPU "
+        "at once; its engine reserves their memory at start (0: it serves none)",
+        MEMORY,
+        default=0,
+        minimum=0,
+        maximum=MAX_ADAPTER_SLOTS,
+        metavar="N",
+    ),
+    Setting(
+        "adapter_max_rank",
+        COUNT,
+        "the largest LoRA rank of its adapters, which sizes each slot (0: the engine's own "
+        "default)",
+        MEMORY,
+        default=0,
+        minimum=0,
+        maximum=MAX_ADAPTER_RANK,
+        metavar="R",
     ),
     Setting(
         "park",

@@ -18,7 +18,7 @@ from django.conf import settings
 
 from capyctl.deployments import guards
 from capyctl.errors import UserError
-from capyctl.gateway import access
+from capyctl.gateway import access, adapters
 from capyctl.gateway.context import Outcome, RequestContext, Scope
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found, respond
 from capyctl.gateway.keys import KeyCache, KeyInfo
@@ -107,9 +107,9 @@ class Admission:
         name, parsed = self._model_named(target, key, headers, body)
         outcome.stream = parsed is not None and parsed.get("stream") is True
         route = await self.routes.get(name)
-        if route is None or not key.allows(route.deployment_id):
+        if route is None or not key.allows(route.ref):
             raise model_not_found(name)
-        outcome.model = route.name  # a label only once it names a model the key may use
+        outcome.model = route.asked_for  # a label only once it names a model the key may use
         if route.desired_state == "stopped":
             raise GatewayError(
                 503, "model_stopped", f"The model `{name}` is stopped.", "server_error", False
@@ -122,15 +122,19 @@ class Admission:
                 "server_error",
             )
         _check_guards(parsed, body, route)  # what it asks of the engine
-        if name != route.name:  # an alias: the engine serves the deployment's own name
+        adapter = route.adapter
+        if adapter is not None:  # served by its base, under the name its engine knows
+            body = adapters.request_body(body, parsed, route, adapter)
+        elif name != route.name:  # an alias: the engine serves the deployment's own name
             body = _rename_model(body, parsed, route.name)
         if route.replicas:  # several replicas: one of them, or the one to wait for
             affinity = scheduler.affinity_key(headers, parsed) if route.affinity else None
             group, route = route, self.replicas.choose(route, affinity)
             return RequestContext(scope, receive, send, key, headers, body, route, target,
-                                  started, outcome, group=group, affinity=affinity)  # fmt: skip
+                                  started, outcome, group=group, affinity=affinity,
+                                  adapter=adapter)  # fmt: skip
         return RequestContext(scope, receive, send, key, headers, body, route, target, started,
-                              outcome)  # fmt: skip
+                              outcome, adapter=adapter)  # fmt: skip
 
     def _model_named(
         self, target: routes.Target, key: KeyInfo, headers: dict[bytes, bytes], body: bytes
@@ -199,11 +203,17 @@ class Admission:
                 "owned_by": "capyctl",
                 "state": m["state"],
                 "host": m["host"],
-                # requests this process holds waiting for it to be started or woken
-                "waiting": self.waiting.queues.count(int(str(m["pk"]))),
+                **(
+                    {"parent": m["parent"]}
+                    if "parent" in m
+                    else {
+                        # requests this process holds waiting for it to be started or woken
+                        "waiting": self.waiting.queues.count(int(str(m["ref"])))
+                    }
+                ),
             }
             for m in models
-            if key.allows(int(str(m["pk"])))
+            if key.allows(int(str(m["ref"])))
         ]
         if one is not None:
             found = [m for m in data if m["id"] == one]

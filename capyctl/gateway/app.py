@@ -19,7 +19,7 @@ from typing import Any
 
 from django.conf import settings
 
-from capyctl.gateway import access
+from capyctl.gateway import access, adapters
 from capyctl.gateway.admission import Admission, StoredResponses
 from capyctl.gateway.batches import BatchedWrites
 from capyctl.gateway.context import Outcome, RequestContext, Scope
@@ -132,8 +132,12 @@ class Gateway:
         except ClientGone:  # it left the queue, and counts for nothing
             ctx.outcome.status = 499
             return
-        deployment_id = ctx.route.deployment_id
+        deployment_id, adapter = ctx.route.deployment_id, ctx.adapter
+        if adapter is not None:
+            await adapters.begin(adapter)
         try:
+            if adapter is not None:  # its base's engine holds it before it is asked
+                await adapters.load(ctx, adapter)
             if ctx.keepalive is not None:
                 await ctx.keepalive.stop()  # no more comment lines: the answer follows
             if waited_ms := ctx.outcome.queued_ms:
@@ -144,8 +148,12 @@ class Gateway:
                 if not await self._failover(ctx, failed):
                     raise
                 deployment_id = ctx.route.deployment_id  # counted there now
+                if adapter is not None:
+                    await adapters.load(ctx, adapter)
                 await self.forwarding.forward(ctx)
         finally:
+            if adapter is not None:
+                await adapters.end(ctx, adapter)
             await scheduler.end_request(deployment_id)
             if ctx.group is not None:
                 self.admission.replicas.ended(ctx.group, deployment_id, ctx.outcome)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from capyctl.gateway.keys import KeyInfo
-    from capyctl.gateway.routing import Route
+    from capyctl.gateway.routing import AdapterRef, Route
     from capyctl.gateway.waiting import KeepAlive
     from hostagent import routes
 
@@ -59,6 +59,9 @@ class RequestContext:
     # is then the replica chosen); None for a model of one.
     group: Route | None = None
     affinity: str | None = None  # what ties it to one of them (its session, its prompt)
+    # A request for an adapter: the adapter, loaded into the engine of the route it is
+    # admitted on before it is forwarded (the route after a wake is its base's).
+    adapter: AdapterRef | None = None
 
     @property
     def stream(self) -> bool:

@@ -65,8 +65,10 @@ class KeyInfo:
     user_max_concurrent: int | None = None
     expires_at: float | None = None  # time.time() it stops working at (None: never)
 
-    def allows(self, deployment_id: int) -> bool:
-        return self.models is None or deployment_id in self.models
+    def allows(self, ref: int) -> bool:
+        """Whether it may use the deployment ``ref`` (its id) or the adapter (its
+        :meth:`~capyctl.deployments.models.Adapter.ref`): an allowlist names each apart."""
+        return self.models is None or ref in self.models
 
     def works(self, now: float) -> bool:
         """Whether the key may be used at ``now`` (time.time()): checked at each request,
@@ -87,11 +89,21 @@ def _info(key: ApiKey) -> KeyInfo:
     limits = getattr(key.user, "limits", None)  # no row: no ceilings
     models: frozenset[int] | None = None  # every deployment, unless the key is limited
     if key.limit_models:  # to these only: none left (all removed) means none
-        models = frozenset(m.pk for m in key.allowed_models.all())
+        models = frozenset(
+            [
+                *(m.pk for m in key.allowed_models.all()),
+                *(a.ref for a in key.allowed_adapters.all()),
+            ]
+        )
     user_rpm = user_concurrent = None
     if limits is not None:
         if limits.models_limited:
-            ceiling = frozenset(m.pk for m in limits.allowed_models.all())
+            ceiling = frozenset(
+                [
+                    *(m.pk for m in limits.allowed_models.all()),
+                    *(a.ref for a in limits.allowed_adapters.all()),
+                ]
+            )
             models = ceiling if models is None else models & ceiling
         user_rpm, user_concurrent = limits.requests_per_minute, limits.max_concurrent
     ends = expires_at(key)  # a lifetime set after the key was made binds it too
@@ -114,7 +126,12 @@ def _fetch_many(key_ids: list[str]) -> dict[str, KeyInfo]:
     keys = (
         ApiKey.objects.filter(key_id__in=key_ids)
         .select_related("user", "user__limits")
-        .prefetch_related("allowed_models", "user__limits__allowed_models")
+        .prefetch_related(
+            "allowed_models",
+            "allowed_adapters",
+            "user__limits__allowed_models",
+            "user__limits__allowed_adapters",
+        )
     )
     return {key.key_id: _info(key) for key in keys}
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from django.db.models import Q
 
 from capyctl.deployments import guards
-from capyctl.deployments.models import Deployment, Instance
+from capyctl.deployments.adapters import adapter_views
+from capyctl.deployments.models import Adapter, Deployment, Instance
 from capyctl.gateway.cache import WarmCache
 from capyctl.gateway.upstream import unix_url
 
@@ -51,12 +52,50 @@ class Route:
     # A deployment of several replicas: each of them (its first, this route, included), in
     # order; () for a deployment of one.
     replicas: tuple[Route, ...] = ()
+    kind: str = ""  # its engine's kind (how a request names an adapter to it)
+    # A request for an adapter of it: the adapter (None: for the deployment itself).
+    adapter: AdapterRef | None = None
+
+    @property
+    def ref(self) -> int:
+        """What a key's allowlist holds for what the request names: the deployment's id, or
+        the adapter's as :func:`capyctl.deployments.models.Adapter.ref` gives it."""
+        return self.deployment_id if self.adapter is None else self.adapter.ref
+
+    @property
+    def asked_for(self) -> str:
+        """The model the request named (an adapter, else the deployment)."""
+        return self.name if self.adapter is None else self.adapter.name
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An adapter a request names, served by its base (the route it is on)."""
+
+    pk: int
+    name: str
+
+    @property
+    def ref(self) -> int:
+        return Adapter.ref_of(self.pk)
 
 
 def _fetch_many(names: list[str]) -> dict[str, Route]:
+    adapters = list(Adapter.objects.filter(name__in=names).values_list("pk", "name", "base__name"))
+    bases = {base for _, _, base in adapters} - set(names)
+    routes = _fetch_deployments([*names, *bases])
+    for pk, name, base in adapters:
+        if base in routes:
+            routes[name] = replace(routes[base], adapter=AdapterRef(pk, name))
+    for base in bases:
+        routes.pop(base, None)
+    return routes
+
+
+def _fetch_deployments(names: list[str]) -> dict[str, Route]:
     deployments = list(
         Deployment.objects.filter(Q(name__in=names) | Q(aliases__name__in=names))
-        .select_related("host")
+        .select_related("host", "engine")
         .prefetch_related("aliases")
         .distinct()
     )
@@ -65,7 +104,7 @@ def _fetch_many(names: list[str]) -> dict[str, Route]:
     if several:
         for row in (
             Deployment.objects.filter(replica_of_id__in=several)
-            .select_related("host")
+            .select_related("host", "engine")
             .order_by("replica_index")
         ):
             rest.setdefault(int(row.replica_of_id or 0), []).append(row)
@@ -122,6 +161,7 @@ def _route(deployment: Deployment, instance: Instance | None) -> Route:
         kept_up=deployment.kept_up,
         scale_up_wait_seconds=deployment.setting("scale_up_wait_seconds"),
         affinity=deployment.routing == "affinity",
+        kind=deployment.engine.kind,
     )
 
 
@@ -142,11 +182,29 @@ class RoutingTable:
 
 
 def list_models() -> list[dict[str, object]]:
-    """Every deployment, for ``GET /v1/models`` (filtered by the key by the caller)."""
+    """Every deployment, then every adapter (its ``parent`` the base, its state where it
+    stands), for ``GET /v1/models`` (filtered by the key by the caller: ``ref``)."""
+    deployments = _list_deployments()
+    host_of = {d["id"]: d["host"] for d in deployments}
+    adapters = [
+        {
+            "id": view.name,
+            "ref": Adapter.ref_of(view.pk),
+            "state": view.state,
+            "host": host_of.get(view.base),
+            "created": view.created,
+            "parent": view.base,
+        }
+        for view in adapter_views()
+    ]
+    return [*deployments, *adapters]
+
+
+def _list_deployments() -> list[dict[str, object]]:
     return [
         {
             "id": d.name,
-            "pk": d.pk,
+            "ref": d.pk,
             # A model of several replicas is ready when one of them is.
             "state": "ready"
             if any(r.observed_state == "ready" for r in d.replica_set.all())

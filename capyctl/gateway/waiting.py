@@ -142,7 +142,7 @@ class Waiting:
             except TimeoutError:
                 raise _wake_timeout(route) from None
             except SchedulerError as exc:
-                raise _scheduler_error(exc, route) from exc
+                raise scheduler_error(exc, route) from exc
         finally:
             self.queues.leave(deployment_id, place)
             metrics.NOW.note_waiting(route.name, self.queues.count(deployment_id))
@@ -200,7 +200,7 @@ _SCHEDULER_ANSWERS: tuple[tuple[type[SchedulerError], int, bool], ...] = (
 )
 
 
-def _scheduler_error(exc: SchedulerError, route: Route) -> GatewayError:
+def scheduler_error(exc: SchedulerError, route: Route) -> GatewayError:
     """The /v1 error for a wake that failed with the scheduler's error ``exc``."""
     message = str(exc)
     if isinstance(exc, WakeTimeoutError):

@@ -18,7 +18,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from capyctl.access.models import ApiKey
 from capyctl.access.services import ceilings_of, issue_api_key, revoke_api_key, span_text
-from capyctl.deployments.models import Deployment
+from capyctl.deployments.models import Adapter, Deployment
 from capyctl.errors import UserError
 from capyctl.validation import parse_duration
 
@@ -29,18 +29,20 @@ EXPIRY_CHOICES = [("", "never"), ("1d", "1 day"), ("7d", "7 days"), ("30d", "30 
 def _page(request: HttpRequest, **extra: Any) -> HttpResponse:
     keys = (
         ApiKey.objects.filter(user_id=request.user.pk or 0)
-        .prefetch_related("allowed_models")
+        .prefetch_related("allowed_models", "allowed_adapters")
         .order_by("revoked_at", "-created_at")
     )
     ceilings = ceilings_of(request.user)  # type: ignore[arg-type]
-    models = (
-        Deployment.objects.filter(replica_of__isnull=True)  # a key names models, not replicas
-        .order_by("name")
-        .values_list("name", flat=True)
+    models = sorted(
+        [
+            # a key names models (adapters too), not replicas
+            *Deployment.objects.filter(replica_of__isnull=True).values_list("name", flat=True),
+            *Adapter.objects.values_list("name", flat=True),
+        ]
     )
     expiry_choices = EXPIRY_CHOICES
     if ceilings.models is not None:
-        models = models.filter(name__in=ceilings.models)
+        models = [m for m in models if m in ceilings.models]
     if ceilings.key_lifetime is not None:
         longest = ceilings.key_lifetime
         expiry_choices = [

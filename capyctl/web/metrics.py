@@ -78,6 +78,12 @@ OVERHEAD = _Histogram(
     _OVERHEAD,
 )
 WAITS = _Histogram("capyctl_wait_seconds", "time /v1 requests waited for a start or wake", _LATENCY)
+# Labelled by the adapter's name ("model"): a load is made by a request for it.
+ADAPTER_LOADS = _Histogram(
+    "capyctl_adapter_load_seconds",
+    "adapters loaded into their base's engine, and how long",
+    _LATENCY,
+)
 _counted: dict[tuple[str, int], int] = {}
 
 
@@ -132,7 +138,7 @@ class _Now(Collector):
         for (model, status), n in sorted(dict(_counted).items()):
             requests.add_metric([model, str(status)], n)
         yield requests
-        for histogram in (LATENCY, OVERHEAD, WAITS):
+        for histogram in (LATENCY, OVERHEAD, WAITS, ADAPTER_LOADS):
             yield histogram.family()
         queue = GaugeMetricFamily(
             "capyctl_waiting_requests", "requests waiting for a model to be ready", labels=["model"]

@@ -20,6 +20,7 @@ ready → wake → start → evict → park → stop → drain, so none calls ba
 
 from __future__ import annotations
 
+from capyctl.scheduler.actions import adapters
 from capyctl.scheduler.actions.common import (
     MAX_SWITCH_ROUNDS,
     STOP_GRACE_SECONDS,
@@ -36,6 +37,7 @@ __all__ = [
     "MAX_SWITCH_ROUNDS",
     "ROOM_RETRY_SECONDS",
     "STOP_GRACE_SECONDS",
+    "adapters",
     "check_park",
     "drain_and_stop",
     "end_engine_and_fail",

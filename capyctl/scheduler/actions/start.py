@@ -101,6 +101,8 @@ def start_engine(deployment: Deployment, actor: str) -> Deployment:
         memory_fraction=estimates.memory_fraction(deployment, device_total(host)),
         claim_bytes=claim if deployment.gpus else None,
         media_domains=list(deployment.media_domains),
+        adapter_slots=deployment.adapter_slots,
+        adapter_max_rank=deployment.adapter_max_rank,
     )
     try:
         launched = driver.launch(request)
