@@ -318,6 +318,7 @@ def status_data() -> dict[str, Any]:
         "deployments": [
             {**deployment_data(d), "problem": problems.problem(d)} for d in all_deployments()
         ],
+        "adapters": [adapter_data(view) for view in all_adapters()],
         "keys": [key_data(k) for k in all_keys()],
         "ledger": [ledger_data(entry) for entry in ledger],
         "queues": queues_data(),

@@ -300,3 +300,91 @@ async def test_the_base_parked_and_woken_keeps_serving_its_adapters(
         assert answer.json()["model"] == "sql"
         assert answer.headers["x-capyctl-switch"].startswith("woke base ")
     await gateway.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_vllm_base_with_adapter_slots_parks_in_ram_when_asked_to_park_deep(gpu24, bob, tmp_path):
+    """vLLM with LoRA enabled fails to wake from a level-2 sleep (vllm#39934): its base
+    parks in RAM instead, and says why; a policy of deep parks only stops it."""
+    from capyctl.scheduler.placement_data import Resident
+    from capyctl.scheduler.policy import park_mode
+    from capyctl.scheduler.snapshots import snapshot
+
+    _served(tmp_path, ["sql"])
+    base = Deployment.objects.get(name="base")
+    actions.park(base.pk, "deep")
+    assert Deployment.objects.get(pk=base.pk).parked_mode == "ram"
+    parked = Event.objects.filter(kind="deployment.parked").latest("pk").message
+    assert "in RAM, not deep: vLLM with LoRA enabled fails to wake from a deep park" in parked
+    actions.ensure_ready(base.pk)
+    host = Deployment.objects.get(pk=base.pk).host
+    assert host is not None
+    resident = next(r for r in snapshot(host).residents if r.deployment_id == base.pk)
+    assert not resident.can_park_deep
+    assert resident.deep_refused.startswith("vLLM with LoRA enabled")
+    deep_only = Resident(**{**resident.__dict__, "park_policy": "deep"})
+    mode, why = park_mode(deep_only, snapshot(host), ram_free=0)
+    assert (mode, why) == ("stop", f"it may not park deep: {resident.deep_refused}")
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_adapters_load_again_after_their_base_parked_deep(
+    gpu24, bob, database_threads, tmp_path
+):
+    """An SGLang base parked deep drops its adapters: the next request for one wakes the
+    base and loads the adapter again."""
+    from capyctl.gateway.app import Gateway
+
+    def setup() -> str:
+        add_engine("sim-sglang", kind="sglang", command=f"{SIM} sglang", env=SIM_ENV)
+        base = deployment("base", engine="sim-sglang", adapter_slots=2, park="deep")
+        add_adapter("sql", "base", lora_dir(tmp_path, "sql"))
+        actions.ensure_ready(base.pk)
+        return issue_api_key("bob")[1]
+
+    key = await sync_to_async(setup)()
+    gateway = Gateway()
+    async with _client(gateway, key) as client:
+        body = {"model": "sql", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        first = await client.post("/v1/chat/completions", json=body)
+        assert first.status_code == 200, first.text
+        assert first.headers["x-capyctl-switch"].startswith("loaded adapter sql ")
+        base = await sync_to_async(Deployment.objects.get)(name="base")
+        await sync_to_async(actions.park)(base.pk, "deep")
+        assert await sync_to_async(_loaded)() == []
+        again = await client.post("/v1/chat/completions", json=body)
+        assert again.status_code == 200, again.text
+        switch = again.headers["x-capyctl-switch"]
+        assert switch.startswith("woke base "), switch
+        assert "; loaded adapter sql " in switch, switch
+    await gateway.close()
+    messages = await sync_to_async(
+        lambda: list(
+            Event.objects.filter(kind="adapter.unloaded").values_list("message", flat=True)
+        )
+    )()
+    assert messages == [
+        "adapter sql unloaded from base: base parked deep; it loads again when asked for"
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_status_and_the_dashboard_show_adapters_under_their_base(gpu24, bob, cli, tmp_path):
+    from capyctl.web.dashboard import dashboard_data
+
+    _served(tmp_path, ["sql", "poet"])
+    base = Deployment.objects.get(name="base")
+    actions.adapters.load(base.pk, Adapter.objects.get(name="sql").pk, 30)
+    lines = cli("status").out.splitlines()
+    table = lines[lines.index("ADAPTER  BASE  STATE        LOADED IN") :]
+    assert table[1:3] == ["poet     base  on the host  -", "sql      base  loaded       base"]
+    data = json.loads(cli("status", "--json").out)
+    assert [(a["name"], a["state"]) for a in data["adapters"]] == [
+        ("poet", "on the host"),
+        ("sql", "loaded"),
+    ]
+    shown = {d["name"]: d["adapters"] for d in dashboard_data()["deployments"]}
+    assert shown["base"] == [
+        {"name": "poet", "state": "on the host"},
+        {"name": "sql", "state": "loaded"},
+    ]

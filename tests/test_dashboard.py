@@ -191,11 +191,15 @@ def test_the_newest_thirty_events_newest_first(two_models):
 def test_the_data_takes_a_few_queries_whatever_the_number_of_models(
     two_models, django_assert_max_num_queries
 ):
+    from capyctl.deployments.adapters import add_adapter
+
     for n in range(10):
-        add_deployment(DeploymentSpec(name=f"extra{n}", engine="sim-vllm", source="m"))
-    # The page's rows, the hosts, the ledger, the events, the waits for room, and the
-    # timeline's two reads.
-    with django_assert_max_num_queries(8):
+        add_deployment(DeploymentSpec(name=f"extra{n}", engine="sim-vllm", source="m",
+                                      adapter_slots=2))  # fmt: skip
+        add_adapter(f"tune{n}", f"extra{n}", f"/srv/loras/tune{n}")
+    # The page's rows, the hosts, the ledger, the events, the waits for room, the
+    # timeline's two reads, and the adapters with the engines that hold them.
+    with django_assert_max_num_queries(10):
         dashboard_data()
 
 

@@ -72,6 +72,7 @@ def status(args: argparse.Namespace) -> int:
             )
     headers = ["deployment", "engine", "host", "desired", "state", "gpu memory", "reason"]
     print_table(headers, deployment_rows, empty="no deployments")
+    _print_adapters(data["adapters"])
     if data["queues"]:
         print("\nwaiting:")
     for queue in data["queues"]:
@@ -84,6 +85,15 @@ def status(args: argparse.Namespace) -> int:
     active = sum(1 for k in data["keys"] if k["active"])
     print(f"\nengines: {len(data['engines'])}   keys: {active} active of {len(data['keys'])}")
     return 0
+
+
+def _print_adapters(adapters: list[dict[str, Any]]) -> None:
+    """The adapters, after the deployments whose engines serve them (none: nothing)."""
+    if adapters:
+        print()
+        rows = [[a["name"], a["base"], a["state"], ",".join(a["loaded_on"]) or "-"]
+                for a in adapters]  # fmt: skip
+        print_table(["adapter", "base", "state", "loaded in"], rows, empty="")
 
 
 def _where(replica: dict[str, Any], *, several: bool) -> str:

@@ -129,26 +129,15 @@ def adapter_views(names: list[str] | None = None) -> list[AdapterView]:
         adapter__in=rows, instance__state="running"
     ).values_list("adapter_id", "instance__deployment__name"):
         loaded.setdefault(adapter_id, []).append(row_name)
-    fetched = set(_fetched_sources())
     views = []
     for row in rows:
         where = tuple(sorted(loaded.get(row.pk, [])))
         if where:
             state = LOADED
-        elif row.source in fetched or row.source.startswith("/"):
+        elif row.source_bytes is not None or row.source.startswith("/"):
             state = FETCHED
         else:
             state = NOT_FETCHED
         views.append(AdapterView(row.pk, row.name, row.base.name, row.source, state, where,
                                  int(row.created_at.timestamp())))  # fmt: skip
     return views
-
-
-def _fetched_sources() -> list[str]:
-    """Sources whose fetch finished, as the adapters' loads recorded them."""
-    return [
-        str(source)
-        for source in Adapter.objects.filter(source_bytes__isnull=False).values_list(
-            "source", flat=True
-        )
-    ]

@@ -62,6 +62,9 @@ class Resident:
     max_turn_seconds: float = 0.0  # how long it keeps its memory busy while others wait
     # Its engine's last park answered but left the GPU memory held: it is stopped instead.
     parks_unverified: bool = False
+    # Why it may not park deep though its engine can ("": it may): its engine's releases
+    # fail to wake from one with its adapter slots (LoRA enabled).
+    deep_refused: str = ""
 
 
 @dataclass(frozen=True)

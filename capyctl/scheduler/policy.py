@@ -110,11 +110,14 @@ def park_mode(  # noqa: PLR0911 - a decision table reads best as early answers
                 f"({_gib(ram_free)} free)"
             )
         return DEEP, "it parks deep"
+    refused = resident.deep_refused and policy in ("auto", RAM, DEEP)
     if ram_allowed:
         return STOP, (
             f"its copy ({_gib(resident.weights_bytes)}) would not fit in host RAM "
             f"({_gib(ram_free)} free)"
-        )
+        ) + (f", and it may not park deep: {resident.deep_refused}" if refused else "")
+    if refused:
+        return STOP, f"it may not park deep: {resident.deep_refused}"
     if policy in (STOP, "never"):
         return STOP, f"its park policy is {policy}"
     return STOP, "its engine cannot park"

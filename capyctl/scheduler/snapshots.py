@@ -27,6 +27,17 @@ def gpu_pools(host: Host, gpu_indices: list[int]) -> list[str]:
     return [f"gpu{i}" for i in gpu_indices]
 
 
+def deep_park_refused(deployment: Deployment, can_deep: bool | None = None) -> str:
+    """Why ``deployment`` may not park deep though its engine can ("": it may): an engine
+    launched with adapter slots whose releases fail to wake from a deep park with LoRA on."""
+    if deployment.adapter_slots <= 0:
+        return ""
+    kind = get_kind(deployment.engine.kind)
+    if can_deep is None:
+        can_deep = kind.capabilities(deployment.engine.options, deployment.engine.features()).deep
+    return str(getattr(kind, "deep_park_with_adapters_fails", "")) if can_deep else ""
+
+
 def ram_pool(host: Host) -> str:
     return "unified" if (host.inventory or {}).get("unified") else "ram"
 
@@ -44,6 +55,7 @@ _RESIDENT_FIELDS = (
     "measured_weights_bytes",
     "min_ready_seconds",
     "max_turn_seconds",
+    "adapter_slots",
     "last_request_at",
     "state_changed_at",
     "created_at",
@@ -109,9 +121,9 @@ def residents(host: Host, now: float, read: LedgerRead | None = None) -> list[Re
     residents = []
     wanted = Deployment.objects.filter(pk__in=entries).select_related("engine")
     for deployment in wanted.only(*_RESIDENT_FIELDS):
-        capabilities = get_kind(deployment.engine.kind).capabilities(
-            deployment.engine.options, deployment.engine.features()
-        )
+        kind = get_kind(deployment.engine.kind)
+        capabilities = kind.capabilities(deployment.engine.options, deployment.engine.features())
+        deep_refused = deep_park_refused(deployment, capabilities.deep)
         held = entries[deployment.pk]
         changed = deployment.state_changed_at or deployment.created_at
         used = deployment.last_request_at or changed
@@ -126,7 +138,8 @@ def residents(host: Host, now: float, read: LedgerRead | None = None) -> list[Re
                 residual_bytes=None,
                 park_policy=deployment.park,
                 can_park_ram=capabilities.ram,
-                can_park_deep=capabilities.deep,
+                can_park_deep=capabilities.deep and not deep_refused,
+                deep_refused=deep_refused,
                 pinned=deployment.pinned,
                 priority=deployment.priority,
                 last_used=used.timestamp(),

@@ -18,6 +18,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET
 
 from capyctl import controlplane
+from capyctl.deployments.adapters import adapter_views
 from capyctl.deployments.models import Deployment
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
@@ -196,6 +197,9 @@ def _deployments(ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for host_id in Host.objects.values_list("pk", flat=True)
         for c in turns.contenders(host_id)
     }
+    adapters: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for view in adapter_views():  # shown under their base, whose engine serves them
+        adapters[view.base].append({"name": view.name, "state": view.state})
     result = []
     for found in rows:
         last_switch: dict[str, Any] | None = None
@@ -227,6 +231,7 @@ def _deployments(ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "waiting": int(waiting.get(found["name"], 0)),
                 "waiting_for_room_seconds": room.get(found["id"]),
                 "last_switch": last_switch,
+                "adapters": adapters.get(found["name"], []),
             }
         )
     return result

@@ -429,6 +429,9 @@ class ProgramKind:
     # kind serves none). Unknown features (not asked): assumed to, the launch will tell.
     adapter_help_flag: str | None = None
     runtime_adapter_loading = False
+    # Why an engine launched with adapter slots must not park deep ("": it may), where its
+    # releases are known to fail to wake from a deep park with LoRA enabled.
+    deep_park_with_adapters_fails = ""
 
     def serves_adapters(self, features: EngineFeatures | None) -> bool:
         flag = self.adapter_help_flag

@@ -80,6 +80,13 @@ class VLLMKind(ProgramKind):
     adapter_reserved = ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras")
     adapter_help_flag = "--enable-lora"
     runtime_adapter_loading = True
+    # A level-2 sleep of an engine with --enable-lora crashes on wake (reload_weights looks up
+    # weights the LoRA wrappers moved under `base_layer`): vllm#39934; vllm PR #48337 fixes
+    # it and is in no release yet.
+    deep_park_with_adapters_fails = (
+        "vLLM with LoRA enabled fails to wake from a deep park (a level-2 sleep: vllm#39934, "
+        "fixed by vllm PR #48337, in no release yet)"
+    )
     # vLLM reports usage to stats.vllm.ai unless one of these is 1 (``usage/usage_lib.py``).
     quiet_env = (("VLLM_NO_USAGE_STATS", "1"), ("VLLM_DO_NOT_TRACK", "1"))
     park_modes = ("ram", "deep")

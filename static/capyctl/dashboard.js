@@ -170,6 +170,21 @@
         el("strong", { text: d.name }),
         d.pinned ? " " : null,
         d.pinned ? el("span", { className: "tag", text: "pinned" }) : null,
+        (d.adapters || []).length
+          ? el(
+              "div",
+              { className: "adapters muted" },
+              "adapters: ",
+              ...d.adapters.flatMap((a, i) => [
+                i ? ", " : null,
+                el("span", {
+                  className: "adapter adapter-" + a.state.replaceAll(" ", "-"),
+                  title: a.state,
+                  text: a.name + (a.state === "loaded" ? " (loaded)" : ""),
+                }),
+              ]),
+            )
+          : null,
       ),
       el(
         "td",

@@ -19,6 +19,7 @@ from capyctl.hosts.models import Host
 from capyctl.ledger.pools import read_ledger
 from capyctl.ledger.services import host_lock
 from capyctl.scheduler import deployment_locks, estimates, snapshots, transitions
+from capyctl.scheduler.actions import adapters
 from capyctl.scheduler.actions.common import instance_key, live_instance, load
 from capyctl.scheduler.actions.drain import drain
 from capyctl.scheduler.actions.stop import drain_and_stop, end_engine_and_fail, stop_engine
@@ -84,6 +85,18 @@ def park_ready(  # noqa: PLR0911, PLR0912, PLR0915 - one operation, read top to 
                     deployment, actor, reason=f"{because} ({reason})" if reason else because,
                     level=Event.Level.INFO,
                 )  # fmt: skip
+        elif mode == DEEP and (refused := snapshots.deep_park_refused(deployment)):
+            # Asked for by name: in RAM where it can, else stopped, saying why.
+            if best_mode(deployment, host)[0] == RAM:
+                mode, reason = (
+                    RAM,
+                    f"in RAM, not deep: {refused}" + (f" ({reason})" if reason else ""),
+                )
+            else:
+                return drain_and_stop(
+                    deployment, actor, reason=f"stopped instead of parking deep: {refused}",
+                    level=Event.Level.WARNING,
+                )  # fmt: skip
         started = time.monotonic()
         if not drain(deployment, "parking"):
             return False
@@ -139,6 +152,10 @@ def park_ready(  # noqa: PLR0911, PLR0912, PLR0915 - one operation, read top to 
             deployment, host, mode, figures, reason=reason, started=started, actor=actor,
             **remembered,
         )  # fmt: skip
+        if mode == DEEP:  # its engine dropped what it held beside its weights
+            adapters.forget(
+                instance, f"{deployment.name} parked deep; it loads again when asked for"
+            )
         # This park freed its memory: the engine is trusted again. Looked up only where it
         # was marked when its row was read (a mark set since is as one set after the look).
         marked = deployment.engine.park_unverified_at is not None
