@@ -388,3 +388,24 @@ def test_status_and_the_dashboard_show_adapters_under_their_base(gpu24, bob, cli
         {"name": "poet", "state": "on the host"},
         {"name": "sql", "state": "loaded"},
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_load_measures_what_the_engine_holds_in_host_ram_again(gpu24, bob, tmp_path):
+    """An engine caches its adapters in host RAM: after a load (and an unload) the base's
+    RAM entry in the ledger is what its processes were measured holding then."""
+    from capyctl.deployments.services import fetched_sources
+    from capyctl.ledger.models import LedgerEntry
+
+    _served(tmp_path, ["sql"])
+    base = Deployment.objects.get(name="base")
+    before = LedgerEntry.objects.get(deployment=base, pool="ram")
+    actions.adapters.load(base.pk, Adapter.objects.get(name="sql").pk, 30)
+    after = LedgerEntry.objects.get(deployment=base, pool="ram")
+    assert after.note == "after loading adapter sql"
+    assert after.bytes > 0
+    assert after.updated_at > before.updated_at
+    actions.adapters.unload(Adapter.objects.get(name="sql").pk, reason="a test")
+    assert LedgerEntry.objects.get(deployment=base, pool="ram").note == "after unloading sql"
+    # Its files are kept by a prune of the model cache, as a deployment's are.
+    assert str(tmp_path / "sql") in fetched_sources()

@@ -107,10 +107,13 @@ def download_state(deployment_id: int) -> tuple[str | None, dict[str, Any] | Non
 
 def fetched_sources() -> list[str]:
     """What each deployment is fetched as (a bare Hugging Face id keeps its ``hf://``
-    download): the downloads a prune of the model cache keeps."""
+    download), and each adapter: the downloads a prune of the model cache keeps."""
     return [
-        engine_source(d.source, d.engine.kind, d.engine.options or {})
-        for d in Deployment.objects.select_related("engine")
+        *(
+            engine_source(d.source, d.engine.kind, d.engine.options or {})
+            for d in Deployment.objects.select_related("engine")
+        ),
+        *Adapter.objects.values_list("source", flat=True),  # fetched as they are given
     ]
 
 

@@ -21,6 +21,7 @@ twice without harm: loading an adapter it holds, unloading one it does not.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,13 +31,14 @@ from django.utils import timezone
 
 from capyctl.deployments.models import Adapter, Deployment, Instance, LoadedAdapter, ObservedState
 from capyctl.events.services import record_event
-from capyctl.scheduler import requests_in_progress
-from capyctl.scheduler.drivers import driver_for
+from capyctl.scheduler import requests_in_progress, transitions
+from capyctl.scheduler.drivers import HostDriver, driver_for
 from capyctl.scheduler.errors import EngineFailedError, SchedulerError, SourceError
-from hostagent.errors import AdapterError
+from hostagent.errors import AdapterError, EngineError
 from hostagent.sources import classify
 from hostagent.units import format_size
 
+logger = logging.getLogger("capyctl.scheduler")
 FETCH_POLL_SECONDS = 0.1
 
 _locks: dict[int, threading.Lock] = {}
@@ -118,6 +120,7 @@ def load(deployment_id: int, adapter_id: int, timeout: float, *, actor: str = "g
             adapter=adapter, instance=instance, load_seconds=done.seconds,
             last_used_at=timezone.now(),
         )  # fmt: skip
+        _measure_ram(driver, deployment, instance, f"after loading adapter {adapter.name}")
         record_event(
             "adapter.loaded",
             f"adapter {adapter.name} loaded into {deployment.name} in "
@@ -127,6 +130,19 @@ def load(deployment_id: int, adapter_id: int, timeout: float, *, actor: str = "g
             actor=actor,
         )
         return done
+
+
+def _measure_ram(driver: HostDriver, deployment: Deployment, instance: Instance, note: str) -> None:
+    """Hold what the engine's processes take in host RAM now: an engine keeps the adapters
+    it loaded there too (vLLM's CPU cache of ``--max-cpu-loras``, SGLang's loaded ones)."""
+    if deployment.host is None or (deployment.host.inventory or {}).get("unified"):
+        return  # on unified memory its RAM is its GPU pool's, counted there
+    try:
+        usage = driver.usage(instance.key)
+    except EngineError as exc:  # the figure stays as last measured; the next step measures
+        logger.warning("%s: could not measure its engine after %s: %s", deployment.name, note, exc)
+        return
+    transitions.engine_ram_measured(deployment, deployment.host, usage.host_bytes, note)
 
 
 def _slots(deployment: Deployment) -> int:
@@ -146,17 +162,17 @@ def _busy(adapter_id: int) -> bool:
     return count is None or count > 0
 
 
-def _fetch(driver: object, deployment: Deployment, adapter: Adapter, timeout: float) -> None:
+def _fetch(driver: HostDriver, deployment: Deployment, adapter: Adapter, timeout: float) -> None:
     """Have the adapter's files on the base's host (a local path is there already)."""
     if classify(adapter.source) in ("engine",):
         return
-    status = driver.fetch_start(adapter.source)  # type: ignore[attr-defined]
+    status = driver.fetch_start(adapter.source)
     ends = time.monotonic() + timeout
     while status.state == "running":
         if time.monotonic() > ends:
             raise SourceError(f"adapter {adapter.name}: its fetch took longer than {timeout:.0f}s")
         time.sleep(FETCH_POLL_SECONDS)
-        status = driver.fetch_status(adapter.source) or driver.fetch_start(adapter.source)  # type: ignore[attr-defined]
+        status = driver.fetch_status(adapter.source) or driver.fetch_start(adapter.source)
     if status.state == "failed":
         raise SourceError(f"adapter {adapter.name}: {status.error} (on host {deployment.host})")
     if status.size_bytes is not None and adapter.source_bytes != status.size_bytes:
@@ -167,11 +183,11 @@ def _fetch(driver: object, deployment: Deployment, adapter: Adapter, timeout: fl
 
 
 def _unload(
-    driver: object, instance: Instance, row: LoadedAdapter, reason: str, actor: str
+    driver: HostDriver, instance: Instance, row: LoadedAdapter, reason: str, actor: str
 ) -> None:
     started = time.monotonic()
     try:
-        driver.unload_adapter(instance.key, row.adapter.name)  # type: ignore[attr-defined]
+        driver.unload_adapter(instance.key, row.adapter.name)
     except AdapterError as exc:
         raise EngineFailedError(f"adapter {row.adapter.name} could not be unloaded: {exc}") from exc
     row.delete()
@@ -197,8 +213,12 @@ def unload(adapter_id: int, *, reason: str, actor: str = "system") -> list[str]:
         host = instance.deployment.host
         if host is None:
             continue
+        driver = driver_for(host)
         with _lock(instance.pk):
-            _unload(driver_for(host), instance, row, reason, actor)
+            _unload(driver, instance, row, reason, actor)
+            _measure_ram(
+                driver, instance.deployment, instance, f"after unloading {row.adapter.name}"
+            )
         gone.append(instance.deployment.name)
     return gone
 

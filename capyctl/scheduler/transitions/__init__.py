@@ -77,6 +77,7 @@ from capyctl.scheduler.transitions.starting import (
 from capyctl.scheduler.transitions.switching import (
     drain_abandoned,
     draining,
+    engine_ram_measured,
     park_refused,
     parked,
     parked_unasked,
@@ -96,6 +97,7 @@ __all__ = [
     "downloading",
     "drain_abandoned",
     "draining",
+    "engine_ram_measured",
     "entries",
     "failed",
     "fetched_waits_for_room",

@@ -261,3 +261,16 @@ def woke(
             data={"mode": mode, "pools": sorted(p for p in figures if p != "ram")},
         )
     return won
+
+
+def engine_ram_measured(deployment: Deployment, host: Host, ram_bytes: int, note: str) -> bool:
+    """What a ready engine holds in host RAM, measured again after it loaded or unloaded an
+    adapter (an engine caches its adapters there): held, in place of the last figure.
+    False: it is no longer ready (a switch measures it itself)."""
+    with host_lock(host) as locked:
+        if not Deployment.objects.filter(
+            pk=deployment.pk, observed_state=ObservedState.READY
+        ).exists():
+            return False
+        hold_measured(locked, deployment, {"ram": ram_bytes}, note)
+    return True
