@@ -11,7 +11,8 @@ virtual clock, with the scheduler's own decisions.
   :mod:`~capyctl.whatif.state` (models and hosts as the ledger sees them),
   :mod:`~capyctl.whatif.ledger` (memory, state changes, snapshots and plans),
   :mod:`~capyctl.whatif.serving` (requests served, refused and queued, in and before
-  their engine), :mod:`~capyctl.whatif.ensure_ready` (a wake, and the parks and stops
+  their engine), :mod:`~capyctl.whatif.adapters` (adapters loaded into their base's
+  engine), :mod:`~capyctl.whatif.ensure_ready` (a wake, and the parks and stops
   that make room), :mod:`~capyctl.whatif.replicas` (a model of several replicas: routing
   and scaling, by :mod:`capyctl.scheduler.routing` and :mod:`capyctl.scheduler.scaling`)
   and :mod:`~capyctl.whatif.outcome` (what a replay yields);

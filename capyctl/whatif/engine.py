@@ -28,7 +28,11 @@ an eviction goes, how long a model counts as busy):
   requests are routed among the ready ones, and replicas brought up and parked by the
   scheduler's scaling decision, as the gateway and the scheduler's pass ask it;
 - an engine works on ``max_concurrency`` requests at once (no limit: 0), the others
-  waiting in it (:mod:`capyctl.whatif.serving`).
+  waiting in it (:mod:`capyctl.whatif.serving`);
+- a request for an adapter is its base's request (queue, wake, turns, replicas) until an
+  engine of the base has it, which then loads the adapter where it does not hold it,
+  unloading the least recently used idle one when its slots are full
+  (:mod:`capyctl.whatif.adapters`).
 
 Not simulated: engines that fail, parks that keep their memory (an engine already marked for
 that is followed: its models are stopped instead), clients that leave, the
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import Counter
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -72,8 +77,17 @@ class Replay(Replicas):
         for model in self.models:
             for name in (model.name, *model.spec.aliases):
                 self._by_name.setdefault(name, model)
+        # An adapter's requests are its base's until its engine has them.
+        self.adapters = {a.name: a for a in scenario.adapters}
+        self._adapter_in_flight = Counter()
+        for adapter in scenario.adapters:
+            base = self._by_name.get(adapter.base)
+            if base is not None:
+                self._by_name.setdefault(adapter.name, base)
         self.groups = [self._replicas_of(m) for m in list(self.models) if m.spec.replicas > 1]
         self.out = Outcome(scenario.name)
+        self.out.adapters = {a.name: a.base for a in scenario.adapters}
+        self.out.adapters_unmeasured = sorted(a.name for a in scenario.adapters if not a.measured)
         self.out.pools = {(h.name, p): c for h in self.hosts for p, c in h.capacity.items()
                           if p != "ram"}  # fmt: skip
         self._queued = 0

@@ -28,9 +28,9 @@ from capyctl.scheduler.policy import (
     standing,
     turn_refusal,
 )
+from capyctl.whatif.adapters import Adapters
 from capyctl.whatif.clock import _Until
 from capyctl.whatif.model import Request
-from capyctl.whatif.serving import Serving
 from capyctl.whatif.state import _Host, _Model, _pool_names, _ram
 
 
@@ -68,7 +68,7 @@ def _cause(model: _Model) -> str:
     return "a scale-up" if model.scale_up is not None and not model.queue else "a request"
 
 
-class EnsureReady(Serving):
+class EnsureReady(Adapters):
     """A model's wake, and the parks and stops that make room for it."""
 
     def _enqueue(self, model: _Model, request: Request, index: int) -> None:

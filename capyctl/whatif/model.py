@@ -56,6 +56,9 @@ KIND_TIMINGS: dict[str, dict[str, float]] = {
                "wake_deep": 20.0, "stop": 2.0},
 }  # fmt: skip
 DEFAULT_SERVICE_SECONDS = 1.0  # a request's time in the engine when its trace line lacks it
+# An adapter's load, in seconds, where CapyCTL never measured one: ServerlessLLM's measured
+# 83.5 ms for a LoRA adapter's load, rounded.
+DEFAULT_ADAPTER_LOAD_SECONDS = 0.1
 TIMING_NAMES = ("start", "park_ram", "park_deep", "wake_ram", "wake_deep", "stop", "service")
 
 
@@ -143,6 +146,8 @@ class SimModel:
     spread: str = _default("spread")
     # Requests one engine works on at once; the rest wait in it, in order (0: no limit).
     max_concurrency: int = 0
+    # Adapters its engine holds at once (0: it serves none).
+    adapter_slots: int = 0
     can_park_ram: bool = True
     can_park_deep: bool = True
     parks_unverified: bool = False  # its engine's parks kept their memory: it is stopped instead
@@ -164,6 +169,18 @@ class SimModel:
 
 
 @dataclass
+class SimAdapter:
+    """A LoRA adapter served as a model by its base's engine (docs/adapters.md): a request
+    for it needs its base ready and, where the base's engine does not hold it, a load of
+    ``load_seconds`` (``measured``: CapyCTL timed its loads; else the default)."""
+
+    name: str
+    base: str
+    load_seconds: float = DEFAULT_ADAPTER_LOAD_SECONDS
+    measured: bool = False
+
+
+@dataclass
 class Scenario:
     hosts: list[SimHost]
     models: list[SimModel]
@@ -171,6 +188,7 @@ class Scenario:
     # Server mode sees a request's end only through ``last_request_at``, so a model counts
     # as busy a second longer after it (:func:`capyctl.scheduler.steps.busy_grace`).
     server_mode: bool = False
+    adapters: list[SimAdapter] = field(default_factory=list)
 
     def model(self, name: str) -> SimModel | None:
         return next((m for m in self.models if m.name == name or name in m.aliases), None)

@@ -1,6 +1,6 @@
 """What a replay yields: each request's outcome, each switch, each model's time on a pool,
-each scaling step of a model of several replicas, the queue's length over time, and the
-simulator's own figures (events, plans, time)."""
+each scaling step of a model of several replicas, each adapter loaded, the queue's length
+over time, and the simulator's own figures (events, plans, time)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,18 @@ class Switch:
     @property
     def label(self) -> str:
         return f"{self.kind} {self.mode}" if self.mode else self.kind
+
+
+@dataclass
+class AdapterLoad:
+    """An adapter loaded into an engine of its base (``engine``: NAME, or NAME~N for
+    another replica), and those unloaded to make room for it first."""
+
+    at: float  # when it began
+    seconds: float
+    adapter: str
+    engine: str
+    unloaded: tuple[str, ...] = ()
 
 
 @dataclass
@@ -83,6 +95,9 @@ class Outcome:
     switches: list[Switch] = field(default_factory=list)
     holds: list[Hold] = field(default_factory=list)
     scaled: list[Scaled] = field(default_factory=list)
+    adapter_loads: list[AdapterLoad] = field(default_factory=list)
+    adapters: dict[str, str] = field(default_factory=dict)  # adapter -> its base
+    adapters_unmeasured: list[str] = field(default_factory=list)  # loads of the default time
     replica_sets: dict[str, ReplicaSet] = field(default_factory=dict)  # by model
     waiting: list[tuple[float, int]] = field(default_factory=list)  # (time, requests queued)
     duration: float = 0.0  # virtual seconds replayed

@@ -1,14 +1,16 @@
 """A replay's answer: per model and overall, side by side for two scenarios, as text or
 JSON; and a timeline picture of each GPU pool. A model of several replicas is one model
 here, its replicas counted together, with its scaling steps and the most replicas it had
-up at once."""
+up at once. Where the scenario has adapters, each adapter's loads (and the adapters
+unloaded to make room) are counted in its column and in its base's."""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from typing import Any
 
-from capyctl.whatif.outcome import Hold, Outcome, ReplicaSet, Scaled, Served, Switch
+from capyctl.whatif.model import DEFAULT_ADAPTER_LOAD_SECONDS
+from capyctl.whatif.outcome import AdapterLoad, Hold, Outcome, ReplicaSet, Scaled, Served, Switch
 
 SWITCH_KINDS = ("start", "wake ram", "wake deep", "park ram", "park deep", "stop")
 
@@ -87,6 +89,8 @@ def summary(outcome: Outcome) -> dict[str, Any]:
     overall["idle_gpu_seconds"] = round(_idle_gpu_seconds(outcome), 1)
     overall["replayed_seconds"] = round(outcome.duration, 1)
     models = {name: _figures(requests[name], switches[name], holds[name]) for name in names}
+    if outcome.adapters:
+        _adapter_figures(outcome, overall, models)
     if outcome.replica_sets:
         overall["replicas"] = _scaling(outcome.scaled)
         for name, replica_set in outcome.replica_sets.items():
@@ -110,7 +114,36 @@ def summary(outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def _cells(figures: dict[str, Any], replicas: bool = False) -> list[tuple[str, str]]:
+def _adapter_figures(outcome: Outcome, overall: dict[str, Any], models: dict[str, Any]) -> None:
+    """Adapter loads, their seconds and the unloads that made room: overall, per adapter,
+    and per base (those into its engines); and the adapters whose loads took the default
+    time, never measured."""
+    mine: dict[str, list[AdapterLoad]] = defaultdict(list)
+    unloaded: Counter[str] = Counter()
+    for load in outcome.adapter_loads:
+        base = load.engine.partition("~")[0]
+        mine[load.adapter].append(load)
+        mine[base].append(load)
+        unloaded.update(load.unloaded)
+    overall["adapter_loads"] = _loads(outcome.adapter_loads)
+    for name, figures in models.items():
+        figures["adapter_loads"] = _loads(mine.get(name, []))
+        if name in outcome.adapters:  # an adapter's: the times it was unloaded
+            figures["adapter_loads"]["unloads"] = unloaded.get(name, 0)
+    overall["adapters_unmeasured"] = list(outcome.adapters_unmeasured)
+
+
+def _loads(loads: list[AdapterLoad]) -> dict[str, Any]:
+    return {
+        "count": len(loads),
+        "seconds": round(sum(load.seconds for load in loads), 3),
+        "unloads": sum(len(load.unloaded) for load in loads),
+    }
+
+
+def _cells(
+    figures: dict[str, Any], replicas: bool = False, adapters: bool = False
+) -> list[tuple[str, str]]:
     """The rows of one column; ``replicas``: with the rows of models of several replicas
     (a model of one replica shows 1 replica, and no steps)."""
     switches = figures["switches"]
@@ -123,6 +156,11 @@ def _cells(figures: dict[str, Any], replicas: bool = False) -> list[tuple[str, s
         ("wait p99", f"{figures['wait_p99_seconds']:.2f} s"),
     ]
     cells += [(kind, str(switches[kind])) for kind in SWITCH_KINDS]
+    if adapters:
+        loads = figures.get("adapter_loads") or _loads([])
+        cells += [("adapter load", str(loads["count"])),
+                  ("adapter load time", f"{loads['seconds']:.1f} s"),
+                  ("adapter unload", str(loads["unloads"]))]  # fmt: skip
     if replicas:
         cells += _replica_cells(figures)
     cells.append(("GPU-s held", f"{figures['gpu_seconds_held']:.0f}"))
@@ -169,12 +207,14 @@ def text(result: dict[str, Any], other: dict[str, Any] | None = None) -> str:
         "replicas" in found for data in (result, other) if data for found in data["models"].values()
     )
 
+    adapters = any("adapter_loads" in data["overall"] for data in (result, other) if data)
+
     def cells(data: dict[str, Any], column: str) -> list[tuple[str, str]]:
         found = figures(data, column)
-        return _cells(found, replicas) if found is not None else []
+        return _cells(found, replicas, adapters) if found is not None else []
 
     rows: list[list[str]] = []
-    labels = [label for label, _ in _cells(result["overall"], replicas)]
+    labels = [label for label, _ in _cells(result["overall"], replicas, adapters)]
     for at, label in enumerate(labels):
         row = [label]
         for column in columns:
@@ -194,6 +234,14 @@ def text(result: dict[str, Any], other: dict[str, Any] | None = None) -> str:
     for row in [head, *rows]:
         lines.append("  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
                                for i, cell in enumerate(row)).rstrip())  # fmt: skip
+    unmeasured = result["overall"].get("adapters_unmeasured") or []
+    if unmeasured:
+        named = ", ".join(unmeasured[:3]) + (f" and {len(unmeasured) - 3} more"
+                                             if len(unmeasured) > 3 else "")  # fmt: skip
+        lines.append(
+            f"adapter loads never measured take {DEFAULT_ADAPTER_LOAD_SECONDS:g} s "
+            f"(ServerlessLLM's measured 83.5 ms, rounded): {named}"
+        )
     sim = result["simulator"]
     lines.append(
         f"simulated {sim['events']} events in {sim['wall_seconds']:.2f} s; "

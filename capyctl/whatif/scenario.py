@@ -3,15 +3,17 @@
 A scenario file has the shape of ``capyctl status --json`` (its ``hosts``, ``engines``,
 ``deployments`` and ``ledger``; the rest is ignored); each deployment may also carry
 ``timings`` (seconds: ``start``, ``park_ram``, ``park_deep``, ``wake_ram``, ``wake_deep``,
-``stop``, ``service``) and ``can_park_ram``/``can_park_deep``. :func:`current` makes one
+``stop``, ``service``) and ``can_park_ram``/``can_park_deep``, and the file an
+``adapters`` list (:mod:`capyctl.whatif.scenario_adapters`). :func:`current` makes one
 from the live configuration, with each model's timings as CapyCTL measured them (the
 median of its recorded starts, parks, wakes and stops). Memory claims follow DESIGN §6
 through :mod:`capyctl.scheduler.estimates`, as a start would.
 
-Changes: ``--set NAME.FIELD=VALUE`` (NAME ``*``: every model) for the fields in
-:data:`SETTABLE` (``replicas``: ``N`` or ``MIN:MAX``, as ``capyctl deployment scale``
-takes them), and ``--hosts 2x80GiB,1x24GiB`` (hosts of N GPUs of a size each, host
-RAM after a colon: ``2x80GiB:512GiB``), which replaces the hosts: models then go where they
+Changes: ``--set NAME.FIELD=VALUE`` (NAME a name or a shell pattern: ``*`` every model,
+``ft-*``) for the fields in :data:`SETTABLE` (``replicas``: ``N`` or ``MIN:MAX``, as
+``capyctl deployment scale`` takes them; ``adapter_of``: models made adapters of a base,
+and back), and ``--hosts 2x80GiB,1x24GiB`` (hosts of N GPUs of a size each, host RAM
+after a colon: ``2x80GiB:512GiB``), which replaces the hosts: models then go where they
 fit.
 """
 
@@ -27,6 +29,7 @@ from typing import Any
 
 from capyctl.deployments.settings_spec import MAX_REPLICAS, SPREAD_CHOICES, builtin_default
 from capyctl.errors import UserError
+from capyctl.whatif import scenario_adapters
 from capyctl.whatif.model import TIMING_NAMES, Scenario, SimHost, SimModel, SimReplica, Timings
 
 GIB = 1024**3
@@ -54,7 +57,12 @@ SETTABLE: dict[str, str] = {
     "spread": "spread",
     "max_concurrency": "count",
     **{f"{name}_seconds": "timing" for name in TIMING_NAMES},
+    # a base's slots; models made adapters and back (capyctl.whatif.scenario_adapters)
+    "adapter_slots": "count",
+    "adapter_of": "base",
+    "adapter_load_seconds": "timing",
 }
+_ADAPTER_FIELDS = ("adapter_of", "adapter_load_seconds")
 _PARK_POLICIES = ("auto", "ram", "deep", "stop", "never")
 _REPLICAS_RE = re.compile(r"^(?:(\d{1,6}):)?(\d{1,6})$")
 _HOSTS_RE = re.compile(r"^(\d{1,3})x([0-9.]+[A-Za-z]*)(?::([0-9.]+[A-Za-z]*))?$")
@@ -100,7 +108,9 @@ def current() -> dict[str, Any]:
                 row["can_park_ram"] = row["can_park_deep"] = False
         if row["name"] in measured:
             row["timings"] = measured[row["name"]]
-    return {key: data[key] for key in ("mode", "hosts", "engines", "deployments", "ledger")}
+    found = {key: data[key] for key in ("mode", "hosts", "engines", "deployments", "ledger")}
+    found["adapters"] = scenario_adapters.current()
+    return found
 
 
 def measured_timings() -> dict[str, dict[str, float]]:
@@ -148,10 +158,11 @@ def measured_timings() -> dict[str, dict[str, float]]:
 
 
 def apply_sets(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
-    """``NAME.FIELD=VALUE`` changes, checked, on a copy of the scenario's data."""
+    """``NAME.FIELD=VALUE`` changes, checked, on a copy of the scenario's data. NAME is a
+    model's (or an adapter's) name or a shell pattern (``*``, ``ft-*``); the changes that
+    turn models into adapters and back come first, in their order, then the others."""
     data = copy.deepcopy(data)
-    deployments = data["deployments"]
-    names = {d.get("name") for d in deployments}
+    parsed = []
     for item in sets:
         target, sep, value = item.partition("=")
         name, dot, field = target.rpartition(".")
@@ -161,12 +172,22 @@ def apply_sets(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
             raise UserError(
                 f"--set {item!r}: no field {field!r}; one of {', '.join(sorted(SETTABLE))}"
             )
-        if name != "*" and name not in names:
+        parsed.append((item, name, field, value))
+    for item, name, field, value in sorted(parsed, key=lambda p: p[2] != "adapter_of"):
+        kind = SETTABLE[field]
+        if field in _ADAPTER_FIELDS:
+            if field == "adapter_of":
+                scenario_adapters.turn(data, name, _value(kind, value, item), item)
+            else:
+                scenario_adapters.set_load(data, name, _value(kind, value, item), item)
+            continue
+        rows = [r for r in data["deployments"] if scenario_adapters.matches(name, r.get("name"))]
+        if not rows:
+            scenario_adapters.refuse_for_adapter(data, name, field, item)
             raise UserError(f"--set {item!r}: no model {name!r} in the scenario")
-        parsed = _value(SETTABLE[field], value, item)
-        for row in deployments:
-            if name in ("*", row.get("name")):
-                _set(row, field, SETTABLE[field], parsed)
+        parsed_value = _value(kind, value, item)
+        for row in rows:
+            _set(row, field, kind, parsed_value)
     return data
 
 
@@ -209,7 +230,7 @@ def _value(kind: str, value: str, item: str) -> Any:
             return parse_size_value(text, field="size")
         except UserError as exc:
             raise UserError(f"--set {item!r}: {exc}") from None
-    return text or None  # a host's name; empty: placed where it fits
+    return text or None  # a host's or a base's name; empty: none
 
 
 def _replicas(text: str, item: str) -> tuple[int, int]:
@@ -342,7 +363,9 @@ def build(data: dict[str, Any], name: str = "current", *, warm: bool = False) ->
             if host is not None and host not in sizes:
                 raise UserError(f"model {model.name}: no host {host!r} in the scenario")
         models.append(model)
-    return Scenario(hosts, models, name, server_mode=data.get("mode") == "server")
+    adapters = scenario_adapters.build(data, models)
+    return Scenario(hosts, models, name, server_mode=data.get("mode") == "server",
+                    adapters=adapters)  # fmt: skip
 
 
 def _host(row: dict[str, Any]) -> SimHost:
@@ -449,6 +472,7 @@ def _model(
         ),
         spread=spread,
         max_concurrency=max(int(row.get("max_concurrency") or 0), 0),
+        adapter_slots=int(row.get("adapter_slots") or 0),
         can_park_ram=can_ram,
         can_park_deep=can_deep,
         parks_unverified=unverified,

@@ -22,7 +22,8 @@ class Serving(Ledger):
     _queued: int
 
     def _serve(self, model: _Model, request: Request, index: int) -> None:
-        """Send the request to ``model``'s engine, which is ready."""
+        """Send the request to ``model``'s engine, which is ready (one for an adapter the
+        engine does not hold waits for its load first)."""
         if model.host is not None:
             self._fire(model.host.changed)
         model.in_flight += 1
@@ -31,6 +32,13 @@ class Serving(Ledger):
         if group is not None:
             group.version += 1
             self._began(group, model, request)
+        if self._loads_first(model, request, index):
+            return
+        self._to_engine(model, request, index)
+
+    def _to_engine(self, model: _Model, request: Request, index: int) -> None:
+        """The engine has the request: it begins on it, or the request waits in it."""
+        group = model.group
         limit = model.spec.max_concurrency
         if limit and model.running >= limit:  # it waits in the engine
             model.backlog.append((request, index))
@@ -47,9 +55,10 @@ class Serving(Ledger):
         served.status, served.waited, served.replica = 200, self.now - request.at, model.name
         service = request.service if request.service is not None else model.spec.timings.service
         served.ended = self.now + service
-        self._at(served.ended, partial(self._done, model))
+        self._at(served.ended, partial(self._done, model, request))
 
-    def _done(self, model: _Model) -> None:
+    def _done(self, model: _Model, request: Request) -> None:
+        self._ended(model, request)
         if model.host is not None:
             self._fire(model.host.changed)
         model.in_flight -= 1
@@ -65,6 +74,14 @@ class Serving(Ledger):
             self._begin(model, request, index)
         if model.in_flight == 0:
             self._fire(model.drained)
+
+    def _loads_first(self, model: _Model, request: Request, index: int) -> bool:
+        """Whether the request, for an adapter ``model``'s engine does not hold yet, waits
+        for its load (:class:`~capyctl.whatif.adapters.Adapters`)."""
+        return False
+
+    def _ended(self, model: _Model, request: Request) -> None:
+        """The request's answer ended on ``model``'s engine."""
 
     def _began(self, group: _Group, replica: _Model, request: Request) -> None:
         """A request of a model of several replicas was sent to ``replica``: the gateway's

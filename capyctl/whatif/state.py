@@ -65,6 +65,14 @@ class _Model:
         self.wait_pools: tuple[str, ...] = ()
         self.wait_claim = 0  # what it waits to take on each of those pools
         self.phase_since = 0.0
+        # Its engine's adapters (capyctl.whatif.adapters): those it holds, each with when
+        # it was last used and loaded (the least recently used order); the loads asked of
+        # it, each with the requests waiting for it; and whether a load or unload of it
+        # runs (one at a time, as the server's lock per engine has them).
+        self.adapters: dict[str, tuple[float, float]] = {}
+        self.loads: dict[str, list[tuple[Request, int]]] = {}
+        self.loading = False
+        self.load_turn = _Signal()  # a load of its engine ended
 
     def residual(self, held: int) -> int:
         if self.spec.residual_bytes is not None:
