@@ -409,3 +409,67 @@ def test_a_load_measures_what_the_engine_holds_in_host_ram_again(gpu24, bob, tmp
     assert LedgerEntry.objects.get(deployment=base, pool="ram").note == "after unloading sql"
     # Its files are kept by a prune of the model cache, as a deployment's are.
     assert str(tmp_path / "sql") in fetched_sources()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_llama_server_takes_its_adapters_at_launch_and_a_new_one_at_a_restart(
+    gpu24, bob, database_threads, tmp_path
+):
+    """llama-server loads adapters only at launch (``--lora``): each request names its
+    adapter by its place there; one added while it runs is refused until the base has
+    restarted (503 adapter_not_loaded, Retry-After), then served; slots bound how many."""
+    from capyctl.gateway.app import Gateway
+    from capyctl.scheduler import intents, restarts
+
+    record = tmp_path / "record.jsonl"
+
+    def gguf(name: str) -> str:
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(b"GGUF" + b"\0" * 64)
+        return str(path)
+
+    def setup() -> str:
+        env = {**SIM_ENV, "CAPYCTL_SIM_RECORD": str(record)}
+        add_engine("sim-llama", kind="llamacpp", command=f"{SIM} llamacpp", env=env)
+        base = deployment("base", engine="sim-llama", adapter_slots=3, gib=4)
+        add_adapter("sql", "base", gguf("sql"))
+        add_adapter("poet", "base", gguf("poet"))
+        actions.ensure_ready(base.pk)
+        return issue_api_key("bob")[1]
+
+    key = await sync_to_async(setup)()
+    assert await sync_to_async(_loaded)() == ["poet", "sql"]
+    gateway = Gateway()
+    async with _client(gateway, key) as client:
+
+        async def chat(model: str) -> httpx.Response:
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 1}  # fmt: skip
+            return await client.post("/v1/chat/completions", json=body)
+
+        for model in ("poet", "sql"):
+            answer = await chat(model)
+            assert answer.status_code == 200, answer.text
+            assert "x-capyctl-switch" not in answer.headers  # held since its launch
+        docs = await sync_to_async(add_adapter)("docs", "base", gguf("docs"))
+        # With no server to restart it (this test drives the scheduler itself), it says so.
+        said = await sync_to_async(intents.restart_to_take)(docs)
+        assert said == "base takes it at its next start (llamacpp takes its adapters at launch)"
+        waits = await chat("docs")
+        assert waits.status_code == 503, waits.text
+        assert waits.json()["error"]["code"] == "adapter_not_loaded"
+        assert waits.headers["retry-after"] == "5"
+        base = await sync_to_async(Deployment.objects.get)(name="base")
+        await sync_to_async(restarts.restart)(base.pk, rolling=False)
+        assert (await chat("docs")).status_code == 200
+        with pytest.raises(UserError, match=r"^llamacpp takes its adapters at launch, one a slot"):
+            await sync_to_async(add_adapter)("more", "base", gguf("more"))
+    await gateway.close()
+    sent = [json.loads(line) for line in record.read_text().splitlines()]
+    asked = [(s["model"], s["lora"]) for s in sent if s["path"] == "/v1/chat/completions"]
+    # Launched in the order they were added: sql 0, poet 1, then docs 2 after the restart.
+    assert asked == [
+        ("base", [{"id": 1, "scale": 1.0}]),
+        ("base", [{"id": 0, "scale": 1.0}]),
+        ("base", [{"id": 2, "scale": 1.0}]),
+    ]

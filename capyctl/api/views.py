@@ -164,7 +164,10 @@ class AdapterViewSet(viewsets.ViewSet):
 
     def create(self, request: Request) -> Response:
         data = _valid(s.AdapterIn, request)
-        adapters.add_adapter(data["name"], data["base"], data["source"], actor=_actor(request))
+        added = adapters.add_adapter(
+            data["name"], data["base"], data["source"], actor=_actor(request)
+        )
+        intents.restart_to_take(added, actor=_actor(request))
         view = adapters.adapter_views([data["name"]])[0]
         return Response(s.AdapterOut(view).data, status=status.HTTP_201_CREATED)
 

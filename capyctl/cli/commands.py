@@ -149,10 +149,13 @@ def engine_remove(args: argparse.Namespace) -> int:
 
 def adapter_add(args: argparse.Namespace) -> int:
     from capyctl.deployments.adapters import add_adapter
+    from capyctl.scheduler.intents import restart_to_take
 
     prepare()
     adapter = add_adapter(args.name, args.base, args.source, actor=_actor())
-    print(f"adapter {adapter.name} added on {adapter.base.name} (loaded when first asked for)")
+    restart = restart_to_take(adapter, actor=_actor())
+    print(f"adapter {adapter.name} added on {adapter.base.name} (" + (restart or
+          "loaded when first asked for") + ")")  # fmt: skip
     return 0
 
 

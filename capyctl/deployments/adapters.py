@@ -62,6 +62,15 @@ def check_base(base: Deployment) -> None:
             f"deployment update {base.name} --adapter-slots N",
             field="base",
         )
+    kind = get_kind(engine.kind).capabilities(engine.options, engine.features())
+    held = Adapter.objects.filter(base=base).count()
+    if not kind.runtime_adapters and held >= base.adapter_slots:
+        raise UserError(
+            f"{engine.kind} takes its adapters at launch, one a slot: {base.name}'s "
+            f"{base.adapter_slots} slot(s) are all named; give it more first: capyctl "
+            f"deployment update {base.name} --adapter-slots N",
+            field="base",
+        )
 
 
 def _check_name(name: str) -> None:

@@ -22,7 +22,7 @@ from capyctl.deployments.services import (
 )
 from capyctl.deployments.settings_spec import MEMORY, PARKING, REQUESTS, SETTINGS, Setting
 from capyctl.errors import UserError
-from capyctl.scheduler.intents import request_action
+from capyctl.scheduler.intents import request_action, restart_to_take
 from capyctl.validation import parse_gpu_memory, parse_size_value, split_engine_args
 from hostagent.units import format_size_exact
 
@@ -282,6 +282,9 @@ class AdapterAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         data = form.cleaned_data
         saved = adapters.add_adapter(data["name"], data["base"].name, data["source"],
                                      actor=request.user.get_username())  # fmt: skip
+        restart = restart_to_take(saved, actor=request.user.get_username())
+        if restart:
+            self.message_user(request, f"{saved.name}: {restart}.", messages.INFO)
         obj.pk = saved.pk
         obj.refresh_from_db()
 

@@ -345,6 +345,9 @@ class LoadedAdapter(models.Model):
     loaded_at = models.DateTimeField(auto_now_add=True)
     load_seconds = models.FloatField(default=0.0)
     last_used_at = models.DateTimeField(null=True, blank=True)
+    # Where an engine takes its adapters at launch only (llama-server): its place in the
+    # launch's list, which requests name it by; None for engines that load at run time.
+    slot = models.PositiveSmallIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["loaded_at"]

@@ -23,10 +23,11 @@ logger = logging.getLogger("capyctl.gateway")
 
 
 def request_body(
-    body: bytes, parsed: dict[str, Any] | None, route: Route, adapter: AdapterRef
+    body: bytes, parsed: dict[str, Any] | None, route: Route, adapter: AdapterRef, slot: int = 0
 ) -> bytes:
-    """``body`` as the base's engine (of ``route``) takes a request for ``adapter``."""
-    fields = adapter_request_fields(route.kind, route.name, adapter.name, 0)
+    """``body`` as the base's engine (of ``route``) takes a request for ``adapter`` (``slot``:
+    its place in the engine's launch, for an engine that names adapters by it)."""
+    fields = adapter_request_fields(route.kind, route.name, adapter.name, slot)
     if parsed is None:  # a form names the model only: the engine's name for the adapter
         raise GatewayError(
             400, "invalid_request_error", f"`{adapter.name}` is an adapter: send JSON to it."
@@ -54,14 +55,17 @@ async def load(ctx: RequestContext, adapter: AdapterRef) -> None:
     ``x-capyctl-switch``."""
     route = ctx.route
     try:
-        switched, seconds = await scheduler.adapter_loaded(
+        switched, seconds, slot = await scheduler.adapter_loaded(
             route.deployment_id, adapter.pk, float(route.max_queue_seconds)
         )
-    except scheduler.AdaptersBusyError as busy:
+    except (scheduler.AdaptersBusyError, scheduler.AdapterNotInEngineError) as busy:
+        wait = b"1" if isinstance(busy, scheduler.AdaptersBusyError) else b"5"
         raise GatewayError(503, busy.code, str(busy), "server_error",
-                           headers=[(b"retry-after", b"1")]) from busy  # fmt: skip
+                           headers=[(b"retry-after", wait)]) from busy  # fmt: skip
     except scheduler.SchedulerError as exc:
         raise scheduler_error(exc, route) from exc
+    if slot is not None:  # named by its place in the launch's adapters (llama-server)
+        ctx.body = request_body(ctx.body, json.loads(ctx.body), route, adapter, slot)
     if switched:
         metrics.ADAPTER_LOADS.observe(adapter.name, seconds)
         outcome = ctx.outcome

@@ -27,7 +27,7 @@ from capyctl.scheduler import (
     turns,
     wakes,
 )
-from capyctl.scheduler.actions.adapters import AdaptersBusyError
+from capyctl.scheduler.actions.adapters import AdapterNotInEngineError, AdaptersBusyError
 from capyctl.scheduler.errors import (
     ControlPlaneUnavailableError,
     EngineFailedError,
@@ -46,6 +46,7 @@ from capyctl.scheduler.turns import Wait
 
 __all__ = [
     "OUTCOME_GRACE_SECONDS",
+    "AdapterNotInEngineError",
     "AdaptersBusyError",
     "ControlPlaneUnavailableError",
     "EngineFailedError",
@@ -100,11 +101,14 @@ async def end_request(deployment_id: int) -> None:
     await requests_in_progress.aend(deployment_id)
 
 
-async def adapter_loaded(deployment_id: int, adapter_id: int, timeout: float) -> tuple[str, float]:
+async def adapter_loaded(
+    deployment_id: int, adapter_id: int, timeout: float
+) -> tuple[str, float, int | None]:
     """Have the deployment's running engine hold the adapter (loaded now if it does not:
     one load however many requests ask, in this process); return what was switched for it
     (``loaded adapter a 52 ms``; empty when nothing was) and the seconds its load took
-    (0 when none was needed). Raises a SchedulerError when it
+    (0 when none was needed), and its place in the launch's adapters where its engine
+    names them so (llama-server; else None). Raises a SchedulerError when it
     cannot be (:class:`AdaptersBusyError`: every slot serves a request now)."""
     key = (deployment_id, adapter_id)
     running = _adapter_loads.get(key)
@@ -114,17 +118,19 @@ async def adapter_loaded(deployment_id: int, adapter_id: int, timeout: float) ->
         )
         _adapter_loads[key] = running
         running.add_done_callback(lambda _: _adapter_loads.pop(key, None))
-    text, seconds = await asyncio.shield(running)
-    return str(text), float(seconds)
+    text, seconds, slot = await asyncio.shield(running)
+    return str(text), float(seconds), slot
 
 
 _adapter_loads: dict[tuple[int, int], asyncio.Future[Any]] = {}
 
 
-def _load_adapter(deployment_id: int, adapter_id: int, timeout: float) -> tuple[str, float]:
+def _load_adapter(
+    deployment_id: int, adapter_id: int, timeout: float
+) -> tuple[str, float, int | None]:
     name = Adapter.objects.filter(pk=adapter_id).values_list("name", flat=True).first() or ""
     loaded = actions.adapters.load(deployment_id, adapter_id, timeout)
-    return loaded.describe(name), loaded.seconds
+    return loaded.describe(name), loaded.seconds, loaded.slot
 
 
 def note_adapter_used(deployment_id: int, adapter_id: int) -> None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 
-from capyctl.deployments.models import Deployment
+from capyctl.deployments.models import Adapter, Deployment
 from capyctl.errors import UserError
 from capyctl.scheduler import transitions
 from capyctl.scheduler.executor import server_alive, submit
 from capyctl.scheduler.models import Operation
+from hostagent.kinds import get_kind
 
 ACTIONS = ("start", "stop", "park", "wake", "restart")
 PARK_MODES = ("ram", "deep")
@@ -70,3 +71,23 @@ def wait_for(op: Operation, timeout: float) -> Operation:
 
 def seconds_taken(op: Operation) -> float:
     return (op.finished_at - op.created_at).total_seconds() if op.finished_at else 0.0
+
+
+def restart_to_take(adapter: Adapter, *, actor: str = "") -> str:
+    """Where the base's engine takes adapters at launch only (llama-server) and runs now,
+    ask for its restart, which waits for its requests in flight to end; what happens, in
+    one line ("" where the adapter loads when asked for)."""
+    base, engine = adapter.base, adapter.base.engine
+    caps = get_kind(engine.kind).capabilities(engine.options, engine.features())
+    if caps.runtime_adapters or base.observed_state in ("stopped", "failed"):
+        return ""
+    try:
+        request_action(base, "restart", actor=actor)
+    except UserError:  # no server runs: its next start takes it
+        return (
+            f"{base.name} takes it at its next start ({engine.kind} takes its adapters at launch)"
+        )
+    return (
+        f"{base.name} restarts to take it once its requests in flight have ended "
+        f"({engine.kind} takes its adapters at launch)"
+    )

@@ -73,8 +73,9 @@ class EngineState:
     @web.middleware
     async def _recorder(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """With ``CAPYCTL_SIM_RECORD``: each request's method, path as received, path as
-        routed and header names, one JSON line each, so tests see what reached the engine
-        (header values are left out: they carry the launch key)."""
+        routed and header names, and what a JSON body names its model and adapter by
+        (``model``, ``lora``, ``lora_path``), one JSON line each, so tests see what reached
+        the engine (header values are left out: they carry the launch key)."""
         if self._record is not None:
             seen = {
                 "method": request.method,
@@ -82,6 +83,13 @@ class EngineState:
                 "path": request.path,
                 "headers": sorted({name.lower() for name in request.headers}),
             }
+            if request.method == "POST" and request.content_type == "application/json":
+                try:  # what names the model and its adapter (the body is read once, kept)
+                    body = json.loads(await request.read())
+                except ValueError:
+                    body = None
+                if isinstance(body, dict):
+                    seen.update({k: body[k] for k in ("model", "lora", "lora_path") if k in body})
             self._record.write(json.dumps(seen) + "\n")
         response: web.StreamResponse = await handler(request)
         return response

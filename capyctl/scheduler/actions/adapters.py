@@ -35,7 +35,7 @@ from capyctl.scheduler import requests_in_progress, transitions
 from capyctl.scheduler.drivers import HostDriver, driver_for
 from capyctl.scheduler.errors import EngineFailedError, SchedulerError, SourceError
 from hostagent.errors import AdapterError, EngineError
-from hostagent.sources import classify
+from hostagent.kinds import get_kind
 from hostagent.units import format_size
 
 logger = logging.getLogger("capyctl.scheduler")
@@ -43,6 +43,12 @@ FETCH_POLL_SECONDS = 0.1
 
 _locks: dict[int, threading.Lock] = {}
 _locks_guard = threading.Lock()
+
+
+class AdapterNotInEngineError(SchedulerError):
+    """The adapter waits for its base's restart (an engine that takes adapters at launch)."""
+
+    code = "adapter_not_loaded"
 
 
 class AdaptersBusyError(SchedulerError):
@@ -58,6 +64,7 @@ class Loaded:
 
     seconds: float = 0.0
     unloaded: list[str] = field(default_factory=list)
+    slot: int | None = None  # its place in the launch's list (llama-server), if it has one
 
     def describe(self, name: str) -> str:
         """For ``x-capyctl-switch``: ``unloaded adapter a; loaded adapter b 52 ms``."""
@@ -82,8 +89,15 @@ def load(deployment_id: int, adapter_id: int, timeout: float, *, actor: str = "g
         raise SchedulerError(f"{deployment.name} has no running engine to load an adapter into")
     adapter = Adapter.objects.get(pk=adapter_id)
     with _lock(instance.pk):
-        if LoadedAdapter.objects.filter(adapter=adapter, instance=instance).exists():
-            return Loaded()
+        held_now = LoadedAdapter.objects.filter(adapter=adapter, instance=instance).first()
+        if held_now is not None:
+            return Loaded(slot=held_now.slot)
+        if not _loads_while_running(deployment):
+            raise AdapterNotInEngineError(
+                f"{adapter.name} is not in {deployment.name}'s engine yet: "
+                f"{deployment.engine.kind} takes its adapters at launch, and {deployment.name} "
+                "restarts with it once idle; retry shortly"
+            )
         driver = driver_for(deployment.host)
         done = Loaded()
         slots = _slots(deployment)
@@ -145,6 +159,42 @@ def _measure_ram(driver: HostDriver, deployment: Deployment, instance: Instance,
     transitions.engine_ram_measured(deployment, deployment.host, usage.host_bytes, note)
 
 
+def _loads_while_running(deployment: Deployment) -> bool:
+    engine = deployment.engine
+    kind = get_kind(engine.kind)
+    return kind.capabilities(engine.options, engine.features()).runtime_adapters
+
+
+def at_launch(deployment: Deployment, driver: HostDriver, timeout: float) -> list[tuple[str, str]]:
+    """The adapters an engine that takes them at launch only starts with (name, path on its
+    host, in order: their places are the slots requests name them by), each fetched there
+    first: the base's adapters, the oldest first, as many as it has slots. Empty for an
+    engine that loads them while it runs."""
+    first = Deployment.objects.get(pk=deployment.replica_of_id or deployment.pk)
+    if first.adapter_slots <= 0 or _loads_while_running(deployment):
+        return []
+    chosen = list(
+        Adapter.objects.filter(base=first).order_by("created_at", "pk")[: first.adapter_slots]
+    )
+    return [(a.name, _fetch(driver, deployment, a, timeout)) for a in chosen]
+
+
+def launched_with(instance: Instance, adapters: list[tuple[str, str]]) -> None:
+    """The engine was launched holding ``adapters`` (see :func:`at_launch`)."""
+    by_name = dict(
+        Adapter.objects.filter(name__in=[n for n, _ in adapters]).values_list("name", "pk")
+    )
+    LoadedAdapter.objects.bulk_create(
+        [
+            LoadedAdapter(
+                adapter_id=by_name[name], instance=instance, slot=index, last_used_at=timezone.now()
+            )
+            for index, (name, _) in enumerate(adapters)
+            if name in by_name
+        ]
+    )
+
+
 def _slots(deployment: Deployment) -> int:
     """The adapters its engine holds at once (a replica: its deployment's setting)."""
     if deployment.replica_of_id is not None:
@@ -162,10 +212,9 @@ def _busy(adapter_id: int) -> bool:
     return count is None or count > 0
 
 
-def _fetch(driver: HostDriver, deployment: Deployment, adapter: Adapter, timeout: float) -> None:
-    """Have the adapter's files on the base's host (a local path is there already)."""
-    if classify(adapter.source) in ("engine",):
-        return
+def _fetch(driver: HostDriver, deployment: Deployment, adapter: Adapter, timeout: float) -> str:
+    """Have the adapter's files on the base's host (a local path is there already); their
+    path there."""
     status = driver.fetch_start(adapter.source)
     ends = time.monotonic() + timeout
     while status.state == "running":
@@ -180,6 +229,7 @@ def _fetch(driver: HostDriver, deployment: Deployment, adapter: Adapter, timeout
         if status.downloaded:
             record_event("adapter.downloaded", f"downloaded {adapter.source}: "
                          f"{format_size(status.size_bytes)}", subject=adapter.name)  # fmt: skip
+    return status.path or adapter.source
 
 
 def _unload(

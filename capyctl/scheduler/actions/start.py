@@ -20,6 +20,7 @@ from capyctl.hosts.models import Host
 from capyctl.ledger.pools import device_total
 from capyctl.ledger.services import InsufficientMemoryError, host_lock
 from capyctl.scheduler import estimates, snapshots, transitions, turns
+from capyctl.scheduler.actions import adapters
 from capyctl.scheduler.actions.common import MAX_SWITCH_ROUNDS, STOP_GRACE_SECONDS, load
 from capyctl.scheduler.actions.evict import make_room
 from capyctl.scheduler.actions.stop import end_engine_and_fail
@@ -87,6 +88,13 @@ def start_engine(deployment: Deployment, actor: str) -> Deployment:
     )
     driver = driver_for(host)
     claim = estimates.claim_per_gpu(deployment, device_total(host))
+    try:  # an engine that takes its adapters at launch only: fetched first, in their order
+        launch_adapters = adapters.at_launch(
+            deployment, driver, deployment.setting("start_timeout_seconds")
+        )
+    except Exception as exc:
+        end_engine_and_fail(deployment, driver, instance, f"its adapters: {exc}", actor)
+        raise
     request = InstanceRequest(
         instance_id=instance_id,
         kind=deployment.engine.kind,
@@ -103,6 +111,7 @@ def start_engine(deployment: Deployment, actor: str) -> Deployment:
         media_domains=list(deployment.media_domains),
         adapter_slots=deployment.adapter_slots,
         adapter_max_rank=deployment.adapter_max_rank,
+        adapters=launch_adapters,
     )
     try:
         launched = driver.launch(request)
@@ -117,6 +126,7 @@ def start_engine(deployment: Deployment, actor: str) -> Deployment:
         ):  # stopped while it launched: end what was launched
             driver.stop(instance_id, STOP_GRACE_SECONDS)
             return load(deployment.pk)
+        adapters.launched_with(instance, launch_adapters)
         driver.wait_ready(instance_id, deployment.setting("start_timeout_seconds"))
         usage = driver.usage(instance_id)
     except EngineError as exc:
