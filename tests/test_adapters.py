@@ -473,3 +473,20 @@ async def test_llama_server_takes_its_adapters_at_launch_and_a_new_one_at_a_rest
         ("base", [{"id": 0, "scale": 1.0}]),
         ("base", [{"id": 2, "scale": 1.0}]),
     ]
+
+
+@pytest.mark.django_db
+def test_a_llama_server_base_s_estimated_claim_counts_the_adapters_it_launches_with(tmp_path):
+    from capyctl.deployments.services import DeploymentSpec, add_deployment
+    from capyctl.scheduler import estimates
+
+    add_engine("sim-llama", kind="llamacpp", command=f"{SIM} llamacpp", env=SIM_ENV)
+    base = add_deployment(
+        DeploymentSpec(name="base", engine="sim-llama", source="base", adapter_slots=1)
+    )
+    Deployment.objects.filter(pk=base.pk).update(source_bytes=1000 * 1024**2)
+    without = estimates.claim_per_gpu(Deployment.objects.get(pk=base.pk), 80 * 1024**3)
+    add_adapter("sql", "base", str(tmp_path / "sql.gguf"))
+    Adapter.objects.filter(name="sql").update(source_bytes=100 * 1024**2)
+    with_one = estimates.claim_per_gpu(Deployment.objects.get(pk=base.pk), 80 * 1024**3)
+    assert with_one - without == int(100 * 1024**2 * 1.2)

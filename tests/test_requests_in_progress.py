@@ -42,6 +42,23 @@ def test_begin_end_and_count(tracker):
     assert tracker.count(8) == 1
 
 
+def test_an_adapter_s_requests_are_counted_apart_from_its_base_s(tracker):
+    """An adapter's requests are counted under its own key (minus its id), in the same
+    counter as deployments', every process's in server mode, never mixed with the
+    deployment of the same id."""
+    from capyctl.deployments.models import Adapter
+
+    tracker.begin(5)
+    tracker.begin(Adapter.ref_of(5))
+    tracker.begin(Adapter.ref_of(5))
+    assert (tracker.count(5), tracker.count(Adapter.ref_of(5))) == (1, 2)
+    tracker.end(Adapter.ref_of(5))
+    assert (tracker.count(5), tracker.count(Adapter.ref_of(5))) == (1, 1)
+    tracker.end(Adapter.ref_of(5))
+    tracker.end(5)
+    assert tracker.count(Adapter.ref_of(5)) == 0
+
+
 def test_a_second_process_sees_redis_counts(redis_url):
     first = RedisInFlight(in_use(redis_url))
     second = RedisInFlight(redis_url)

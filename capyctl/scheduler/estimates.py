@@ -3,7 +3,8 @@
 Claim per GPU: explicit bytes; else an explicit fraction of the device; else the engine's
 own fraction flag in its args (vLLM ``--gpu-memory-utilization``, SGLang
 ``--mem-fraction-static``); else what was measured at its last start; else vLLM's default
-of 0.9 of the device; else the model files' size x 1.2 + 1 GiB. Weights copy: the larger
+of 0.9 of the device; else the model files' size (with the adapters llama-server is
+launched with) x 1.2 + 1 GiB. Weights copy: the larger
 of the declared ``weights_bytes`` and the copy its last ``ram`` park measured, else the
 weights' size at the source (safetensors/GGUF totals of the local or downloaded files),
 else all it holds on its GPUs:
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from capyctl.deployments.models import Deployment
+from capyctl.deployments.models import Adapter, Deployment
 from hostagent.sources import classify, weights_size
 
 GIB = 1024**3
@@ -69,8 +70,20 @@ def claim_per_gpu(  # noqa: PLR0911 - the order of DESIGN §6, one answer per ru
     default = _DEFAULT_FRACTION.get(deployment.engine.kind)
     if default is not None:
         return int(device_total * default)
-    size = files_size(deployment) or 0
+    size = (files_size(deployment) or 0) + launch_adapters_size(deployment)
     return min(int(size * 1.2) + GIB, device_total)
+
+
+def launch_adapters_size(deployment: Deployment) -> int:
+    """Bytes of the adapters an engine that takes them at launch holds beside its weights
+    (llama-server loads its ``--lora`` files at start): those it is launched with, as
+    fetched (an adapter not fetched yet counts for nothing until it is)."""
+    if deployment.engine.kind != "llamacpp" or deployment.adapter_slots <= 0:
+        return 0
+    base = deployment.replica_of_id or deployment.pk
+    sizes = Adapter.objects.filter(base_id=base).order_by("created_at", "pk")
+    chosen = sizes.values_list("source_bytes", flat=True)[: deployment.adapter_slots]
+    return sum(int(size or 0) for size in chosen)
 
 
 def memory_fraction(deployment: Deployment, device_total: int) -> float | None:
