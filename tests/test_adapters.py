@@ -490,3 +490,42 @@ def test_a_llama_server_base_s_estimated_claim_counts_the_adapters_it_launches_w
     Adapter.objects.filter(name="sql").update(source_bytes=100 * 1024**2)
     with_one = estimates.claim_per_gpu(Deployment.objects.get(pk=base.pk), 80 * 1024**3)
     assert with_one - without == int(100 * 1024**2 * 1.2)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_load_waits_for_a_slot_while_every_slot_serves_a_request(
+    gpu24, bob, database_threads, tmp_path
+):
+    """Two slots, each serving a stream: a request for a third adapter waits until one of
+    them ends (counted as queued, not as CapyCTL's own time), then loads in its place."""
+    from capyctl.gateway.app import Gateway
+
+    key = await sync_to_async(_served)(
+        tmp_path, ["sql", "poet", "docs"], CAPYCTL_SIM_TOKENS_PER_SECOND="20"
+    )
+    gateway = Gateway()
+    async with _client(gateway, key) as client:
+
+        def body(model: str, tokens: int = 1, **extra: Any) -> dict[str, Any]:
+            return {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": tokens, **extra}  # fmt: skip
+
+        async def stream(model: str) -> list[str]:
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=body(model, tokens=20, stream=True)
+            ) as answer:
+                return [line async for line in answer.aiter_lines() if line.startswith("data: ")]
+
+        streams = [asyncio.ensure_future(stream(m)) for m in ("sql", "poet")]
+        for _ in range(100):  # both loaded and streaming
+            if len(await sync_to_async(_loaded)()) == 2:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        answer = await client.post("/v1/chat/completions", json=body("docs"))
+        assert answer.status_code == 200, answer.text
+        assert float(answer.headers["x-capyctl-queued-ms"]) > 0  # its wait, as a wait
+        assert "; loaded adapter docs " in answer.headers["x-capyctl-switch"]
+        for done in await asyncio.gather(*streams):
+            assert done[-1] == "data: [DONE]"  # neither stream was cut
+    await gateway.close()

@@ -13,8 +13,9 @@ twice without harm: loading an adapter it holds, unloading one it does not.
 
 1. the adapter is held by this engine already: done;
 2. while the engine's slots are full, the least recently used adapter with no request in
-   flight is unloaded (never one serving a request; all busy: the request is told to
-   retry shortly);
+   flight is unloaded (never one serving a request; while every one serves, the load
+   waits for one to end, as long as a request may wait for its model, then the request
+   is told to retry shortly);
 3. its source is fetched on the base's host (a local path is there already);
 4. the engine loads it; the row and an ``adapter.loaded`` event record it, with the time.
 """
@@ -40,6 +41,7 @@ from hostagent.units import format_size
 
 logger = logging.getLogger("capyctl.scheduler")
 FETCH_POLL_SECONDS = 0.1
+SLOT_POLL_SECONDS = 0.02  # how often a load that waits for a free slot looks again
 
 _locks: dict[int, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -88,9 +90,12 @@ def load(deployment_id: int, adapter_id: int, timeout: float, *, actor: str = "g
     if instance is None or deployment.host is None:
         raise SchedulerError(f"{deployment.name} has no running engine to load an adapter into")
     adapter = Adapter.objects.get(pk=adapter_id)
+    held_now = LoadedAdapter.objects.filter(adapter=adapter, instance=instance).first()
+    if held_now is not None:  # held: no lock taken (a load may be waiting for a slot)
+        return Loaded(slot=held_now.slot)
     with _lock(instance.pk):
         held_now = LoadedAdapter.objects.filter(adapter=adapter, instance=instance).first()
-        if held_now is not None:
+        if held_now is not None:  # loaded while this waited for the lock
             return Loaded(slot=held_now.slot)
         if not _loads_while_running(deployment):
             raise AdapterNotInEngineError(
@@ -106,16 +111,18 @@ def load(deployment_id: int, adapter_id: int, timeout: float, *, actor: str = "g
             .select_related("adapter")
             .order_by(F("last_used_at").asc(nulls_first=True), "loaded_at")
         )
+        gives_up = time.monotonic() + timeout
         while len(held) >= slots:
-            victim = next(
-                (r for r in held if not _busy(r.adapter_id)),
-                None,
-            )
-            if victim is None:
-                raise AdaptersBusyError(
-                    f"every adapter slot of {deployment.name} ({slots}) serves a request now; "
-                    f"{adapter.name} loads when one is free: retry shortly"
-                )
+            victim = next((r for r in held if not _busy(r.adapter_id)), None)
+            if victim is None:  # every slot serves a request: wait for one to end
+                if time.monotonic() >= gives_up:
+                    raise AdaptersBusyError(
+                        f"every adapter slot of {deployment.name} ({slots}) served a request "
+                        f"for {timeout:.0f}s; {adapter.name} loads when one is free: retry "
+                        "shortly"
+                    )
+                time.sleep(SLOT_POLL_SECONDS)
+                continue
             _unload(driver, instance, victim, f"to make room for {adapter.name} (least "
                     "recently used, no request in flight)", actor)  # fmt: skip
             held.remove(victim)
