@@ -9,9 +9,9 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ObjectDoesNotExist
-from django.db.models import Count, QuerySet
+from django.db.models import Count, Q, QuerySet
 
-from capyctl.access.models import ApiKey, UserLimits
+from capyctl.access.models import ApiKey, Team, UserLimits
 from capyctl.deployments.adapters import AdapterView, adapter_views
 from capyctl.deployments.models import Deployment
 from capyctl.engines.models import Engine
@@ -125,6 +125,7 @@ def key_data(key: ApiKey) -> dict[str, Any]:
             ]
         ),
         "all_models": not key.limit_models,  # else only ``models``: none left means none
+        "team": key.team.name if key.team is not None else None,
         "admin": key.is_admin,
         "requests_per_minute": key.requests_per_minute,
         "max_concurrent": key.max_concurrent,
@@ -239,6 +240,24 @@ def engines_query() -> QuerySet[Engine]:
     return Engine.objects.select_related("host").order_by("name")
 
 
+def all_teams() -> list[Team]:
+    return list(
+        Team.objects.prefetch_related("members")
+        .annotate(key_count=Count("api_keys", filter=Q(api_keys__revoked_at__isnull=True)))
+        .order_by("name")
+    )
+
+
+def team_data(team: Team) -> dict[str, Any]:
+    """A team as ``capyctl team list --json`` and REST show it."""
+    return {
+        "name": team.name,
+        "members": sorted(u.get_username() for u in team.members.all()),
+        "keys": getattr(team, "key_count", None),  # its keys not revoked
+        "created_at": _time(team.created_at),
+    }
+
+
 def all_adapters() -> list[AdapterView]:
     return adapter_views()
 
@@ -276,7 +295,7 @@ def all_deployments() -> list[Deployment]:
 def keys_query() -> QuerySet[ApiKey]:
     """API keys, newest first, with their user and allowed models."""
     return (
-        ApiKey.objects.select_related("user")
+        ApiKey.objects.select_related("user", "team")
         .prefetch_related("allowed_models", "allowed_adapters")
         .order_by("-created_at", "key_id")
     )

@@ -12,12 +12,14 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils import timezone
 
-from capyctl.access.models import ApiKey, UserLimits
+from capyctl.access import teams
+from capyctl.access.models import ApiKey, Team, UserLimits
 from capyctl.access.services import (
     check_limits,
     issue_api_key,
     revoke_api_key,
     set_user_limits,
+    team_for_key,
     update_api_key,
     within_ceilings,
 )
@@ -44,7 +46,7 @@ def _chosen(data: dict[str, Any]) -> list[Any]:
 class NewKeyForm(forms.ModelForm):  # type: ignore[type-arg]
     class Meta:
         model = ApiKey
-        fields = ("user", "name", "allowed_models", "allowed_adapters", "is_admin",
+        fields = ("user", "name", "allowed_models", "allowed_adapters", "team", "is_admin",
                   "requests_per_minute", "max_concurrent", "expires_at")  # fmt: skip
         help_texts: ClassVar = {
             "allowed_models": "none chosen here or below: every model its user may use",
@@ -64,6 +66,9 @@ class NewKeyForm(forms.ModelForm):  # type: ignore[type-arg]
                 "is_admin",
                 f"user {owner.username!r} is not staff, so their keys cannot have the admin scope",
             )
+        team = data.get("team")
+        if owner is not None and team is not None:
+            _check_on_fields(self, team_for_key, owner, team.name)
         if owner is not None and not self.errors:
             # The same ceilings as the service applies, shown on the field at fault.
             made = self.instance.created_at if self.instance.pk else timezone.now()
@@ -104,6 +109,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "name",
         "allowed_models",
         "allowed_adapters",
+        "team",
         "is_admin",
         "requests_per_minute",
         "max_concurrent",
@@ -117,7 +123,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
     ) -> Any:
         kwargs["form"] = NewKeyForm
-        kwargs["fields"] = NewKeyForm.Meta.fields if obj is None else self.fields[:7]
+        kwargs["fields"] = NewKeyForm.Meta.fields if obj is None else self.fields[:8]
         return super().get_form(request, obj, change, **kwargs)
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
@@ -140,6 +146,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 requests_per_minute=data.get("requests_per_minute"),
                 max_concurrent=data.get("max_concurrent"),
                 expires_at=data.get("expires_at"), actor=actor,
+                team=data["team"].name if data.get("team") else None,
             )  # fmt: skip
             ApiKey.objects.filter(pk=obj.pk).update(is_admin=bool(data.get("is_admin")))
             return
@@ -152,6 +159,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             admin=bool(data.get("is_admin")),
             requests_per_minute=data.get("requests_per_minute"),
             max_concurrent=data.get("max_concurrent"),
+            team=data["team"].name if data.get("team") else None,
             actor=actor,
         )
         obj.pk = key.pk
@@ -227,3 +235,47 @@ class UserLimitsAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
         """The service set the allowed models already."""
+
+
+@admin.register(Team)
+class TeamAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Teams: added and their members chosen here or with ``capyctl team``; one is removed
+    only once no key is charged to it, a member only once none of theirs is."""
+
+    list_display = ("name", "created_at")
+    search_fields = ("name", "members__username")
+    fields = ("name", "members")
+    filter_horizontal = ("members",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return ("name",) if obj else ()
+
+    def save_model(self, request: HttpRequest, obj: Team, form: Any, change: bool) -> None:
+        if not change:
+            saved = teams.add_team(form.cleaned_data["name"], actor=request.user.get_username())
+            obj.pk = saved.pk
+            obj.refresh_from_db()
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        """Members through the service: one whose keys are charged here stays, and says so."""
+        team = form.instance
+        actor = request.user.get_username()
+        wanted = {u.username for u in form.cleaned_data.get("members") or []}
+        now = set(team.members.values_list("username", flat=True))
+        for username in sorted(wanted - now):
+            teams.add_member(team.name, username, actor=actor)
+        for username in sorted(now - wanted):
+            try:
+                teams.remove_member(team.name, username, actor=actor)
+            except UserError as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+
+    def delete_model(self, request: HttpRequest, obj: Team) -> None:
+        teams.remove_team(obj.name, actor=request.user.get_username())
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Team]) -> None:
+        for team in queryset:
+            try:
+                teams.remove_team(team.name, actor=request.user.get_username())
+            except UserError as exc:
+                self.message_user(request, str(exc), messages.ERROR)

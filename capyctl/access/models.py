@@ -10,6 +10,21 @@ from django.db import models
 from django.utils import timezone
 
 
+class Team(models.Model):
+    """People who share GPUs, and what their keys are charged to: a key may be charged to
+    one team of its user (``ApiKey.team``). Only staff make teams and choose members."""
+
+    name = models.CharField(max_length=63, unique=True)
+    members = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="teams")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class ApiKey(models.Model):
     """A user's API key, ``capy_<key_id>_<secret>``.
 
@@ -35,6 +50,10 @@ class ApiKey(models.Model):
     allowed_adapters = models.ManyToManyField(
         "deployments.Adapter", blank=True, related_name="api_keys",
         help_text="adapters it may use (with limit_models on): one does not allow its base",
+    )  # fmt: skip
+    team = models.ForeignKey(
+        Team, null=True, blank=True, on_delete=models.PROTECT, related_name="api_keys",
+        help_text="the team it is charged to: one of its user's (empty: none)",
     )  # fmt: skip
     is_admin = models.BooleanField(default=False, help_text="may use the REST API as admin")
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True)

@@ -20,7 +20,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from capyctl.access.guessing import RecentMisses
-from capyctl.access.models import ApiKey, Ceilings, UserLimits
+from capyctl.access.models import ApiKey, Ceilings, Team, UserLimits
 from capyctl.deployments.models import Adapter, Deployment
 from capyctl.deployments.services import get_deployment
 from capyctl.errors import NotFoundError, UserError
@@ -53,6 +53,27 @@ def get_user(username: str) -> User:
         return User.objects.get(username=username)
     except User.DoesNotExist:
         raise NotFoundError(f"no user named {username!r}", field="user") from None
+
+
+def get_team(name: str) -> Team:
+    found = Team.objects.filter(name=name).first()
+    if found is None:
+        raise NotFoundError(f"no team named {name!r}", field="team")
+    return found
+
+
+def team_for_key(user: User, name: str | None) -> Team | None:
+    """The team a key of ``user`` is charged to (None: none): one the user is a member of."""
+    if not name:
+        return None
+    team = get_team(name)
+    if not team.members.filter(pk=user.pk).exists():
+        raise UserError(
+            f"{user.get_username()} is not a member of team {name}; a key is charged only to "
+            "a team of its user's",
+            field="team",
+        )
+    return team
 
 
 @transaction.atomic
@@ -224,6 +245,7 @@ def issue_api_key(
     admin: bool = False,
     requests_per_minute: int | None = None,
     max_concurrent: int | None = None,
+    team: str | None = None,
     actor: str = "",
 ) -> tuple[ApiKey, str]:
     """Make a key for ``username``. Returns the row and the full key, which is shown once.
@@ -231,6 +253,7 @@ def issue_api_key(
     The key's limits can only narrow its user's ceilings, whoever issues it: a limit left
     out takes the ceiling, one beyond it is refused."""
     user = get_user(username)
+    charged = team_for_key(user, team)
     deployments = [model_named(model) for model in models or []]
     if admin and not user.is_staff:
         raise UserError(
@@ -259,12 +282,14 @@ def issue_api_key(
         requests_per_minute=requests_per_minute,
         max_concurrent=max_concurrent,
         expires_at=expires_at,
+        team=charged,
     )
     set_models(key, scope)
     record_event(
         "key.created",
         f"API key {key.prefix} created for {username}"
-        + (f" (models: {_names(scope)})" if scope is not None else ""),
+        + (f" (models: {_names(scope)})" if scope is not None else "")
+        + (f", charged to team {charged.name}" if charged is not None else ""),
         subject=key.prefix,
         actor=actor,
     )
@@ -356,10 +381,11 @@ def update_api_key(
     requests_per_minute: int | object | None = UNCHANGED,
     max_concurrent: int | object | None = UNCHANGED,
     expires_at: datetime | object | None = UNCHANGED,
+    team: str | object | None = UNCHANGED,
     actor: str = "",
 ) -> ApiKey:
-    """Change a key's label, allowed models (none: every model its user may use), limits
-    or expiry (its secret never changes). The new limits can only narrow its user's
+    """Change a key's label, allowed models (none: every model its user may use), limits,
+    expiry or team (None: none; its secret never changes). The new limits can only narrow its user's
     ceilings, as when it was made."""
     key = get_api_key(ident)
     username = key.user.get_username()
@@ -391,6 +417,9 @@ def update_api_key(
             cast("datetime | None", expires_at), ceilings, username, since=key.created_at
         )
         changed.append("expiry")
+    if team is not UNCHANGED:
+        key.team = team_for_key(key.user, cast("str | None", team))
+        changed.append(f"team {key.team.name}" if key.team is not None else "no team")
     if models is not None:
         scope = _within_models([model_named(m) for m in models], ceilings, username)
         key.limit_models = scope is not None

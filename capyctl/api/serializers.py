@@ -177,6 +177,7 @@ class KeyOut(_Report):
     all_models = serializers.BooleanField(
         help_text="true: every model (models is empty); false: only models, so none if empty"
     )
+    team = serializers.CharField(allow_null=True, help_text="the team it is charged to")
     admin = serializers.BooleanField()
     requests_per_minute = serializers.IntegerField(allow_null=True)
     max_concurrent = serializers.IntegerField(allow_null=True)
@@ -380,6 +381,10 @@ class KeyIn(serializers.Serializer):  # type: ignore[type-arg]
     max_concurrent = serializers.IntegerField(
         required=False, allow_null=True, min_value=1, max_value=MAX_COUNT
     )
+    team = serializers.CharField(
+        required=False, allow_null=True, max_length=63,
+        help_text="the team it is charged to: one of its user's (left out or null: none)",
+    )  # fmt: skip
 
 
 class KeyChange(serializers.Serializer):  # type: ignore[type-arg]
@@ -394,6 +399,26 @@ class KeyChange(serializers.Serializer):  # type: ignore[type-arg]
     max_concurrent = serializers.IntegerField(
         required=False, allow_null=True, min_value=1, max_value=MAX_COUNT
     )
+    team = serializers.CharField(
+        required=False, allow_null=True, max_length=63,
+        help_text="the team it is charged to: one of its user's (null: none)",
+    )  # fmt: skip
+
+
+class TeamOut(_Report):
+    report = staticmethod(reports.team_data)
+    name = serializers.CharField()
+    members = serializers.ListField(child=serializers.CharField())
+    keys = serializers.IntegerField(allow_null=True, help_text="its keys not revoked")
+    created_at = serializers.DateTimeField()
+
+
+class TeamIn(serializers.Serializer):  # type: ignore[type-arg]
+    name = serializers.CharField(max_length=63)
+
+
+class MemberIn(serializers.Serializer):  # type: ignore[type-arg]
+    user = serializers.CharField(max_length=150)
 
 
 class LimitsIn(serializers.Serializer):  # type: ignore[type-arg]

@@ -22,6 +22,7 @@ from rest_framework.views import exception_handler
 
 from capyctl import reports
 from capyctl.access import services as access
+from capyctl.access import teams
 from capyctl.access.models import ApiKey
 from capyctl.api import serializers as s
 from capyctl.api.auth import IsAdmin, IsSignedIn, is_admin
@@ -130,6 +131,57 @@ class EngineViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ig
     def destroy(self, request: Request, name: str) -> Response:
         engines.remove_engine(name, actor=_actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# -- teams ----------------------------------------------------------------------------------
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Teams", responses=s.TeamOut(many=True)),
+    retrieve=extend_schema(summary="One team", responses=s.TeamOut),
+    create=extend_schema(summary="Add a team", request=s.TeamIn, responses={201: s.TeamOut}),
+    destroy=extend_schema(summary="Remove a team no key is charged to", responses={204: None}),
+)
+class TeamViewSet(viewsets.ViewSet):
+    permission_classes = (IsAdmin,)
+    lookup_field = "name"
+    lookup_value_regex = "[^/]+"
+    serializer_class = s.TeamOut
+
+    def list(self, request: Request) -> Response:
+        return Response(s.TeamOut(reports.all_teams(), many=True).data)
+
+    def retrieve(self, request: Request, name: str) -> Response:
+        return Response(s.TeamOut(self._one(name)).data)
+
+    def create(self, request: Request) -> Response:
+        data = _valid(s.TeamIn, request)
+        teams.add_team(data["name"], actor=_actor(request))
+        return Response(s.TeamOut(self._one(data["name"])).data, status=status.HTTP_201_CREATED)
+
+    def destroy(self, request: Request, name: str) -> Response:
+        teams.remove_team(name, actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(summary="Add a member", request=s.MemberIn, responses=s.TeamOut)
+    @action(detail=True, methods=["post"])
+    def members(self, request: Request, name: str) -> Response:
+        data = _valid(s.MemberIn, request)
+        teams.add_member(name, data["user"], actor=_actor(request))
+        return Response(s.TeamOut(self._one(name)).data)
+
+    @extend_schema(summary="Take a member off", responses=s.TeamOut)
+    @action(detail=True, methods=["delete"], url_path="members/(?P<user>[^/]+)")
+    def member(self, request: Request, name: str, user: str) -> Response:
+        teams.remove_member(name, user, actor=_actor(request))
+        return Response(s.TeamOut(self._one(name)).data)
+
+    @staticmethod
+    def _one(name: str) -> Any:
+        found = [t for t in reports.all_teams() if t.name == name]
+        if not found:
+            raise NotFoundError(f"no team named {name!r}", field="name")
+        return found[0]
 
 
 # -- adapters -------------------------------------------------------------------------------
@@ -445,6 +497,7 @@ class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignor
             admin=data["admin"],
             requests_per_minute=data.get("requests_per_minute"),
             max_concurrent=data.get("max_concurrent"),
+            team=data.get("team"),
             actor=_actor(request),
         )
         return _unstored(Response(s.KeyCreated((key, full)).data, status=status.HTTP_201_CREATED))
@@ -458,6 +511,7 @@ class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignor
             models=data.get("models"),
             requests_per_minute=data.get("requests_per_minute", access.UNCHANGED),
             max_concurrent=data.get("max_concurrent", access.UNCHANGED),
+            team=data.get("team", access.UNCHANGED),
             actor=_actor(request),
         )
         return Response(s.KeyOut(key).data)

@@ -93,7 +93,7 @@ def _handler(name: str) -> Callable[[argparse.Namespace], int]:
             module = "agent"
         elif name.startswith("start"):
             module = "start"
-        elif name.startswith(("key_", "user_")):
+        elif name.startswith(("key_", "user_", "team_")):
             module = "people"
         elif name.startswith("trace_"):
             module = "traces"
@@ -146,6 +146,7 @@ def build_parser() -> Parser:
     _build_adapter(commands)
     _build_key(commands)
     _build_user(commands)
+    _build_team(commands)
     _build_host(commands)
     _build_cache(commands)
     _build_trace(commands)
@@ -507,9 +508,12 @@ def _build_key(commands: Any) -> None:
     create.add_argument("--rpm", type=count_arg(1), metavar="N", help="requests per minute")
     create.add_argument("--max-concurrent", type=count_arg(1), metavar="N",
                         help="requests in flight at once")  # fmt: skip
-    update = _sub(sub, "update", "change a key's name, models or limits", "key_update")
+    create.add_argument("--team", metavar="TEAM", help="charge it to this team of its user's")
+    update = _sub(sub, "update", "change a key's name, models, limits or team", "key_update")
     update.add_argument("id", help="the key id or its capy_<id> prefix")
     update.add_argument("--name", metavar="LABEL", default=argparse.SUPPRESS)
+    update.add_argument("--team", metavar="TEAM|none", default=argparse.SUPPRESS,
+                        help="charge it to a team of its user's ('none': to no team)")  # fmt: skip
     _limit_flags(update, "")
     listing = _sub(sub, "list", "list keys", "key_list")
     listing.add_argument("--user", help="only this user's keys")
@@ -527,6 +531,23 @@ def _limit_flags(parser: Parser, scope: str) -> None:
                         help=f"requests per minute{scope}")  # fmt: skip
     parser.add_argument("--max-concurrent", type=limit_arg, metavar="N|none", default=unset,
                         help=f"requests in flight at once{scope}")  # fmt: skip
+
+
+def _build_team(commands: Any) -> None:
+    team = _sub(
+        commands, "team", "teams: people who share GPUs, and what their keys are charged to"
+    )
+    sub = team.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
+    add = _sub(sub, "add", "add a team", "team_add")
+    add.add_argument("name")
+    listing = _sub(sub, "list", "list teams with their members", "team_list")
+    _add_json(listing)
+    remove = _sub(sub, "remove", "remove a team no key is charged to", "team_remove")
+    remove.add_argument("name")
+    member = _sub(sub, "member", "add a user to a team, or take one off it", "team_member")
+    member.add_argument("change", choices=["add", "remove"])
+    member.add_argument("team")
+    member.add_argument("user")
 
 
 def _build_user(commands: Any) -> None:

@@ -31,6 +31,7 @@ def key_create(args: argparse.Namespace) -> int:
         admin=args.admin,
         requests_per_minute=args.rpm,
         max_concurrent=args.max_concurrent,
+        team=args.team,
         actor=_actor(),
     )
     print(full_key)
@@ -45,6 +46,8 @@ def key_create(args: argparse.Namespace) -> int:
         details.append(f"{key.max_concurrent} at once")
     if key.is_admin:
         details.append("admin scope")
+    if key.team is not None:
+        details.append(f"charged to team {key.team.name}")
     print(f"capyctl: key created ({', '.join(details)}); it is shown only now", file=sys.stderr)
     return 0
 
@@ -63,6 +66,7 @@ def key_list(args: argparse.Namespace) -> int:
             k["user"],
             k["name"],
             "(all)" if k["all_models"] else ",".join(k["models"]) or "(none)",
+            k["team"] or "-",
             "yes" if k["admin"] else "no",
             _key_limits(k),
             k["expires_at"][:16].replace("T", " ") if k["expires_at"] else "never",
@@ -71,7 +75,7 @@ def key_list(args: argparse.Namespace) -> int:
         ]
         for k in keys
     ]
-    headers = ["id", "user", "name", "models", "admin", "limits", "expires", "status",
+    headers = ["id", "user", "name", "models", "team", "admin", "limits", "expires", "status",
                "last used"]  # fmt: skip
     print_table(headers, rows, empty="no keys")
     return 0
@@ -97,6 +101,8 @@ def key_update(args: argparse.Namespace) -> int:
     if "models" in changes and changes["models"] is None:
         changes["models"] = []  # a key's "all": every model its user may use
     prepare()
+    if hasattr(args, "team"):
+        changes["team"] = None if args.team == "none" else args.team
     key = update_api_key(args.id, name=getattr(args, "name", None), actor=_actor(), **changes)
     print(f"key {key.prefix} changed")
     return 0
@@ -117,6 +123,53 @@ def key_revoke(args: argparse.Namespace) -> int:
     prepare()
     key = revoke_api_key(args.id, actor=_actor())
     print(f"key {key.prefix} revoked")
+    return 0
+
+
+# --- teams -------------------------------------------------------------------------------
+
+
+def team_add(args: argparse.Namespace) -> int:
+    from capyctl.access.teams import add_team
+
+    prepare()
+    add_team(args.name, actor=_actor())
+    print(f"team {args.name} added")
+    return 0
+
+
+def team_list(args: argparse.Namespace) -> int:
+    from capyctl.reports import all_teams, team_data
+
+    prepare()
+    teams = [team_data(t) for t in all_teams()]
+    if args.json:
+        print_json(teams)
+        return 0
+    rows = [[t["name"], ",".join(t["members"]) or "-", t["keys"]] for t in teams]
+    print_table(["name", "members", "keys"], rows, empty="no teams")
+    return 0
+
+
+def team_remove(args: argparse.Namespace) -> int:
+    from capyctl.access.teams import remove_team
+
+    prepare()
+    remove_team(args.name, actor=_actor())
+    print(f"team {args.name} removed")
+    return 0
+
+
+def team_member(args: argparse.Namespace) -> int:
+    from capyctl.access.teams import add_member, remove_member
+
+    prepare()
+    if args.change == "add":
+        add_member(args.team, args.user, actor=_actor())
+        print(f"{args.user} joined team {args.team}")
+    else:
+        remove_member(args.team, args.user, actor=_actor())
+        print(f"{args.user} left team {args.team}")
     return 0
 
 

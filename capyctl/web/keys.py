@@ -29,6 +29,7 @@ EXPIRY_CHOICES = [("", "never"), ("1d", "1 day"), ("7d", "7 days"), ("30d", "30 
 def _page(request: HttpRequest, **extra: Any) -> HttpResponse:
     keys = (
         ApiKey.objects.filter(user_id=request.user.pk or 0)
+        .select_related("team")
         .prefetch_related("allowed_models", "allowed_adapters")
         .order_by("revoked_at", "-created_at")
     )
@@ -55,6 +56,8 @@ def _page(request: HttpRequest, **extra: Any) -> HttpResponse:
         "keys": keys,
         "models": models,
         "expiry_choices": expiry_choices,
+        # the teams a key of theirs may be charged to
+        "teams": list(request.user.teams.values_list("name", flat=True)),  # type: ignore[union-attr]
         "ceilings": ceilings,
         "lifetime": span_text(ceilings.key_lifetime) if ceilings.key_lifetime else None,
         **extra,
@@ -82,6 +85,7 @@ def keys_page(request: HttpRequest) -> HttpResponse:
             expires_in=parse_duration(expires, field="expires") if expires else None,
             requests_per_minute=_count(request, "requests_per_minute"),
             max_concurrent=_count(request, "max_concurrent"),
+            team=request.POST.get("team", "").strip() or None,
             actor=request.user.get_username(),
         )
     except UserError as exc:
