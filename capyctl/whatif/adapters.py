@@ -8,15 +8,23 @@ serve it:
   which therefore cannot be parked under a load;
 - the engine must hold the adapter: where it does not, one load runs for every request
   waiting for it, taking the adapter's load time; the loads of one engine run one at a
-  time, and a request for an adapter the engine holds waits for a load under way there
-  (the server checks under the same lock);
+  time (the server's lock per engine); a request for an adapter the engine holds is sent
+  to it at once, a load under way there or not (the server looks before the lock);
 - a load that finds every slot of the engine taken first unloads the least recently used
-  adapter (its last request's end, else its load) with no request in flight; when every
-  one serves a request, the requests waiting for the load are answered 503
-  ``adapter_slots_busy`` (the replay's clients do not retry);
-- an engine parked deep, or stopped, drops its adapters; a ``ram`` park keeps them.
+  adapter (its last request's end, else its load) with no request in flight; while every
+  one serves a request, the load waits (holding the engine's turn to load) for one of
+  them to have none in flight, as long as a request may wait for its model (the base's
+  ``max_queue_seconds``, from when the load began to look); past that, the requests
+  waiting for the load are answered 503 ``adapter_slots_busy`` (the replay's clients do
+  not retry). A request's wait holds its load and the load's wait for a slot, as the
+  gateway counts them queued;
+- an engine parked deep, or stopped, drops its adapters; a ``ram`` park keeps them; one
+  ready (or parked in RAM) when a ``--warm`` replay begins holds those its scenario's
+  ``loaded_on`` says (``capyctl status --json``'s adapters), as many as its slots.
 
-An unload takes no time here (an engine's call of a few milliseconds).
+An unload takes no time here (an engine's call of a few milliseconds); the server looks
+for a free slot every :data:`~capyctl.scheduler.actions.adapters.SLOT_POLL_SECONDS`, the
+replay the moment one frees.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from collections.abc import Generator
 from typing import Any
 
 from capyctl.scheduler.policy import DEEP
+from capyctl.whatif.clock import _Signal, _Until
 from capyctl.whatif.model import Request, SimAdapter
 from capyctl.whatif.outcome import AdapterLoad
 from capyctl.whatif.serving import Serving
@@ -39,13 +48,14 @@ class Adapters(Serving):
 
     adapters: dict[str, SimAdapter]  # by name
     _adapter_in_flight: Counter[str]  # requests in flight per adapter, on any engine
+    _adapter_idle: _Signal  # an adapter's last request in flight ended
 
     def _loads_first(self, model: _Model, request: Request, index: int) -> bool:
         adapter = self.adapters.get(request.model)
         if adapter is None:
             return False
         self._adapter_in_flight[adapter.name] += 1
-        if not model.loading and adapter.name in model.adapters:
+        if adapter.name in model.adapters:
             return False
         waiting = model.loads.get(adapter.name)
         if waiting is not None:  # a load of it is asked already: one for all who wait
@@ -63,11 +73,15 @@ class Adapters(Serving):
         try:
             if adapter.name not in model.adapters:
                 unloaded = []
+                gives_up = self.now + model.spec.max_queue_seconds
                 while len(model.adapters) >= model.spec.adapter_slots:
                     victim = self._adapter_victim(model)
-                    if victim is None:
-                        self._release_load(model, adapter.name, SLOTS_BUSY)
-                        return
+                    if victim is None:  # every slot serves a request: wait for one to end
+                        if self.now >= gives_up:
+                            self._release_load(model, adapter.name, SLOTS_BUSY)
+                            return
+                        yield _Until(self._adapter_idle, gives_up - self.now)
+                        continue
                     del model.adapters[victim]
                     unloaded.append(victim)
                 self.out.adapter_loads.append(AdapterLoad(
@@ -111,9 +125,24 @@ class Adapters(Serving):
         if name not in self.adapters:
             return
         self._adapter_in_flight[name] -= 1
+        if not self._adapter_in_flight[name]:
+            self._fire(self._adapter_idle)  # a load waiting for a slot may take its
         held = model.adapters.get(name)
         if held is not None:
             model.adapters[name] = (self.now, held[1])
+
+    def _held_at_start(self) -> None:
+        """Engines up when the replay begins (ready, or parked in RAM) hold the adapters
+        their scenario says they hold, the first listed first, as many as their slots."""
+        for model in self.models:
+            if model.state != "ready" and not (model.state == "parked" and model.sleep_mode
+                                               != DEEP):  # fmt: skip
+                continue
+            for adapter in self.adapters.values():
+                if len(model.adapters) >= model.spec.adapter_slots:
+                    break
+                if adapter.base == model.served and model.name in adapter.loaded_on:
+                    model.adapters[adapter.name] = (0.0, 0.0)
 
     def _move(self, model: _Model, state: str) -> None:
         super()._move(model, state)

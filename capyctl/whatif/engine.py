@@ -31,7 +31,8 @@ an eviction goes, how long a model counts as busy):
   waiting in it (:mod:`capyctl.whatif.serving`);
 - a request for an adapter is its base's request (queue, wake, turns, replicas) until an
   engine of the base has it, which then loads the adapter where it does not hold it,
-  unloading the least recently used idle one when its slots are full
+  unloading the least recently used idle one when its slots are full, waiting for one to
+  be idle (up to ``max_queue_seconds``) when every one serves
   (:mod:`capyctl.whatif.adapters`).
 
 Not simulated: engines that fail, parks that keep their memory (an engine already marked for
@@ -50,6 +51,7 @@ from functools import partial
 from typing import Any
 
 from capyctl.scheduler.policy import NoCapacity, Placement
+from capyctl.whatif.clock import _Signal
 from capyctl.whatif.model import Request, Scenario, SimReplica
 from capyctl.whatif.outcome import Outcome, ReplicaSet, Served
 from capyctl.whatif.replicas import Replicas
@@ -80,6 +82,7 @@ class Replay(Replicas):
         # An adapter's requests are its base's until its engine has them.
         self.adapters = {a.name: a for a in scenario.adapters}
         self._adapter_in_flight = Counter()
+        self._adapter_idle = _Signal()
         for adapter in scenario.adapters:
             base = self._by_name.get(adapter.base)
             if base is not None:
@@ -95,6 +98,7 @@ class Replay(Replicas):
         self._engine_ram = int(_constant("engine_ram"))
         self._idle_parked = [m for m in self.models if m.spec.idle_park_seconds > 0]
         self._place_initial()
+        self._held_at_start()
         for group in self.groups:
             self._note_up(group)
 

@@ -172,12 +172,15 @@ class SimModel:
 class SimAdapter:
     """A LoRA adapter served as a model by its base's engine (docs/adapters.md): a request
     for it needs its base ready and, where the base's engine does not hold it, a load of
-    ``load_seconds`` (``measured``: CapyCTL timed its loads; else the default)."""
+    ``load_seconds`` (``measured``: CapyCTL timed its loads; else the default).
+    ``loaded_on``: the engines of its base (NAME, NAME~N) that hold it when a ``--warm``
+    replay begins."""
 
     name: str
     base: str
     load_seconds: float = DEFAULT_ADAPTER_LOAD_SECONDS
     measured: bool = False
+    loaded_on: tuple[str, ...] = ()
 
 
 @dataclass

@@ -109,7 +109,7 @@ def current() -> dict[str, Any]:
         if row["name"] in measured:
             row["timings"] = measured[row["name"]]
     found = {key: data[key] for key in ("mode", "hosts", "engines", "deployments", "ledger")}
-    found["adapters"] = scenario_adapters.current()
+    found["adapters"] = scenario_adapters.current(data["adapters"])
     return found
 
 

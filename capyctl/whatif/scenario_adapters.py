@@ -1,12 +1,15 @@
 """Adapters in a scenario: which models are LoRA adapters of which base, and how long a
 load takes; the ``--set`` changes that turn models into adapters and back.
 
-A scenario's ``adapters`` is a list of ``{"name", "base", "load_seconds"}``
+A scenario's ``adapters`` is a list of ``{"name", "base", "load_seconds", "loaded_on"}``
 (``load_seconds`` left out: never measured, so
-:data:`~capyctl.whatif.model.DEFAULT_ADAPTER_LOAD_SECONDS`); a base's ``adapter_slots``
-is its deployment's setting. :func:`current` lists the live configuration's, each with
-the median of its measured loads: the ``adapter.loaded`` events' figures, or, where
-those are gone, the loads its engines hold now (``LoadedAdapter.load_seconds``).
+:data:`~capyctl.whatif.model.DEFAULT_ADAPTER_LOAD_SECONDS`; ``loaded_on``: the engines of
+the base, NAME or NAME~N, that hold it, which a ``--warm`` replay begins with): the shape
+of ``capyctl status --json``'s ``adapters``, whose other fields are ignored; a base's
+``adapter_slots`` is its deployment's setting (``deployments[]``). :func:`current` takes
+the live configuration's from that status, each with the median of its measured loads:
+the ``adapter.loaded`` events' figures, or, where those are gone, the loads its engines
+hold now (``LoadedAdapter.load_seconds``).
 
 ``--set PATTERN.adapter_of=BASE`` (PATTERN: a name, or a shell pattern like ``ft-*``;
 the base itself is left out of a pattern) makes the models it names adapters of BASE;
@@ -49,15 +52,20 @@ def rows(data: dict[str, Any]) -> list[dict[str, Any]]:
 # -- the live configuration ---------------------------------------------------------------------
 
 
-def current() -> list[dict[str, Any]]:
-    """Every adapter of the live configuration, with its base and its measured load."""
-    from capyctl.deployments.models import Adapter  # noqa: PLC0415 - Django only here
+def current(status: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Every adapter of the live configuration (``status``: ``capyctl status --json``'s
+    ``adapters``, read afresh where not given), with its base, the engines that hold it
+    and its measured load."""
+    if status is None:
+        from capyctl.reports import adapter_data, all_adapters  # noqa: PLC0415 - Django only
 
+        status = [adapter_data(view) for view in all_adapters()]
     measured = measured_loads()
     return [
-        {"name": name, "base": base,
-         **({"load_seconds": measured[name]} if name in measured else {})}
-        for name, base in Adapter.objects.order_by("name").values_list("name", "base__name")
+        {"name": row["name"], "base": row["base"],
+         **({"load_seconds": measured[row["name"]]} if row["name"] in measured else {}),
+         **({"loaded_on": list(row["loaded_on"])} if row.get("loaded_on") else {})}
+        for row in status
     ]  # fmt: skip
 
 
@@ -192,13 +200,18 @@ def build(data: dict[str, Any], models: list[SimModel]) -> list[SimAdapter]:
         if not serves:
             raise UserError(f"adapter {name}: its base {base} runs a {model.kind} engine, which "
                             "cannot serve adapters")  # fmt: skip
+        held = row.get("loaded_on") or []
+        if not isinstance(held, list) or not all(isinstance(e, str) for e in held):
+            raise UserError(f"adapter {name}: loaded_on is not a list of its base's engines")
+        loaded_on = tuple(e for e in held if e.partition("~")[0] == base)
         seconds = row.get("load_seconds")
         if seconds is None:
-            found.append(SimAdapter(name, base, DEFAULT_ADAPTER_LOAD_SECONDS, measured=False))
+            found.append(SimAdapter(name, base, DEFAULT_ADAPTER_LOAD_SECONDS, measured=False,
+                                    loaded_on=loaded_on))  # fmt: skip
             continue
         if not isinstance(seconds, int | float) or isinstance(seconds, bool):
             raise UserError(f"adapter {name}: load_seconds {seconds!r} is not a timing value")
         if not 0 <= seconds <= 10**6:
             raise UserError(f"adapter {name}: load_seconds {seconds} is not a timing value")
-        found.append(SimAdapter(name, base, float(seconds), measured=True))
+        found.append(SimAdapter(name, base, float(seconds), measured=True, loaded_on=loaded_on))
     return found
