@@ -254,14 +254,19 @@ def test_cpu_deployments_need_no_gpu():
     assert result == Placement(host_id=1, pools=(), victims=())
 
 
-def test_what_stays_does_not_pass_parked_residuals_and_cpu_deployments():
+def test_parked_residuals_in_the_way_are_stopped_and_cpu_deployments_wait_for_nothing():
     """A parked model keeps its residual on the GPU (a park frees no more), so a need that
-    does not fit beside it is refused at once; what it holds beyond that (memory not yet
-    confirmed free) passes. A CPU deployment never waits for GPU room."""
+    does not fit beside it stops it (it was refused at once, or waited for a room that
+    never came); what it holds beyond that (memory not yet confirmed free) passes. A CPU
+    deployment never waits for GPU room."""
     residual = resident("p", 20, state="parked", residual_bytes=10 * GIB)
-    refused = plan([host(residents=[residual])], need())
-    assert isinstance(refused, NoCapacity)
-    assert refused.lasting  # 24 - 10 < 16, however long it waits
+    stopped = plan([host(residents=[residual])], need())
+    assert isinstance(stopped, Placement)
+    (victim,) = stopped.victims
+    assert (victim.name, victim.mode) == ("p", STOP)  # 24 - 10 < 16, however long it waits
+    assert victim.reason == (
+        "its parked residual (10.0 GiB on gpu0) is needed: parking alone is not enough"
+    )
     unconfirmed = resident("p", 20, state="parked", residual_bytes=2 * GIB)
     waits = plan([host(residents=[unconfirmed])], need())
     assert isinstance(waits, NoCapacity)
@@ -388,3 +393,67 @@ def test_room_that_fits_a_longer_waiting_contender_is_kept_for_it():
     two = host(gpus=(24, 24))
     both = HostSnapshot(1, "host1", False, two.pools, [], contenders=(c,))
     assert plan([both], need("b")) == Placement(1, ("gpu1",), ())
+
+
+# --- parked residuals ------------------------------------------------------------------------
+
+
+def residuals(count, gib=1.6, **extra):
+    """``count`` models parked on gpu0, each leaving ``gib`` there (p0 the least recently
+    used)."""
+    return [resident(f"p{i}", 16, state="parked", gpu_bytes={"gpu0": int(gib * GIB)},
+                     residual_bytes=int(gib * GIB), last_used=float(i), **extra)
+            for i in range(count)]  # fmt: skip
+
+
+def test_parked_residuals_are_stopped_least_recently_used_first_when_parking_is_not_enough():
+    """Five parked models' 1.6 GiB and a ready 16 GiB model on 24 GiB: parking the ready
+    one frees 14.4 GiB of the 16 needed. It was a wait for room that never came; now the
+    least recently used parked model is stopped too, and only as many as needed."""
+    ready = resident("r", 16, residual_bytes=int(1.6 * GIB), last_used=50.0)
+    result = plan([host(residents=[*residuals(5), ready])], need())
+    assert isinstance(result, Placement)
+    assert [(v.name, v.mode) for v in result.victims] == [("r", RAM), ("p0", STOP)]
+    # A lower priority goes first, whenever it was used; a pinned one never.
+    low = [*residuals(4), resident("old", 16, state="parked", priority=-1, last_used=99.0,
+                                   gpu_bytes={"gpu0": int(1.6 * GIB)})]  # fmt: skip
+    result = plan([host(residents=[*low, ready])], need())
+    assert isinstance(result, Placement)
+    assert [v.name for v in result.victims] == ["r", "old"]
+    pinned = [*residuals(5, pinned=True), ready]
+    # Pinned parked models stay: the ready one is stopped instead of parked.
+    result = plan([host(residents=pinned)], need())
+    assert isinstance(result, Placement)
+    (victim,) = result.victims
+    assert (victim.name, victim.mode) == ("r", STOP)
+    assert victim.reason == "parked, its residual (1.6 GiB on gpu0) would still be in the way"
+
+
+def test_parked_models_are_not_stopped_while_waiting_would_make_room():
+    """A stop costs a start later: while the ready model may not be parked yet (busy in its
+    turn, or just ready), or a park's memory is not yet confirmed free, the need waits, and
+    the parked models are not named in the way."""
+    busy = resident("r", 16, busy=True, max_turn_seconds=30.0)
+    waits = plan([host(residents=[*residuals(4), busy])], need())
+    assert isinstance(waits, NoCapacity)
+    assert not waits.lasting
+    assert waits.reason == (
+        "b needs 16.0 GiB per GPU and waits for room; in the way: r (busy, its turn: 30 s left)"
+    )
+    unconfirmed = resident("u", 16, state="parked", gpu_bytes={"gpu0": 16 * GIB})
+    waits = plan([host(residents=[*residuals(2), unconfirmed])], need())
+    assert isinstance(waits, NoCapacity)
+    assert not waits.lasting
+
+
+def test_a_wake_never_stops_its_own_model_nor_another_replica():
+    ready = resident("r", 16, residual_bytes=int(1.6 * GIB), last_used=50.0)
+    parked = residuals(5)
+    waking = Need(deployment_id=parked[0].deployment_id, name="p0", gpus=1,
+                  claim_per_gpu_bytes=16 * GIB)  # fmt: skip
+    own = plan([host(residents=[*parked, ready])], waking)
+    assert isinstance(own, Placement)
+    assert [v.name for v in own.victims] == ["r", "p1"]
+    sibling = plan([host(residents=[*parked, ready])],
+                   need(siblings=frozenset({parked[0].deployment_id})))  # fmt: skip
+    assert isinstance(sibling, NoCapacity)  # its GPU holds a replica: never there

@@ -499,8 +499,8 @@ def test_parked_copies_filling_host_ram_make_way_for_a_start(gpu24):
     assert entries("a") == {}
     stopped = Event.objects.get(kind="deployment.stopped", subject="a")
     assert re.fullmatch(
-        r"stopped a \(parked\): its copy in host RAM \(8\.\d GiB\) is needed for another "
-        r"engine \(d\)",
+        r"stopped a \(parked\) to make room for d: its copy in host RAM \(8\.\d GiB\) is "
+        r"needed for another engine",
         stopped.message,
     ), stopped.message
     assert overcommitted(Host.objects.get(name="local")) == []

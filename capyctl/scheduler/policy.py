@@ -10,6 +10,11 @@ and answers is :mod:`capyctl.scheduler.placement_data`, whose names it offers to
 - Eviction, when it does not fit: only ``ready`` deployments that are not pinned, have
   been ready at least ``min_ready_seconds`` and hold memory on the chosen GPUs; lower
   priority first, then least recently used. The smallest set that frees enough is kept.
+- Parked residuals: a park leaves some memory on the GPU (the engine's CUDA context and
+  graphs: hundreds of MiB to GiBs). Where parking the ready models does not free enough
+  because those residuals add up, parked models that are not pinned are stopped too
+  (lower priority first, then least recently used), each with the reason; a wake never
+  stops its own model. Stops of parked models are the first dropped from the set.
 - Turns: a ready deployment that is busy (requests in flight, or one that ended a moment
   ago) keeps its memory while others wait, up to its ``max_turn_seconds`` of their wait;
   then the contender that has waited longest (each point of priority counts as
@@ -313,9 +318,15 @@ def _try_victims(
             if pool in remaining:
                 remaining[pool] -= amount
     if any(v > 0 for v in remaining.values()):
+        # Parking leaves each model's residual on its GPUs (its CUDA context, graphs);
+        # where those add up to the shortfall, parked models are stopped too.
+        chosen = _residuals_to_stop(host, remaining, need, chosen)
+    if any(v > 0 for v in remaining.values()):
         return None
-    # Keep the smallest set: drop victims (most valuable first) that are not needed.
-    for victim in sorted(chosen, key=lambda v: _value(host, v), reverse=True):
+    # Keep the smallest set: drop victims that are not needed, parked models stopped for
+    # their residuals first (a stop costs a start later), then the most valuable first.
+    for victim in sorted(chosen, key=lambda v: (v.reason.startswith(_RESIDUAL_REASON),
+                                                _value(host, v)), reverse=True):  # fmt: skip
         trial = [v for v in chosen if v is not victim]
         if _enough(trial, missing):
             chosen = trial
@@ -351,6 +362,120 @@ def _copies_to_drop(
             if pool in remaining:
                 remaining[pool] -= amount
     return chosen if remaining.get(host.ram_pool, 0) <= 0 else None
+
+
+_RESIDUAL_REASON = "its parked residual"
+
+
+def _stoppable_parked(resident: Resident, need: Need) -> bool:
+    """Whether a parked model may be stopped to make room for ``need``: any that is not
+    pinned, not another replica of it, and not itself (a wake's own residual stays)."""
+    return (
+        resident.state == "parked"
+        and not resident.pinned
+        and resident.deployment_id not in need.siblings
+        and resident.deployment_id != need.deployment_id
+    )
+
+
+def _residuals_to_stop(
+    host: HostSnapshot, remaining: dict[str, int], need: Need, victims: list[Victim]
+) -> list[Victim]:
+    """``victims`` and parked models that hold what is still missing on a GPU pool of
+    ``remaining``, stopped to give it back: lower priority first, then least recently used,
+    until nothing is missing there; where those are not enough (pinned ones stay), a
+    victim that would leave a residual is stopped instead of parked. ``remaining`` is
+    reduced by what they free."""
+    taken = {v.deployment_id for v in victims}
+    gpus = {pool for pool, lack in remaining.items() if lack > 0 and pool != host.ram_pool}
+    if host.unified and remaining.get(host.ram_pool, 0) > 0:
+        gpus.add(host.ram_pool)  # the one pool is the GPU's
+    # Stops are for what would stay however long it waited: what parked models hold beyond
+    # their residuals (not yet confirmed free) passes, and so does what the models that
+    # may not be parked now (busy, in their turn, just ready, starting) would free once
+    # they may.
+    short = {pool: remaining[pool] - sum(_passing(r, pool) + _later(r, pool, need, taken)
+                                         for r in host.residents)
+             for pool in gpus}  # fmt: skip
+    if all(lack <= 0 for lack in short.values()):
+        return victims  # waiting is enough
+    parked = sorted(
+        (
+            r
+            for r in host.residents
+            if r.deployment_id not in taken
+            and _stoppable_parked(r, need)
+            and any(r.gpu_bytes.get(pool, 0) > 0 for pool in gpus)
+        ),
+        key=lambda r: (r.priority, r.last_used),
+    )
+    chosen: list[Victim] = []
+    for resident in parked:
+        if all(lack <= 0 for lack in short.values()):
+            break
+        held = sum(resident.gpu_bytes.get(p, 0) - _passing(resident, p) for p in gpus)
+        frees = dict(resident.gpu_bytes)
+        if resident.ram_bytes > 0 and not host.unified:
+            frees[host.ram_pool] = resident.ram_bytes
+        on = ", ".join(sorted(set(resident.gpu_bytes) & gpus))
+        reason = f"{_RESIDUAL_REASON} ({_gib(held)} on {on}) is needed: parking alone is not enough"
+        chosen.append(Victim(resident.deployment_id, resident.name, STOP, frees, 0, reason))
+        for pool, amount in frees.items():
+            if pool in remaining:
+                remaining[pool] -= amount
+            if pool in short:
+                short[pool] -= amount - _passing(resident, pool)
+    return _stops_instead(host, [*victims, *chosen], remaining, short)
+
+
+def _stops_instead(
+    host: HostSnapshot, victims: list[Victim], remaining: dict[str, int], short: dict[str, int]
+) -> list[Victim]:
+    """``victims``, the least valuable of those that would park stopped instead while
+    what they would leave is still ``short`` (GPU pool -> bytes)."""
+    parks = sorted((v for v in victims if v.mode != STOP), key=lambda v: _value(host, v))
+    for victim in parks:
+        if all(lack <= 0 for lack in short.values()):
+            break
+        resident = next(r for r in host.residents if r.deployment_id == victim.deployment_id)
+        left = {p: resident.gpu_bytes.get(p, 0) - victim.frees.get(p, 0) for p in short}
+        if not any(amount > 0 for amount in left.values()):
+            continue
+        on = ", ".join(sorted(p for p, amount in left.items() if amount > 0))
+        reason = (
+            f"parked, its residual ({_gib(sum(left.values()))} on {on}) would still be in the way"
+        )
+        stop = Victim(victim.deployment_id, victim.name, STOP, dict(resident.gpu_bytes), 0,
+                      reason, victim.turn_over)  # fmt: skip
+        victims = [stop if v is victim else v for v in victims]
+        for pool, amount in left.items():
+            remaining[pool] -= amount
+            short[pool] -= amount
+    return victims
+
+
+def _passing(resident: Resident, pool: str) -> int:
+    """What a parked model holds on ``pool`` beyond its residual: released by its park,
+    not yet confirmed free."""
+    if resident.state != "parked":
+        return 0
+    held = resident.gpu_bytes.get(pool, 0)
+    return held - expected_residual(resident, held)
+
+
+def _later(resident: Resident, pool: str, need: Need, taken: set[int]) -> int:
+    """What a model that is not parked, and not a victim now (``taken``), would free on
+    ``pool`` once parked: nothing when it never will be (pinned, another replica)."""
+    if (
+        resident.deployment_id in taken
+        or resident.state == "parked"
+        or resident.pinned
+        or resident.deployment_id in need.siblings
+        or resident.deployment_id == need.deployment_id
+    ):
+        return 0
+    held = resident.gpu_bytes.get(pool, 0)
+    return held - expected_residual(resident, held)
 
 
 def _value(host: HostSnapshot, victim: Victim) -> tuple[int, float]:
@@ -427,20 +552,17 @@ def _replicas_reason(hosts: list[HostSnapshot], need: Need) -> str:
 
 def _staying(resident: Resident, pool: str) -> int:
     """What ``resident`` keeps on ``pool`` however long a request waits: all of it when
-    pinned; a parked model's residual (a park frees no more; what it holds beyond that is
-    memory not yet confirmed free, which passes); nothing of a model that will be a victim
-    once it is ready and its min_ready_seconds are over."""
+    pinned; else nothing: a ready model will be a victim once its min_ready_seconds and its
+    turn are over, and a parked one is stopped where its residual is in the way."""
     held = resident.gpu_bytes.get(pool, 0)
     if resident.pinned:
         return held
-    if resident.state == "parked":
-        return expected_residual(resident, held)
     return 0
 
 
 def _pools_once_unpinned_gone(host: HostSnapshot, need: Need) -> tuple[str, ...] | None:
     """The host's GPU pools where ``need`` would fit once what passes has passed (only
-    pinned models, parked residuals and foreign use stay), or None. A CPU deployment (no
+    pinned models and foreign use stay), or None. A CPU deployment (no
     GPUs) never waits for GPU room."""
     count = 1 if host.unified and need.gpus else need.gpus
     taken = _sibling_pools(host, need)  # a replica does not wait for another to leave
@@ -464,8 +586,8 @@ def _blocker(resident: Resident, need: Need) -> str | None:
         return f"{resident.name} (another replica)"
     if resident.pinned:
         return f"{resident.name} (pinned)"
-    if resident.state != "ready":
-        return f"{resident.name} ({resident.state})"
+    if resident.state != "ready":  # a parked one is stopped where its residual is in the way
+        return None if _stoppable_parked(resident, need) else f"{resident.name} ({resident.state})"
     if resident.ready_for_seconds < resident.min_ready_seconds:
         return f"{resident.name} (ready for less than {resident.min_ready_seconds:.0f}s)"
     if _in_its_turn(resident, need):

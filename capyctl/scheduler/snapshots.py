@@ -105,15 +105,19 @@ def residents(host: Host, now: float, read: LedgerRead | None = None) -> list[Re
     """The deployments with ledger entries on ``host`` (``read``: its entries, when the
     caller read them under this lock hold)."""
     entries: dict[int, dict[str, int]] = {}
-    rows: Iterable[tuple[int, str, int]]
+    rows: Iterable[tuple[int, str, str, int]]
     if read is not None:
-        rows = [(owner, pool, b) for owner, pool, _, b in read.rows if owner is not None]
+        rows = [(owner, pool, status, b) for owner, pool, status, b in read.rows
+                if owner is not None]  # fmt: skip
     else:
         rows = LedgerEntry.objects.filter(host=host, deployment__isnull=False).values_list(
-            "deployment_id", "pool", "bytes"
+            "deployment_id", "pool", "status", "bytes"
         )
     ram: dict[int, int] = {}
-    for deployment_id, pool, num_bytes in rows:
+    unconfirmed: set[int] = set()  # released by a park, not yet seen free by the probe
+    for deployment_id, pool, status, num_bytes in rows:
+        if status == LedgerEntry.Status.UNCONFIRMED:
+            unconfirmed.add(int(deployment_id))
         if pool != "ram":
             entries.setdefault(int(deployment_id), {})[pool] = num_bytes
         else:
@@ -135,7 +139,10 @@ def residents(host: Host, now: float, read: LedgerRead | None = None) -> list[Re
                 state=deployment.observed_state,
                 gpu_bytes={p: b for p, b in held.items() if p != "ram"},
                 weights_bytes=estimates.weights_bytes(deployment, sum(held.values())),
-                residual_bytes=None,
+                # A park the probe confirmed: what it still holds is its residual.
+                residual_bytes=max(held.values(), default=0)
+                if deployment.observed_state == "parked" and deployment.pk not in unconfirmed
+                else None,
                 park_policy=deployment.park,
                 can_park_ram=capabilities.ram,
                 can_park_deep=capabilities.deep and not deep_refused,

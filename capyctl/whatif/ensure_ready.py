@@ -314,7 +314,7 @@ class EnsureReady(Adapters):
                                                           else "")  # fmt: skip
         how = steps.evict_how(victim.mode, model.state)
         if how == steps.STOP_PARKED:
-            yield from self._stop(model, f"{victim.reason} ({for_model.name})")
+            yield from self._stop(model, f"{cause}: {victim.reason}")
             return
         if how is None or model.operating:
             return

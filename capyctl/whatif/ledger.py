@@ -75,7 +75,11 @@ class Ledger(Clock):
                     state=model.state,
                     gpu_bytes=gpu,
                     weights_bytes=spec.weights_bytes,
-                    residual_bytes=None,  # as the server plans: the policy's guess
+                    # A park here is confirmed at once: what it holds is its residual
+                    # (the server's, once its probe confirms); else the policy's guess.
+                    residual_bytes=max(gpu.values(), default=0)
+                    if model.state == "parked"
+                    else None,
                     park_policy=spec.park,
                     can_park_ram=spec.can_park_ram,
                     can_park_deep=spec.can_park_deep,

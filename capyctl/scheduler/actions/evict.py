@@ -34,9 +34,9 @@ def _evict(deployment: Deployment, victim: Victim, actor: str, *, for_name: str)
     reason = f"to make room for {for_name}" + (", its turn over" if victim.turn_over else "")
     how = steps.evict_how(victim.mode, deployment.observed_state)
     if how == steps.STOP_PARKED:
-        # A parked copy in host RAM that another engine needs: no request is in flight on
-        # a parked model, so there is nothing to drain.
-        message = f"stopped {deployment.name} (parked): {victim.reason} ({for_name})"
+        # A parked copy in host RAM, or a parked residual on a GPU, that another engine
+        # needs: no request is in flight on a parked model, so there is nothing to drain.
+        message = f"stopped {deployment.name} (parked) {reason}: {victim.reason}"
         logger.info(message)
         stop_engine(deployment, actor, reason=message)
         return
