@@ -240,12 +240,12 @@ def engines_query() -> QuerySet[Engine]:
     return Engine.objects.select_related("host").order_by("name")
 
 
-def all_teams() -> list[Team]:
-    return list(
-        Team.objects.prefetch_related("members")
-        .annotate(key_count=Count("api_keys", filter=Q(api_keys__revoked_at__isnull=True)))
-        .order_by("name")
+def all_teams(name: str | None = None) -> list[Team]:
+    """Every team (or the one called ``name``), with its members and keys not revoked."""
+    teams = Team.objects.prefetch_related("members").annotate(
+        key_count=Count("api_keys", filter=Q(api_keys__revoked_at__isnull=True))
     )
+    return list(teams.filter(name=name) if name is not None else teams.order_by("name"))
 
 
 def team_data(team: Team) -> dict[str, Any]:

@@ -178,7 +178,7 @@ class TeamViewSet(viewsets.ViewSet):
 
     @staticmethod
     def _one(name: str) -> Any:
-        found = [t for t in reports.all_teams() if t.name == name]
+        found = reports.all_teams(name)
         if not found:
             raise NotFoundError(f"no team named {name!r}", field="name")
         return found[0]
