@@ -9,6 +9,8 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import urllib.parse
+import zoneinfo
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -129,6 +131,29 @@ def env_list(name: str, default: list[str], environ: Mapping[str, str] | None = 
     if value is None or value == "":
         return list(default)
     return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def env_time_zone(name: str, default: str, environ: Mapping[str, str] | None = None) -> str:
+    """An IANA time zone's name (``Europe/Paris``), checked against the zone database."""
+    value = _raw(name, environ) or default
+    try:
+        zoneinfo.ZoneInfo(value)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ConfigError(
+            f"{name}={value[:64]!r} is no time zone (an IANA name, such as Europe/Paris)"
+        ) from None
+    return value
+
+
+def env_url(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """An http(s) URL with a host, or None when unset."""
+    value = _raw(name, environ)
+    if not value:
+        return None
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{name} must be an http:// or https:// URL with a host")
+    return value
 
 
 def env_networks(

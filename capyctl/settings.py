@@ -28,6 +28,8 @@ from capyctl.conf import (
     env_secret,
     env_size,
     env_str,
+    env_time_zone,
+    env_url,
     parse_sim_gpus,
 )
 from hostagent.simgpu import SIM_PIDS
@@ -308,6 +310,10 @@ CAPYCTL: dict[str, Any] = {
     # Each /v1 request's metadata (never its body) is recorded for `capyctl trace export`,
     # in at most TRACE_MAX_ROWS rows: past them the oldest go.
     "TRACE": env_bool("CAPYCTL_TRACE", True),
+    # Budgets' periods are calendar days, weeks (from Monday) and months in this zone; a
+    # budget's soft line crossed is POSTed to ALERT_WEBHOOK too (docs/budgets.md).
+    "TIME_ZONE": env_time_zone("CAPYCTL_TIME_ZONE", "UTC"),
+    "ALERT_WEBHOOK": env_url("CAPYCTL_ALERT_WEBHOOK"),
     "TRACE_MAX_ROWS": env_int("CAPYCTL_TRACE_MAX_ROWS", 1_000_000, minimum=1),
     # Where hosts reach the server to enrol (HOST:PORT of its enrolment listener): it goes
     # into join tokens. The listener itself is `capyctl start … --enrol-listen`.

@@ -151,3 +151,81 @@ class Ceilings:
     requests_per_minute: int | None = None
     max_concurrent: int | None = None
     key_lifetime: timedelta | None = None
+
+
+class Budget(models.Model):
+    """A ceiling on what one key, one user (all their keys) or one team (the keys charged to
+    it) may use in a period: tokens (prompt and completion), GPU-seconds, or both. Every
+    budget that applies to a request must have room for it (:mod:`capyctl.access.budgets`).
+    What was used is not kept here: it is the sum of :class:`Usage` since the period began,
+    the one record that reports read too."""
+
+    PERIODS = ("day", "week", "month", "total")
+
+    key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.CASCADE,
+                            related_name="budgets")  # fmt: skip
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                             on_delete=models.CASCADE, related_name="budgets")  # fmt: skip
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE,
+                             related_name="budgets")  # fmt: skip
+    tokens = models.BigIntegerField(null=True, blank=True, help_text="prompt + completion")
+    gpu_seconds = models.FloatField(null=True, blank=True)
+    period = models.CharField(max_length=8, choices=[(p, p) for p in PERIODS])
+    soft_percent = models.PositiveSmallIntegerField(
+        null=True, blank=True, help_text="an event (and the alert webhook) once a period when "
+        "this much of it is used",
+    )  # fmt: skip
+    # The start of the last period whose soft line was crossed (said once a period).
+    soft_alerted_for = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["pk"]
+        constraints = [
+            models.CheckConstraint(
+                name="budget_one_scope",
+                condition=(
+                    models.Q(key__isnull=False, user__isnull=True, team__isnull=True)
+                    | models.Q(key__isnull=True, user__isnull=False, team__isnull=True)
+                    | models.Q(key__isnull=True, user__isnull=True, team__isnull=False)
+                ),
+            ),
+            models.CheckConstraint(
+                name="budget_has_a_limit",
+                condition=models.Q(tokens__isnull=False) | models.Q(gpu_seconds__isnull=False),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"budget {self.pk}"
+
+
+class Usage(models.Model):
+    """What one key used of one model in a quarter of an hour (UTC; every time zone's day
+    begins on a quarter hour), and the team it was charged to then: the record budgets
+    are counted from and usage reports read. Written off the request path, about once a
+    second, by adding to the row (two processes may each make a row for the same cell:
+    everything that reads usage sums it)."""
+
+    at = models.DateTimeField(help_text="the start of its quarter hour")
+    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="usage")
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.SET_NULL,
+                             related_name="usage")  # fmt: skip
+    model = models.CharField(max_length=128)
+    requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    # The time its requests held their engines times its GPUs, shared among the requests
+    # in flight together, and their shares of the switches made for them.
+    gpu_seconds = models.FloatField(default=0.0)
+    switch_gpu_seconds = models.FloatField(default=0.0)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["at"]),
+            models.Index(fields=["key", "at"]),
+            models.Index(fields=["team", "at"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"usage of {self.key_id} on {self.model} at {self.at:%Y-%m-%d %H:%M}"

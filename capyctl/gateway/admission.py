@@ -19,7 +19,9 @@ from django.conf import settings
 from capyctl.deployments import guards
 from capyctl.errors import UserError
 from capyctl.gateway import access, adapters
+from capyctl.gateway.budgets import Budgets
 from capyctl.gateway.context import Outcome, RequestContext, Scope
+from capyctl.gateway.cost import EngineShares
 from capyctl.gateway.errors import GatewayError, invalid_key, model_not_found, respond
 from capyctl.gateway.keys import KeyCache, KeyInfo
 from capyctl.gateway.replicas import Replicas
@@ -30,6 +32,10 @@ from capyctl.scheduler import gateway_api as scheduler
 from capyctl.validation import validate_alias
 from hostagent import routes
 
+# Engines that send a stream's usage when asked (``stream_options.include_usage``), on the
+# routes that take it; a custom server is not asked for what it may not know.
+_ASKS_FOR_USAGE = frozenset({"vllm", "sglang", "llamacpp", "tensorfold"})
+_USAGE_PATHS = frozenset({routes.CHAT_COMPLETIONS, "/v1/completions"})
 _GATE_TRIES = 3  # waits for a wake when a drain closed the gate under a request
 # The form's `model` part: its headers (non-empty lines) end at the first blank line.
 _MULTIPART_MODEL = re.compile(rb'name="model"\r\n(?:[^\r\n]+\r\n)*?\r\n([^\r\n]*)\r\n')
@@ -66,9 +72,13 @@ class Admission:
         routes: RoutingTable,
         waiting: Waiting,
         stored_responses: StoredResponses,
+        *,
+        budgets: Budgets,
     ) -> None:
         self.keys = keys
         self.limits = limits
+        self.budgets = budgets
+        self.shares = EngineShares()
         self.routes = routes
         self.waiting = waiting
         self.stored_responses = stored_responses
@@ -122,6 +132,12 @@ class Admission:
                 "server_error",
             )
         _check_guards(parsed, body, route)  # what it asks of the engine
+        if outcome.stream and parsed is not None and route.kind in _ASKS_FOR_USAGE:
+            body, parsed = _with_usage(body, parsed, target.path, outcome)
+        # Every budget that applies must have room: its worst case is reserved in each.
+        outcome.reservation = await self.budgets.admit(
+            key, route, parsed, len(body), self.shares.typical(route.deployment_id)
+        )
         adapter = route.adapter
         if adapter is not None:  # served by its base, under the name its engine knows
             body = adapters.request_body(body, parsed, route, adapter)
@@ -170,8 +186,11 @@ class Admission:
             if not ready:
                 wait_started = time.perf_counter()
                 try:
-                    route, switch = await self.waiting.wait_or_leave(route, ctx.receive, ctx.key.pk)
+                    route, switch, share = await self.waiting.wait_or_leave(
+                        route, ctx.receive, ctx.key.pk
+                    )
                     outcome.switch = switch or outcome.switch
+                    outcome.switch_gpu_seconds += share
                 except GatewayError as refused:  # it says how long it waited, too
                     waited_ms = outcome.queued_ms + (time.perf_counter() - wait_started) * 1000
                     refused.headers.append((b"x-capyctl-queued-ms", f"{waited_ms:.0f}".encode()))
@@ -180,6 +199,7 @@ class Admission:
                     outcome.queued_ms += (time.perf_counter() - wait_started) * 1000
             if await scheduler.begin_request(route.deployment_id):
                 ctx.route = route
+                outcome.held = self.shares.begin(route.deployment_id, len(route.gpus))
                 if ctx.group is not None:
                     self.replicas.began(ctx.group, route, ctx.started, ctx.outcome)
                 return
@@ -285,6 +305,22 @@ def _check_guards(parsed: dict[str, Any] | None, body: bytes, route: Route) -> N
         raise GatewayError(
             400, refused.code, refused.message, retry=False, param=refused.param
         ) from None
+
+
+def _with_usage(
+    body: bytes, parsed: dict[str, Any], path: str, outcome: Outcome
+) -> tuple[bytes, dict[str, Any]]:
+    """A stream's body asking its engine for the usage chunk (so its tokens are counted);
+    ``outcome.strip_usage`` says the client did not ask for it and will not get it."""
+    if path not in _USAGE_PATHS:
+        return body, parsed
+    options = parsed.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return body, parsed
+    outcome.strip_usage = True
+    given = options if isinstance(options, dict) else {}
+    parsed = {**parsed, "stream_options": {**given, "include_usage": True}}
+    return json.dumps(parsed).encode(), parsed
 
 
 def _rename_model(body: bytes, parsed: dict[str, Any] | None, served_name: str) -> bytes:

@@ -22,12 +22,13 @@ from django.conf import settings
 from capyctl.gateway import access, adapters
 from capyctl.gateway.admission import Admission, StoredResponses
 from capyctl.gateway.batches import BatchedWrites
+from capyctl.gateway.budgets import Budgets
 from capyctl.gateway.context import Outcome, RequestContext, Scope
 from capyctl.gateway.errors import GatewayError, control_plane_down, respond
 from capyctl.gateway.forwarding import Forwarding
 from capyctl.gateway.keys import KeyCache
 from capyctl.gateway.routing import RoutingTable
-from capyctl.gateway.usage import make_limiter
+from capyctl.gateway.usage import UsageBook, make_limiter, write_usage
 from capyctl.gateway.waiting import ClientGone, KeepAlive, Waiting
 from capyctl.scheduler import gateway_api as scheduler
 from capyctl.scheduler.gateway_api import is_control_plane_error, outage
@@ -48,6 +49,9 @@ class Gateway:
         self.keys = KeyCache()
         self.routes = RoutingTable()
         self.limits = make_limiter(settings.REDIS_URL)
+        self.budgets = Budgets(settings.REDIS_URL)
+        self.usage = UsageBook()
+        self._usage_writes = BatchedWrites(self.usage, write_usage, "usage")
         self.traces = TraceBook()
         self._trace_writes = BatchedWrites(self.traces, TraceWriter(), "traces")
         # Read once: a settings lookup costs more than the rest of a request's trace.
@@ -55,7 +59,12 @@ class Gateway:
         self.stored_responses = StoredResponses()
         self.waiting = Waiting(self.routes)
         self.admission = Admission(
-            self.keys, self.limits, self.routes, self.waiting, self.stored_responses
+            self.keys,
+            self.limits,
+            self.routes,
+            self.waiting,
+            self.stored_responses,
+            budgets=self.budgets,
         )
         self.forwarding = Forwarding(self.stored_responses)
 
@@ -80,6 +89,7 @@ class Gateway:
         finally:
             if outcome.admitted is not None:
                 await self.limits.leave(*outcome.admitted)
+                await self._count(outcome)
             metrics.count(outcome.model, outcome.status, started, outcome.headers_at,
                           outcome.overhead)  # fmt: skip
             key_id = outcome.admitted[0].key_id if outcome.admitted is not None else "-"
@@ -88,6 +98,22 @@ class Gateway:
                                key_id=key_id)  # fmt: skip
             if self._tracing and outcome.admitted is not None and outcome.model != "-":
                 self._trace(outcome, outcome.admitted[0].pk, started)
+
+    async def _count(self, outcome: Outcome) -> None:
+        """What the request used, in its key's usage and its budgets (its reservation
+        settled)."""
+        key = outcome.admitted[0]  # type: ignore[index]  # counted only once admitted
+        tokens = outcome.prompt_tokens + outcome.completion_tokens
+        gpu = outcome.gpu_seconds + outcome.switch_gpu_seconds
+        if outcome.reservation is not None:
+            reservation, outcome.reservation = outcome.reservation, None
+            await self.budgets.settle(reservation, tokens, gpu)
+        if outcome.forwarded:
+            self.usage.add(key.pk, outcome.prompt_tokens, outcome.completion_tokens,
+                           model=outcome.model, team_id=key.team_id,
+                           gpu_seconds=outcome.gpu_seconds,
+                           switch_gpu_seconds=outcome.switch_gpu_seconds)  # fmt: skip
+            self._usage_writes.soon()
 
     def _trace(self, outcome: Outcome, key_pk: int, started: float) -> None:
         """Note what the request came to, for ``capyctl trace export`` (a tuple appended;
@@ -154,10 +180,17 @@ class Gateway:
         finally:
             if adapter is not None:
                 await adapters.end(ctx, adapter)
+            self._let_go(ctx)
             await scheduler.end_request(deployment_id)
             if ctx.group is not None:
                 self.admission.replicas.ended(ctx.group, deployment_id, ctx.outcome)
             self.forwarding.touch(deployment_id)  # idleness counts from a request's end
+
+    def _let_go(self, ctx: RequestContext) -> None:
+        """The request no longer holds its engine: its share of the engine's GPU time."""
+        held, ctx.outcome.held = ctx.outcome.held, None
+        if held is not None:
+            ctx.outcome.gpu_seconds += self.admission.shares.end(held)
 
     async def _failover(self, ctx: RequestContext, failed: GatewayError) -> bool:
         """A replica's engine failed the request before any byte of its answer went out:
@@ -170,8 +203,10 @@ class Gateway:
             return False
         logger.warning("%s: replica %s failed a request; tried again on %s",
                        group.name, replica.name, other.name)  # fmt: skip
+        self._let_go(ctx)
         await scheduler.end_request(replica.deployment_id)
         self.admission.replicas.ended(group, replica.deployment_id, ctx.outcome)
+        ctx.outcome.held = self.admission.shares.begin(other.deployment_id, len(other.gpus))
         self.admission.replicas.began(group, other, ctx.started, ctx.outcome)
         ctx.route = other
         return True
@@ -183,8 +218,10 @@ class Gateway:
 
     async def close(self) -> None:
         """Write the usage and traces not written yet, and close the connections to
-        engines (at shutdown)."""
+        engines and Redis (at shutdown)."""
         await self.forwarding.close()
+        await self._usage_writes.close()
+        await self.budgets.close()
         await self._trace_writes.close()
         await self.limits.close()
         await self.keys.close()

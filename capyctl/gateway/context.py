@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from capyctl.gateway.budgets import Reservation
+    from capyctl.gateway.cost import Held
     from capyctl.gateway.keys import KeyInfo
     from capyctl.gateway.routing import AdapterRef, Route
     from capyctl.gateway.waiting import KeepAlive
@@ -20,8 +22,10 @@ Scope = dict[str, Any]
 class Outcome:
     """What one request came to, for the metrics and its trace."""
 
-    __slots__ = ("admitted", "code", "completion_tokens", "headers_at", "model", "overhead",
-                 "path", "prompt_tokens", "queued_ms", "status", "stream", "switch")  # fmt: skip
+    __slots__ = ("admitted", "code", "completion_tokens", "forwarded", "gpu_seconds",
+                 "headers_at", "held", "model", "overhead", "path", "prompt_tokens",
+                 "queued_ms", "reservation", "status", "stream", "strip_usage", "switch",
+                 "switch_gpu_seconds")  # fmt: skip
 
     def __init__(self) -> None:
         self.admitted: tuple[KeyInfo, str | None] | None = None  # a key and its in-flight token
@@ -36,6 +40,12 @@ class Outcome:
         self.switch = ""  # what the wake it waited for switched (x-capyctl-switch)
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.forwarded = False  # it reached an engine: its usage is counted
+        self.held: Held | None = None  # in flight on an engine: where its GPU share began
+        self.gpu_seconds = 0.0  # its share of its engine's GPU time
+        self.switch_gpu_seconds = 0.0  # its share of the switch it waited for
+        self.reservation: Reservation | None = None  # what it reserved of its budgets
+        self.strip_usage = False  # a stream whose usage chunk the client did not ask for
 
 
 @dataclass(slots=True, eq=False)

@@ -15,12 +15,11 @@ from django.db import connection
 
 from capyctl.gateway import replicas
 from capyctl.gateway.advice import with_capyctl_hint
-from capyctl.gateway.batches import BatchedWrites
 from capyctl.gateway.context import RequestContext
 from capyctl.gateway.errors import GatewayError
 from capyctl.gateway.routing import AGENT_PINS
 from capyctl.gateway.upstream import UpstreamError, UpstreamPool
-from capyctl.gateway.usage import UsageBook, UsageTap, write_usage
+from capyctl.gateway.usage import UsageStrip, UsageTap
 from capyctl.hosts.pki import pki
 from capyctl.scheduler import gateway_api as scheduler
 from hostagent import routes
@@ -46,8 +45,6 @@ class Forwarding:
         self._upstream: UpstreamPool | None = None
         self._tls: ssl.SSLContext | None = None
         self._touched: dict[int, float] = {}
-        self.usage = UsageBook()
-        self._usage_writes = BatchedWrites(self.usage, write_usage, "usage")
         self.stored_responses = stored_responses
 
     def client(self) -> UpstreamPool:
@@ -64,8 +61,7 @@ class Forwarding:
         return self._tls
 
     async def close(self) -> None:
-        """Write the usage not written yet, and close the connections to engines."""
-        await self._usage_writes.close()
+        """Close the connections to engines."""
         if self._upstream is not None:
             await self._upstream.close()
 
@@ -99,8 +95,7 @@ class Forwarding:
             if tap.response_id is not None:
                 self.stored_responses.put(tap.response_id, route.name, key.user_id)
             outcome.prompt_tokens, outcome.completion_tokens = tap.tokens()
-            self.usage.add(key.pk, outcome.prompt_tokens, outcome.completion_tokens)
-            self._usage_writes.soon()
+            outcome.forwarded = True  # its usage is counted as the request ends
 
     async def stream(
         self, ctx: RequestContext, url: str, headers: list[tuple[bytes, bytes]], tap: UsageTap
@@ -150,10 +145,14 @@ class Forwarding:
                     {"type": "http.response.start", "status": upstream.status, "headers": out}
                 )
                 sent_headers = True
+                strip = UsageStrip() if outcome.strip_usage else None
                 async for chunk in upstream.iter_chunks():
                     tap.feed(chunk)
+                    if strip is not None and not (chunk := strip.feed(chunk)):
+                        continue
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                rest = strip.rest() if strip is not None else b""
+                await send({"type": "http.response.body", "body": rest, "more_body": False})
         except UpstreamError as exc:
             # The log keeps where it failed; the client learns no internal address.
             logger.warning("%s %s: the engine did not answer: %s", method, url, exc)

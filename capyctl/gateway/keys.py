@@ -64,6 +64,7 @@ class KeyInfo:
     user_requests_per_minute: int | None = None
     user_max_concurrent: int | None = None
     expires_at: float | None = None  # time.time() it stops working at (None: never)
+    team_id: int | None = None  # the team it is charged to
 
     def allows(self, ref: int) -> bool:
         """Whether it may use the deployment ``ref`` (its id) or the adapter (its
@@ -119,6 +120,7 @@ def _info(key: ApiKey) -> KeyInfo:
         user_requests_per_minute=user_rpm,
         user_max_concurrent=user_concurrent,
         expires_at=None if ends is None else ends.timestamp(),
+        team_id=key.team_id,
     )
 
 

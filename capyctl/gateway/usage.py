@@ -9,13 +9,14 @@ import re
 import time
 import uuid
 from collections import deque
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.db import connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from capyctl.access.models import ApiKey
+from capyctl.access.budgets import QUARTER
+from capyctl.access.models import ApiKey, Usage
 from capyctl.gateway.errors import GatewayError
 from capyctl.gateway.keys import KeyInfo
 from capyctl.scheduler import gateway_api as scheduler
@@ -72,51 +73,138 @@ class UsageTap:
         )
 
 
-class UsageBook:
-    """Counts per key in memory; :meth:`flush` writes them in one go (once a second)."""
+# What a usage row adds to: its key, the team it is charged to, its model, its quarter hour.
+UsageCell = tuple[int, int | None, str, float]
+
+
+class UsageStrip:
+    """Takes the usage chunk out of a stream whose client did not ask for it: the gateway
+    asks the engine for it (``stream_options.include_usage``) to count the tokens, and
+    passes on every other event as it comes (an event is held only until its end)."""
 
     def __init__(self) -> None:
-        self._pending: dict[int, list[int]] = {}
+        self._held = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._held + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            if len(data) > _TAIL_BYTES:  # no event ends here: not one to take out
+                self._held = b""
+                return data
+            self._held = data
+            return b""
+        whole, self._held = data[: end + 2], data[end + 2 :]
+        if b'"usage"' not in whole:
+            return whole
+        return b"".join(
+            event + b"\n\n" for event in whole[:-2].split(b"\n\n") if not _usage_only(event)
+        )
+
+    def rest(self) -> bytes:
+        held, self._held = self._held, b""
+        return b"" if _usage_only(held) else held
+
+
+_NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+
+
+def _usage_only(event: bytes) -> bool:
+    """A stream's usage chunk: usage and no choices."""
+    return b'"usage"' in event and _NO_CHOICES.search(event) is not None
+
+
+class UsageBook:
+    """Counts per key, team, model and quarter hour in memory; :meth:`flush` writes them in
+    one go (once a second): [requests, prompt and completion tokens, GPU-seconds, switch
+    GPU-seconds]."""
+
+    def __init__(self) -> None:
+        self._pending: dict[UsageCell, list[float]] = {}
         self._flushing = False
 
-    def add(self, key_pk: int, prompt_tokens: int, completion_tokens: int) -> None:
-        counts = self._pending.setdefault(key_pk, [0, 0, 0])
+    def add(
+        self, key_pk: int, prompt_tokens: int, completion_tokens: int, *, model: str = "",
+        team_id: int | None = None, gpu_seconds: float = 0.0, switch_gpu_seconds: float = 0.0,
+    ) -> None:  # fmt: skip
+        now = time.time()
+        cell = (key_pk, team_id, model, now - now % QUARTER)
+        counts = self._pending.setdefault(cell, [0, 0, 0, 0.0, 0.0])
         counts[0] += 1
         counts[1] += prompt_tokens
         counts[2] += completion_tokens
+        counts[3] += gpu_seconds
+        counts[4] += switch_gpu_seconds
 
-    def take(self) -> dict[int, list[int]]:
+    def take(self) -> dict[UsageCell, list[float]]:
         pending, self._pending = self._pending, {}
         return pending
 
-    def put_back(self, pending: dict[int, list[int]]) -> None:
+    def put_back(self, pending: dict[UsageCell, list[float]]) -> None:
         """Counts taken but not written (the database did not answer): kept for the next."""
-        for key_pk, (requests, prompt, completion) in pending.items():
-            counts = self._pending.setdefault(key_pk, [0, 0, 0])
-            counts[0] += requests
-            counts[1] += prompt
-            counts[2] += completion
+        for cell, added in pending.items():
+            counts = self._pending.setdefault(cell, [0, 0, 0, 0.0, 0.0])
+            for at, value in enumerate(added):
+                counts[at] += value
 
 
-def write_usage(pending: dict[int, list[int]]) -> None:
-    """Add the counted requests and tokens to their keys (runs on a worker thread), in one
-    transaction: a batch that fails is written not at all, so it can be tried again whole
-    without counting any of it twice. Keys are updated in order, so two processes writing
-    the same keys at once wait for each other rather than deadlock."""
+def write_usage(pending: dict[UsageCell, list[float]]) -> None:
+    """Add the counted requests, tokens and GPU-seconds to their keys and their usage rows
+    (runs on a worker thread), in one transaction: a batch that fails is written not at
+    all, so it can be tried again whole without counting any of it twice. Rows are
+    updated in order, so two processes writing the same ones at once wait for each other
+    rather than deadlock."""
     try:
         now = timezone.now()
+        per_key: dict[int, list[int]] = {}
+        for (key_pk, _, _, _), counts in pending.items():
+            totals = per_key.setdefault(key_pk, [0, 0, 0])
+            for at in range(3):
+                totals[at] += int(counts[at])
         with transaction.atomic():
-            for key_pk, (requests, prompt, completion) in sorted(pending.items()):
+            for key_pk, (requests, prompt, completion) in sorted(per_key.items()):
                 ApiKey.objects.filter(pk=key_pk).update(
                     request_count=F("request_count") + requests,
                     prompt_tokens=F("prompt_tokens") + prompt,
                     completion_tokens=F("completion_tokens") + completion,
                 )
-            ApiKey.objects.filter(pk__in=list(pending)).filter(
+            ApiKey.objects.filter(pk__in=list(per_key)).filter(
                 Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - LAST_USED_EVERY)
             ).update(last_used_at=now)
+            order = sorted(pending.items(), key=lambda item: (item[0][3], item[0][0], item[0][2]))
+            for (key_pk, team_id, model, quarter), counts in order:
+                _add_usage(key_pk, team_id, model, datetime.fromtimestamp(quarter, UTC), counts)
     finally:
         connection.close()
+
+
+def _add_usage(
+    key_pk: int, team_id: int | None, model: str, at: datetime, counts: list[float]
+) -> None:
+    requests, prompt, completion, gpu, switch = counts
+    change = {
+        "requests": F("requests") + int(requests),
+        "prompt_tokens": F("prompt_tokens") + int(prompt),
+        "completion_tokens": F("completion_tokens") + int(completion),
+        "gpu_seconds": F("gpu_seconds") + gpu,
+        "switch_gpu_seconds": F("switch_gpu_seconds") + switch,
+    }
+    # The row's first copy: two processes that made it at once made two, and sums of them
+    # stay right (nothing reads one row alone).
+    first = (
+        Usage.objects.filter(at=at, key_id=key_pk, model=model)
+        .filter(Q(team__isnull=True) if team_id is None else Q(team_id=team_id))
+        .order_by("pk")
+        .values_list("pk", flat=True)
+        .first()
+    )
+    if first is not None:
+        Usage.objects.filter(pk=first).update(**change)
+        return
+    Usage.objects.create(at=at, key_id=key_pk, model=model, team_id=team_id,
+                         requests=int(requests), prompt_tokens=int(prompt),
+                         completion_tokens=int(completion), gpu_seconds=gpu,
+                         switch_gpu_seconds=switch)  # fmt: skip
 
 
 Bucket = tuple[str, int]  # ("key", pk) or ("user", id): what a limit counts

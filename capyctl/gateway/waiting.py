@@ -17,6 +17,7 @@ from django.conf import settings
 
 from capyctl.gateway import queueview
 from capyctl.gateway.context import Outcome
+from capyctl.gateway.cost import SwitchCost
 from capyctl.gateway.errors import GatewayError, control_plane_down
 from capyctl.gateway.queues import Place, Queues
 from capyctl.gateway.routing import Route, RoutingTable
@@ -46,6 +47,7 @@ class Waiting:
         self.routes = routes
         self.queues = Queues()
         self._wakes: dict[int, asyncio.Future[str]] = {}
+        self._switch_costs: dict[int, SwitchCost] = {}  # each wake's, for those waiting
         self._publisher: asyncio.Task[None] | None = None
         self._emptied: asyncio.Event | None = None  # the last waiting request left
         self._process = uuid.uuid4().hex  # this process, among those that publish queues
@@ -91,9 +93,11 @@ class Waiting:
             headers=[(b"retry-after", b"1")],
         )
 
-    async def wait_or_leave(self, route: Route, receive: Any, key: int) -> tuple[Route, str]:
+    async def wait_or_leave(self, route: Route, receive: Any, key: int) -> tuple[Route, str, float]:
         """:meth:`_wait_ready`, unless the client goes away first: then its place in the
-        queue is given up at once (the wake it asked for goes on for the others)."""
+        queue is given up at once (the wake it asked for goes on for the others). Returns
+        the route made ready, what its wake switched, and this request's share of the
+        wake's GPU-seconds (:mod:`capyctl.gateway.cost`)."""
         waiting = asyncio.ensure_future(self._wait_ready(route, key))
         leaving = asyncio.ensure_future(_disconnected(receive))
         try:
@@ -107,8 +111,10 @@ class Waiting:
             raise ClientGone
         return waiting.result()  # done (even if it left just then: forwarding sees that)
 
-    async def _wait_ready(self, route: Route, key: int) -> tuple[Route, str]:
+    async def _wait_ready(self, route: Route, key: int) -> tuple[Route, str, float]:
         deployment_id = route.deployment_id
+        cost: SwitchCost | None = None
+        shared = False
         place = self.queues.join(deployment_id, key, route.max_waiting)
         if place is None:
             raise GatewayError(
@@ -131,6 +137,10 @@ class Waiting:
                     scheduler.ready(deployment_id, route.max_queue_seconds, wanted)
                 )
                 self._wakes[deployment_id] = wake
+                made = self._switch_costs[deployment_id] = SwitchCost()
+                wake.add_done_callback(lambda _: made.done())
+            cost = self._switch_costs[deployment_id]
+            cost.sharing += 1
             try:
                 switch = await self._unless_stopping(
                     asyncio.wait_for(
@@ -143,7 +153,10 @@ class Waiting:
                 raise _wake_timeout(route) from None
             except SchedulerError as exc:
                 raise scheduler_error(exc, route) from exc
+            shared = True
         finally:
+            if not shared and cost is not None:  # it left, or the wake failed: not charged
+                cost.sharing -= 1
             self.queues.leave(deployment_id, place)
             metrics.NOW.note_waiting(route.name, self.queues.count(deployment_id))
             if self._emptied is not None and not any(metrics.NOW.waiting.values()):
@@ -153,7 +166,7 @@ class Waiting:
             raise GatewayError(
                 503, "engine_failed", f"`{route.name}` is not running.", "server_error"
             )
-        return fresh, switch
+        return fresh, switch, cost.share(len(fresh.gpus)) if cost is not None else 0.0
 
     async def _publish_queues(self, emptied: asyncio.Event) -> None:
         """While requests wait, say so to other processes (``capyctl status``) every
