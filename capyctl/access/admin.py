@@ -12,8 +12,8 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils import timezone
 
-from capyctl.access import teams
-from capyctl.access.models import ApiKey, Team, UserLimits
+from capyctl.access import budgets, teams
+from capyctl.access.models import ApiKey, Budget, Team, Usage, UserLimits
 from capyctl.access.services import (
     check_limits,
     issue_api_key,
@@ -24,6 +24,7 @@ from capyctl.access.services import (
     within_ceilings,
 )
 from capyctl.errors import UserError
+from capyctl.events.services import record_event
 
 
 def _check_on_fields(form: forms.ModelForm, check: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[type-arg]
@@ -279,3 +280,68 @@ class TeamAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 teams.remove_team(team.name, actor=request.user.get_username())
             except UserError as exc:
                 self.message_user(request, str(exc), messages.ERROR)
+
+
+class BudgetForm(forms.ModelForm):  # type: ignore[type-arg]
+    class Meta:
+        model = Budget
+        fields = ("key", "user", "team", "tokens", "gpu_seconds", "period", "soft_percent")
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        try:
+            budgets.check_budget(
+                scopes=sum(data.get(f) is not None for f in ("key", "user", "team")),
+                tokens=data.get("tokens"), gpu_seconds=data.get("gpu_seconds"),
+                period=str(data.get("period") or ""), soft_percent=data.get("soft_percent"),
+            )  # fmt: skip
+        except UserError as exc:
+            raise forms.ValidationError(str(exc)) from None
+        same = Budget.objects.filter(period=data.get("period"), key=data.get("key"),
+                                     user=data.get("user"), team=data.get("team"))  # fmt: skip
+        if self.instance.pk is not None:
+            same = same.exclude(pk=self.instance.pk)
+        if same.exists():
+            raise forms.ValidationError("this key, user or team has a budget for that period")
+        return data
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Budgets: set here or with ``capyctl budget set``; what each period used so far is
+    shown, summed from the usage record."""
+
+    form = BudgetForm
+    list_display = ("id", "whose", "period", "tokens", "gpu_seconds", "soft_percent", "used")
+    list_filter = ("period",)
+    raw_id_fields = ("key",)
+
+    @admin.display(description="of")
+    def whose(self, obj: Budget) -> str:
+        return budgets.whose(obj)
+
+    @admin.display(description="used this period")
+    def used(self, obj: Budget) -> str:
+        row = budgets.budget_row(obj)
+        return f"{row['used_tokens']:,} tokens, {row['used_gpu_seconds']:,} GPU-s"
+
+    def save_model(self, request: HttpRequest, obj: Budget, form: Any, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        record_event("budget.set", f"{budgets.describe(obj)}: {budgets.limits_text(obj)}",
+                     subject=budgets.whose(obj), actor=request.user.get_username())  # fmt: skip
+
+
+@admin.register(Usage)
+class UsageAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The usage record, read only: written by the gateway."""
+
+    list_display = ("at", "key", "team", "model", "requests", "prompt_tokens",
+                    "completion_tokens", "gpu_seconds", "switch_gpu_seconds")  # fmt: skip
+    list_filter = ("team", "model")
+    date_hierarchy = "at"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

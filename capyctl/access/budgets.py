@@ -127,6 +127,23 @@ def _check_limit(value: float | None, most: float, flag: str) -> None:
         raise UserError(f"{flag} must be a number above 0 and at most {most:,.0f}", field=flag)
 
 
+def check_budget(
+    *, scopes: int, tokens: int | None, gpu_seconds: float | None, period: str,
+    soft_percent: int | None,
+) -> None:  # fmt: skip
+    """A budget's values, checked (the CLI's, REST's and the admin's)."""
+    if scopes != 1:
+        raise UserError("name one of --key, --user or --team", field="scope")
+    if period not in Budget.PERIODS:
+        raise UserError(f"--period must be one of {', '.join(Budget.PERIODS)}", field="period")
+    if tokens is None and gpu_seconds is None:
+        raise UserError("give --tokens, --gpu-seconds or both", field="tokens")
+    _check_limit(tokens, MAX_TOKENS, "--tokens")
+    _check_limit(gpu_seconds, MAX_GPU_SECONDS, "--gpu-seconds")
+    if soft_percent is not None and not 1 <= soft_percent <= 100:
+        raise UserError("--soft must be a percentage from 1 to 100", field="soft_percent")
+
+
 @transaction.atomic
 def set_budget(
     *,
@@ -141,16 +158,10 @@ def set_budget(
 ) -> tuple[Budget, bool]:
     """Set the ``period`` budget of one key, user or team: made, or (one of that scope and
     period exists) changed to these ceilings. Returns it and whether it was made."""
-    if sum(x is not None for x in (key, user, team)) != 1:
-        raise UserError("name one of --key, --user or --team", field="scope")
-    if period not in Budget.PERIODS:
-        raise UserError(f"--period must be one of {', '.join(Budget.PERIODS)}", field="period")
-    if tokens is None and gpu_seconds is None:
-        raise UserError("give --tokens, --gpu-seconds or both", field="tokens")
-    _check_limit(tokens, MAX_TOKENS, "--tokens")
-    _check_limit(gpu_seconds, MAX_GPU_SECONDS, "--gpu-seconds")
-    if soft_percent is not None and not 1 <= soft_percent <= 100:
-        raise UserError("--soft must be a percentage from 1 to 100", field="soft_percent")
+    check_budget(
+        scopes=sum(x is not None for x in (key, user, team)), tokens=tokens,
+        gpu_seconds=gpu_seconds, period=period, soft_percent=soft_percent,
+    )  # fmt: skip
     scope: dict[str, ApiKey | Team | object] = {}
     if key is not None:
         scope["key"] = get_api_key(key)
@@ -230,5 +241,5 @@ def budget_row(budget: Budget, now: float | None = None) -> dict[str, object]:
         "soft_percent": budget.soft_percent,
         "used_tokens": used.tokens,
         "used_gpu_seconds": round(used.gpu_seconds, 3),
-        "resets_at": None if ends is None else ends.isoformat(),
+        "resets_at": None if ends is None else ends.astimezone(zone()).isoformat(),
     }

@@ -4,7 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from capyctl.api import views
+from capyctl.api import budget_views, views
 
 router = DefaultRouter()
 router.register("engines", views.EngineViewSet, basename="engine")
@@ -14,6 +14,7 @@ router.register("hosts", views.HostViewSet, basename="host")
 router.register("keys", views.KeyViewSet, basename="key")
 router.register("users", views.UserViewSet, basename="user")
 router.register("teams", views.TeamViewSet, basename="team")
+router.register("budgets", budget_views.BudgetViewSet, basename="budget")
 router.register("ledger", views.LedgerViewSet, basename="ledger")
 router.register("events", views.EventViewSet, basename="event")
 router.register("operations", views.OperationViewSet, basename="operation")
@@ -21,5 +22,6 @@ router.register("operations", views.OperationViewSet, basename="operation")
 urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("usage/", budget_views.UsageView.as_view(), name="usage"),
     path("", include(router.urls)),
 ]

@@ -3,126 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import itertools
-import sys
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NoReturn
+from typing import Any
+
+from capyctl.cli.parser_people import build_budget, build_key, build_team, build_usage, build_user
+from capyctl.cli.parsing import (
+    Parser,
+    add_json,
+    cmd,
+    count_arg,
+    range_arg,
+    size_arg,
+)
 
 # Plain Python: parsing stays Django-free.
 from capyctl.deployments import settings_spec
 from capyctl.deployments.settings_spec import CHOICE, FLAG, SETTING, Setting
-from hostagent.units import SizeError, is_bare_number, is_unit, parse_size
-
-
-class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line and exit with status 2."""
-
-    # The command line being parsed (its subcommands' parsers see it too).
-    argv: ClassVar[list[str]] = []
-
-    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
-        Parser.argv = list(sys.argv[1:] if args is None else args)
-        return super().parse_args(Parser.argv, namespace)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}{_split_size_hint(message)}\n")
-
-
-def _split_size_hint(message: str) -> str:
-    """For ``--gpu-memory 16 GB``: the unit left over (or the number refused without it),
-    and how to write the size."""
-    argv = Parser.argv
-    for number, word in itertools.pairwise(argv):
-        if not (is_unit(word) and is_bare_number(number)):
-            continue
-        if message.startswith("unrecognized arguments:") or f"{number!r}" in message:
-            return f" (a size is one word: write {number}{word}, not {number} {word})"
-    return ""
-
-
-def size_arg(text: str) -> int:
-    try:
-        return parse_size(text, unit_required=True)
-    except SizeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def count_arg(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} must be at least {minimum}")
-        return value
-
-    return parse
-
-
-def range_arg(minimum: int) -> Callable[[str], tuple[int, int]]:
-    """``N`` or ``LOW:N``, each at least ``minimum``, LOW at most N: (LOW, N), LOW 0 where
-    only N is given."""
-    count = count_arg(minimum)
-
-    def parse(text: str) -> tuple[int, int]:
-        low_text, colon, high_text = text.partition(":")
-        if not colon:
-            return 0, count(text)
-        low, high = count(low_text), count(high_text)
-        if low > high:
-            raise argparse.ArgumentTypeError(f"{text!r}: {low} is more than {high}")
-        return low, high
-
-    return parse
-
-
-def limit_arg(text: str) -> int | None:
-    """A count of at least 1, or ``none`` for no limit."""
-    return None if text == "none" else count_arg(1)(text)
-
-
-def _handler(name: str) -> Callable[[argparse.Namespace], int]:
-    """Resolve a handler lazily, so parsing never imports Django."""
-
-    def call(args: argparse.Namespace) -> int:
-        import importlib
-
-        module = "commands"  # import only the module of the handler that runs
-        if name == "start_host":  # the host agent: no Django (the slim install runs it)
-            module = "agent"
-        elif name.startswith("start"):
-            module = "start"
-        elif name.startswith(("key_", "user_", "team_")):
-            module = "people"
-        elif name.startswith("trace_"):
-            module = "traces"
-        elif name.startswith("simulate"):
-            module = "whatif"
-        elif name in ("backup", "restore"):
-            module = "backup"
-        elif name.startswith("service_"):
-            module = "service"
-        elif name.startswith(("host_", "cache_")):
-            module = "machines"
-        elif name == "status":
-            module = "status"
-        handler: Any = getattr(importlib.import_module(f"capyctl.cli.{module}"), name)
-        result: int = handler(args)
-        return result
-
-    return call
-
-
-def _add_json(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _sub(parent: Any, name: str, help_text: str, handler: str | None = None) -> Parser:
-    parser: Parser = parent.add_parser(name, help=help_text, description=help_text)
-    if handler:
-        parser.set_defaults(handler=_handler(handler))
-    return parser
 
 
 def build_parser() -> Parser:
@@ -144,9 +39,11 @@ def build_parser() -> Parser:
     _build_engine(commands)
     _build_deployment(commands)
     _build_adapter(commands)
-    _build_key(commands)
-    _build_user(commands)
-    _build_team(commands)
+    build_key(commands)
+    build_user(commands)
+    build_team(commands)
+    build_budget(commands)
+    build_usage(commands)
     _build_host(commands)
     _build_cache(commands)
     _build_trace(commands)
@@ -154,25 +51,25 @@ def build_parser() -> Parser:
     _build_backup(commands)
     _build_service(commands)
 
-    init = _sub(commands, "init", "make a data dir and its admin account, as a first start does",
+    init = cmd(commands, "init", "make a data dir and its admin account, as a first start does",
                 "init")  # fmt: skip
     init.set_defaults(makes_data_dir=True)
     init.add_argument("--data-dir", metavar="DIR", default=argparse.SUPPRESS,
                       help="where (default: $CAPYCTL_DATA_DIR or ./.capyctl)")  # fmt: skip
-    status = _sub(commands, "status", "hosts, pools, deployments and the ledger", "status")
-    _add_json(status)
-    events = _sub(commands, "events", "what happened, newest last", "events")
+    status = cmd(commands, "status", "hosts, pools, deployments and the ledger", "status")
+    add_json(status)
+    events = cmd(commands, "events", "what happened, newest last", "events")
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     events.add_argument("--limit", type=count_arg(1), default=50, metavar="N")
     events.add_argument("--model", metavar="NAME", help="only this deployment's events")
-    _add_json(events)
+    add_json(events)
     return parser
 
 
 def _build_start(commands: Any) -> None:
-    start = _sub(commands, "start", "run CapyCTL")
+    start = cmd(commands, "start", "run CapyCTL")
     modes = start.add_subparsers(title="modes", metavar="MODE", parser_class=Parser)
-    standalone = _sub(
+    standalone = cmd(
         modes, "standalone", "everything in one process, with SQLite", "start_standalone"
     )
     standalone.set_defaults(run_mode="standalone")
@@ -202,9 +99,9 @@ def _build_start(commands: Any) -> None:
         help="try it without a GPU: a simulated GPU, models and a key, on a data dir of its "
         "own (./.capyctl-demo unless --data-dir is given)",
     )
-    server = _sub(modes, "server", "server mode: api and workers (PostgreSQL, Redis)",
+    server = cmd(modes, "server", "server mode: api and workers (PostgreSQL, Redis)",
                   "start_server")  # fmt: skip
-    api = _sub(modes, "api", "server mode's web process only", "start_api")
+    api = cmd(modes, "api", "server mode's web process only", "start_api")
     for parser in (server, api):
         parser.set_defaults(run_mode="server")
         parser.add_argument(
@@ -219,11 +116,11 @@ def _build_start(commands: Any) -> None:
                             "(back it up with pg_dump first)")  # fmt: skip
     server.add_argument("--workers", type=count_arg(1), default=1, metavar="N",
                         help="worker processes to run (1)")  # fmt: skip
-    worker = _sub(modes, "worker", "server mode's worker process only", "start_worker")
+    worker = cmd(modes, "worker", "server mode's worker process only", "start_worker")
     worker.set_defaults(run_mode="server")
     worker.add_argument("--concurrency", type=count_arg(1), default=8, metavar="N",
                         help="operations at once (8)")  # fmt: skip
-    host = _sub(modes, "host", "the host agent of a GPU machine (mutual TLS)", "start_host")
+    host = cmd(modes, "host", "the host agent of a GPU machine (mutual TLS)", "start_host")
     host.set_defaults(no_django=True)
     host.add_argument("--join", metavar="TOKEN", help="the token from `capyctl host add` (once)")
     host.add_argument(
@@ -238,11 +135,11 @@ def _build_start(commands: Any) -> None:
 
 
 def _build_backup(commands: Any) -> None:
-    backup = _sub(commands, "backup", "copy the standalone database, even while it serves",
+    backup = cmd(commands, "backup", "copy the standalone database, even while it serves",
                   "backup")  # fmt: skip
     backup.add_argument("file", nargs="?", metavar="FILE",
                         help="where (default: <data dir>/backups/, the newest 5 kept)")  # fmt: skip
-    restore = _sub(commands, "restore", "bring a backup back (with no server running)",
+    restore = cmd(commands, "restore", "bring a backup back (with no server running)",
                    "restore")  # fmt: skip
     restore.set_defaults(makes_data_dir=True)  # a backup may be brought back into a new one
     restore.add_argument("file", metavar="FILE")
@@ -251,9 +148,9 @@ def _build_backup(commands: Any) -> None:
 def _build_service(commands: Any) -> None:
     from capyctl.cli.service import KINDS  # plain Python, like this module
 
-    service = _sub(commands, "service", "run CapyCTL as a systemd service")
+    service = cmd(commands, "service", "run CapyCTL as a systemd service")
     sub = service.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
-    unit = _sub(sub, "print", "print a hardened systemd unit that runs `capyctl start KIND`",
+    unit = cmd(sub, "print", "print a hardened systemd unit that runs `capyctl start KIND`",
                 "service_print")  # fmt: skip
     unit.set_defaults(no_django=True)  # a GPU machine with the host agent alone prints one
     unit.add_argument("kind", choices=KINDS, metavar="KIND", help=", ".join(KINDS))
@@ -280,44 +177,44 @@ def _build_service(commands: Any) -> None:
 
 
 def _build_host(commands: Any) -> None:
-    host = _sub(commands, "host", "GPU machines that run host agents")
+    host = cmd(commands, "host", "GPU machines that run host agents")
     sub = host.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
-    add = _sub(sub, "add", "register a host and print its one-time join token", "host_add")
+    add = cmd(sub, "add", "register a host and print its one-time join token", "host_add")
     add.add_argument("name")
     add.add_argument("--address", required=True, help="HOST:PORT where its agent listens")
-    token = _sub(sub, "token", "print a new join token (the old one stops working)", "host_token")
+    token = cmd(sub, "token", "print a new join token (the old one stops working)", "host_token")
     token.add_argument("name")
-    _add_json(_sub(sub, "list", "list hosts", "host_list"))
-    remove = _sub(sub, "remove", "forget a host (nothing may use it)", "host_remove")
+    add_json(cmd(sub, "list", "list hosts", "host_list"))
+    remove = cmd(sub, "remove", "forget a host (nothing may use it)", "host_remove")
     remove.add_argument("name")
-    revoke = _sub(sub, "revoke", "stop trusting a host's certificate, at once", "host_revoke")
+    revoke = cmd(sub, "revoke", "stop trusting a host's certificate, at once", "host_revoke")
     revoke.add_argument("name")
-    drain = _sub(sub, "drain", "place nothing new on a host, and move its models elsewhere",
+    drain = cmd(sub, "drain", "place nothing new on a host, and move its models elsewhere",
                  "host_drain")  # fmt: skip
     drain.add_argument("name")
-    undrain = _sub(sub, "undrain", "let models be placed on a drained host again",
+    undrain = cmd(sub, "undrain", "let models be placed on a drained host again",
                    "host_undrain")  # fmt: skip
     undrain.add_argument("name")
 
 
 def _build_cache(commands: Any) -> None:
-    cache = _sub(commands, "cache", "model downloads kept on the hosts")
+    cache = cmd(commands, "cache", "model downloads kept on the hosts")
     sub = cache.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
-    listing = _sub(sub, "list", "list the downloads on each host", "cache_list")
+    listing = cmd(sub, "list", "list the downloads on each host", "cache_list")
     listing.add_argument("--host", help="only this host")
-    _add_json(listing)
-    prune = _sub(
+    add_json(listing)
+    prune = cmd(
         sub, "prune", "remove downloads no deployment uses (never your own files)", "cache_prune"
     )
     prune.add_argument("--host", help="only this host")
     prune.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
-    _add_json(prune)
+    add_json(prune)
 
 
 def _build_trace(commands: Any) -> None:
-    trace = _sub(commands, "trace", "what each /v1 request came to (never its body), for replay")
+    trace = cmd(commands, "trace", "what each /v1 request came to (never its body), for replay")
     sub = trace.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
-    export = _sub(sub, "export", "print the recorded requests as JSON Lines, oldest first",
+    export = cmd(sub, "export", "print the recorded requests as JSON Lines, oldest first",
                   "trace_export")  # fmt: skip
     export.add_argument("--since", metavar="AGE|TIME",
                         help="from this long ago (24h, 30m, 7d) or this ISO time (default: "
@@ -327,9 +224,9 @@ def _build_trace(commands: Any) -> None:
 
 
 def _build_engine(commands: Any) -> None:
-    engine = _sub(commands, "engine", "register installed engine programs")
+    engine = cmd(commands, "engine", "register installed engine programs")
     sub = engine.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
-    add = _sub(sub, "add", "register an engine", "engine_add")
+    add = cmd(sub, "add", "register an engine", "engine_add")
     add.add_argument("name")
     add.add_argument("--kind", required=True, help="vllm, sglang, llamacpp, tensorfold or custom")
     add.add_argument("--command", required=True, help="the program (custom: a template)")
@@ -344,16 +241,16 @@ def _build_engine(commands: Any) -> None:
     add.add_argument(
         "--options", metavar="JSON", help="kind-specific settings (custom hooks, engine_downloads)"
     )
-    listing = _sub(sub, "list", "list engines", "engine_list")
-    _add_json(listing)
-    remove = _sub(sub, "remove", "remove an engine no deployment uses", "engine_remove")
+    listing = cmd(sub, "list", "list engines", "engine_list")
+    add_json(listing)
+    remove = cmd(sub, "remove", "remove an engine no deployment uses", "engine_remove")
     remove.add_argument("name")
 
 
 def _build_adapter(commands: Any) -> None:
-    adapter = _sub(commands, "adapter", "LoRA adapters served as models by a base deployment")
+    adapter = cmd(commands, "adapter", "LoRA adapters served as models by a base deployment")
     sub = adapter.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
-    add = _sub(sub, "add", "add an adapter; it loads when first asked for", "adapter_add")
+    add = cmd(sub, "add", "add an adapter; it loads when first asked for", "adapter_add")
     add.add_argument("name", help="the model name requests use for it")
     add.add_argument(
         "--base",
@@ -366,16 +263,16 @@ def _build_adapter(commands: Any) -> None:
         required=True,
         help="its files: a local path, hf://ORG/NAME or an http(s) URL#sha256=HEX",
     )
-    listing = _sub(sub, "list", "list adapters, their base and where each stands", "adapter_list")
-    _add_json(listing)
-    remove = _sub(sub, "remove", "remove an adapter no engine holds", "adapter_remove")
+    listing = cmd(sub, "list", "list adapters, their base and where each stands", "adapter_list")
+    add_json(listing)
+    remove = cmd(sub, "remove", "remove an adapter no engine holds", "adapter_remove")
     remove.add_argument("name")
 
 
 def _build_deployment(commands: Any) -> None:
-    deployment = _sub(commands, "deployment", "models served by engines")
+    deployment = cmd(commands, "deployment", "models served by engines")
     sub = deployment.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
-    add = _sub(sub, "add", "add a deployment", "deployment_add")
+    add = cmd(sub, "add", "add a deployment", "deployment_add")
     add.add_argument("name")
     add.add_argument("--engine", required=True)
     add.add_argument(
@@ -387,7 +284,7 @@ def _build_deployment(commands: Any) -> None:
     add.add_argument("--alias", action="append", default=[], help="another name (repeatable)")
     add.add_argument("--host", help="pin to this host (default: placed where it fits)")
     _deployment_settings(add, update=False)
-    update = _sub(
+    update = cmd(
         sub,
         "update",
         "change a deployment's settings (the flags given; its engine takes new launch "
@@ -396,7 +293,7 @@ def _build_deployment(commands: Any) -> None:
     )
     update.add_argument("name", help="its name or an alias")
     _deployment_settings(update, update=True)
-    scale = _sub(
+    scale = cmd(
         sub,
         "scale",
         "set how many engines may serve it at once (its --replicas; see docs/replicas.md)",
@@ -411,9 +308,9 @@ def _build_deployment(commands: Any) -> None:
         help=f"replicas, {replicas.minimum} to {replicas.maximum}: N kept up, or MIN kept up "
         "and more brought up by load up to MAX",
     )
-    listing = _sub(sub, "list", "list deployments", "deployment_list")
-    _add_json(listing)
-    remove = _sub(sub, "remove", "remove a stopped deployment", "deployment_remove")
+    listing = cmd(sub, "list", "list deployments", "deployment_list")
+    add_json(listing)
+    remove = cmd(sub, "remove", "remove a stopped deployment", "deployment_remove")
     remove.add_argument("name")
     for action, text in (
         ("start", "run it (desired state running) and wait until it is ready"),
@@ -422,7 +319,7 @@ def _build_deployment(commands: Any) -> None:
         ("wake", "make it ready now"),
         ("restart", "stop its engines and start them again (new args, an upgraded engine)"),
     ):
-        parser = _sub(sub, action, text, "deployment_action")
+        parser = cmd(sub, action, text, "deployment_action")
         parser.add_argument("name")
         parser.set_defaults(action=action)
         if action == "park":
@@ -496,84 +393,8 @@ def _deployment_settings(
     )  # fmt: skip
 
 
-def _build_key(commands: Any) -> None:
-    key = _sub(commands, "key", "API keys")
-    sub = key.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
-    create = _sub(sub, "create", "make a key (printed once)", "key_create")
-    create.add_argument("--user", required=True)
-    create.add_argument("--name", default="", metavar="LABEL")
-    create.add_argument("--models", default="", metavar="A,B", help="allowed models (default all)")
-    create.add_argument("--expires", metavar="DURATION", help="e.g. 30d, 12h, 2w")
-    create.add_argument("--admin", action="store_true", help="allow REST automation as admin")
-    create.add_argument("--rpm", type=count_arg(1), metavar="N", help="requests per minute")
-    create.add_argument("--max-concurrent", type=count_arg(1), metavar="N",
-                        help="requests in flight at once")  # fmt: skip
-    create.add_argument("--team", metavar="TEAM", help="charge it to this team of its user's")
-    update = _sub(sub, "update", "change a key's name, models, limits or team", "key_update")
-    update.add_argument("id", help="the key id or its capy_<id> prefix")
-    update.add_argument("--name", metavar="LABEL", default=argparse.SUPPRESS)
-    update.add_argument("--team", metavar="TEAM|none", default=argparse.SUPPRESS,
-                        help="charge it to a team of its user's ('none': to no team)")  # fmt: skip
-    _limit_flags(update, "")
-    listing = _sub(sub, "list", "list keys", "key_list")
-    listing.add_argument("--user", help="only this user's keys")
-    _add_json(listing)
-    revoke = _sub(sub, "revoke", "revoke a key", "key_revoke")
-    revoke.add_argument("id", help="the key id or its capy_<id> prefix")
-
-
-def _limit_flags(parser: Parser, scope: str) -> None:
-    """--models, --rpm and --max-concurrent, left out of the namespace when not given."""
-    unset = argparse.SUPPRESS
-    parser.add_argument("--models", metavar="A,B|all", default=unset,
-                        help=f"the models it may use{scope} ('all': every one)")  # fmt: skip
-    parser.add_argument("--rpm", type=limit_arg, metavar="N|none", default=unset,
-                        help=f"requests per minute{scope}")  # fmt: skip
-    parser.add_argument("--max-concurrent", type=limit_arg, metavar="N|none", default=unset,
-                        help=f"requests in flight at once{scope}")  # fmt: skip
-
-
-def _build_team(commands: Any) -> None:
-    team = _sub(
-        commands, "team", "teams: people who share GPUs, and what their keys are charged to"
-    )
-    sub = team.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
-    add = _sub(sub, "add", "add a team", "team_add")
-    add.add_argument("name")
-    listing = _sub(sub, "list", "list teams with their members", "team_list")
-    _add_json(listing)
-    remove = _sub(sub, "remove", "remove a team no key is charged to", "team_remove")
-    remove.add_argument("name")
-    member = _sub(sub, "member", "add a user to a team, or take one off it", "team_member")
-    member.add_argument("change", choices=["add", "remove"])
-    member.add_argument("team")
-    member.add_argument("user")
-
-
-def _build_user(commands: Any) -> None:
-    user = _sub(commands, "user", "people who use CapyCTL")
-    sub = user.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
-    add = _sub(sub, "add", "add a user (a password is generated and printed once)", "user_add")
-    add.add_argument("name")
-    add.add_argument("--staff", action="store_true", help="may use the admin and manage all")
-    add.add_argument(
-        "--password-stdin", action="store_true", help="read the password from standard input"
-    )
-    update = _sub(sub, "update", "set a user's ceilings (their keys can only narrow them)",
-                  "user_update")  # fmt: skip
-    update.add_argument("name")
-    for parser in (add, update):
-        _limit_flags(parser, " across all their keys")
-        parser.add_argument(
-            "--key-lifetime", metavar="DURATION|none", default=argparse.SUPPRESS,
-            help="longest a key of theirs may live, e.g. 30d",
-        )  # fmt: skip
-    listing = _sub(sub, "list", "list users", "user_list")
-    _add_json(listing)
-
-
 def _build_simulate(commands: Any) -> None:
-    simulate = _sub(
+    simulate = cmd(
         commands,
         "simulate",
         "replay a trace against these settings or other hardware, on a virtual clock",
@@ -612,4 +433,4 @@ def _build_simulate(commands: Any) -> None:
     simulate.add_argument(
         "--save-scenario", metavar="FILE", help="write the scenario replayed (after --set, --hosts)"
     )
-    _add_json(simulate)
+    add_json(simulate)

@@ -273,3 +273,89 @@ def user_list(args: argparse.Namespace) -> int:
         headers = ["name", "staff", "keys", "models", "rpm", "at once", "key lifetime"]
         print_table(headers, rows, empty="no users")
     return 0
+
+
+# --- budgets and usage -------------------------------------------------------------------
+
+
+def budget_set(args: argparse.Namespace) -> int:
+    from capyctl.access.budgets import describe, limits_text, set_budget
+
+    prepare()
+    budget, made = set_budget(key=args.key, user=args.user, team=args.team, tokens=args.tokens,
+                              gpu_seconds=args.gpu_seconds, period=args.period,
+                              soft_percent=args.soft, actor=_actor())  # fmt: skip
+    print(f"budget {budget.pk} {'set' if made else 'changed'}: {describe(budget)}, "
+          f"{limits_text(budget)}")  # fmt: skip
+    return 0
+
+
+def _used(row: dict[str, Any], limit: str, used: str, fmt: str) -> str:
+    if row[limit] is None:
+        return "-"
+    most = row[limit]
+    return f"{format(row[used], fmt)} / {format(most, fmt)} ({100 * row[used] / most:.0f}%)"
+
+
+def budget_list(args: argparse.Namespace) -> int:
+    from capyctl.access.budgets import budget_row, budgets
+
+    prepare()
+    rows = [budget_row(b) for b in budgets(key=args.key, user=args.user, team=args.team)]
+    if args.json:
+        print_json(rows)
+        return 0
+    table = [
+        [r["id"], f"{r['scope']} {r['of']}", r["period"], _used(r, "tokens", "used_tokens", ","),
+         _used(r, "gpu_seconds", "used_gpu_seconds", ",.1f"),
+         f"{r['soft_percent']}%" if r["soft_percent"] else "-",
+         str(r["resets_at"] or "never")[:16].replace("T", " ")]
+        for r in rows
+    ]  # fmt: skip
+    print_table(["id", "of", "period", "tokens", "gpu-seconds", "soft", "resets"], table,
+                empty="no budgets")  # fmt: skip
+    return 0
+
+
+def budget_remove(args: argparse.Namespace) -> int:
+    from capyctl.access.budgets import remove_budget
+
+    prepare()
+    remove_budget(args.id, actor=_actor())
+    print(f"budget {args.id} removed")
+    return 0
+
+
+def usage(args: argparse.Namespace) -> int:
+    import csv
+    from datetime import UTC, datetime
+
+    from capyctl.access.usage import usage_by
+    from capyctl.validation import parse_duration
+
+    prepare()
+    since = datetime.now(UTC) - parse_duration(args.since, field="--since")
+    rows = usage_by(args.by, since)
+    if args.json:
+        print_json(rows)
+        return 0
+    fields = [args.by, "requests", "prompt_tokens", "completion_tokens", "tokens", "gpu_seconds",
+              "switch_gpu_seconds"]  # fmt: skip
+    if args.csv:
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(fields)
+        writer.writerows([[_csv_safe(r[f]) for f in fields] for r in rows])
+        return 0
+    table = [[r[args.by], f"{r['requests']:,}", f"{r['prompt_tokens']:,}",
+              f"{r['completion_tokens']:,}", f"{r['gpu_seconds']:,.1f}",
+              f"{r['switch_gpu_seconds']:,.1f}"] for r in rows]  # fmt: skip
+    print_table([args.by, "requests", "prompt", "completion", "gpu-s", "of it switches"], table,
+                empty=f"no usage in the last {args.since}")  # fmt: skip
+    return 0
+
+
+def _csv_safe(value: object) -> object:
+    """A cell a spreadsheet will not run as a formula (a name beginning =, +, - or @)."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@"):
+        return "'" + value
+    return value
