@@ -67,6 +67,12 @@ class BudgetLine:
     soft_percent: int | None
     words: str  # "team ml's daily budget"
     seed: rules.Used = field(default_factory=rules.Used)
+    seed_start: float = 0.0  # the start of the period the seed is of
+
+    def seed_for(self, start: float) -> rules.Used:
+        """What to begin a period's count with: the seed if it is of that period; nothing
+        for a period begun since (its usage is yet to come)."""
+        return self.seed if start == self.seed_start else rules.Used()
 
 
 @dataclass
@@ -206,7 +212,8 @@ class RedisCounts:
             for line, start in lines:
                 _, ends = rules.period_bounds(line.period)
                 keep = 30 * 86400 if ends is None else int(ends.timestamp() - start) + 86400
-                args += [line.seed.tokens, line.seed.gpu_seconds,
+                seed = line.seed_for(start)
+                args += [seed.tokens, seed.gpu_seconds,
                          -1 if line.tokens is None else line.tokens,
                          -1 if line.gpu_seconds is None else line.gpu_seconds, keep]  # fmt: skip
             try:
@@ -263,6 +270,7 @@ def _load() -> dict[tuple[str, int], list[BudgetLine]]:
                     pk=budget.pk, scope=scope, period=budget.period, tokens=budget.tokens,
                     gpu_seconds=budget.gpu_seconds, soft_percent=budget.soft_percent,
                     words=rules.describe(budget), seed=rules.used_of(budget, now),
+                    seed_start=rules.period_bounds(budget.period, now)[0].timestamp(),
                 )
             )  # fmt: skip
         return table
