@@ -24,11 +24,12 @@ PREFIX = "/v1/"
 MODELS = "/v1/models"  # answered by the server itself: the list, or one model by name
 RESPONSES = "/v1/responses"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 # Forwarded to the model's engine; the model is named in the body (JSON or a form).
 FORWARDED = frozenset(
     {
         CHAT_COMPLETIONS,
-        "/v1/completions",
+        COMPLETIONS,
         "/v1/embeddings",
         "/v1/rerank",
         "/v1/score",

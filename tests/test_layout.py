@@ -378,7 +378,8 @@ def test_the_admin_checks_see_every_model_admin(tmp_path):
     )
     out = _run_cli_code(code, tmp_path)
     registered = (
-        "access.ApiKey access.Team access.UserLimits auth.Group auth.User deployments.Adapter "
+        "access.ApiKey access.Budget access.Team access.Usage access.UserLimits auth.Group "
+        "auth.User deployments.Adapter "
         "deployments.Deployment deployments.Instance deployments.LoadedAdapter engines.Engine "
         "events.Event hosts.Host ledger.LedgerEntry traces.RequestTrace"
     )

@@ -35,7 +35,7 @@ from hostagent import routes
 # Engines that send a stream's usage when asked (``stream_options.include_usage``), on the
 # routes that take it; a custom server is not asked for what it may not know.
 _ASKS_FOR_USAGE = frozenset({"vllm", "sglang", "llamacpp", "tensorfold"})
-_USAGE_PATHS = frozenset({routes.CHAT_COMPLETIONS, "/v1/completions"})
+_USAGE_PATHS = frozenset({routes.CHAT_COMPLETIONS, routes.COMPLETIONS})
 _GATE_TRIES = 3  # waits for a wake when a drain closed the gate under a request
 # The form's `model` part: its headers (non-empty lines) end at the first blank line.
 _MULTIPART_MODEL = re.compile(rb'name="model"\r\n(?:[^\r\n]+\r\n)*?\r\n([^\r\n]*)\r\n')
