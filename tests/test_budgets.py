@@ -26,6 +26,7 @@ from capyctl.gateway.cost import EngineShares
 from capyctl.gateway.keys import KeyInfo
 from capyctl.gateway.routing import Route
 from capyctl.gateway.usage import UsageStrip
+from capyctl.scheduler import switches
 from tests.scheduling import SIM, SIM_ENV, deployment
 
 pytestmark = pytest.mark.database  # on PostgreSQL too: the sums, the conditional updates
@@ -98,6 +99,14 @@ def test_an_engine_s_gpu_time_is_shared_among_the_requests_in_flight(monkeypatch
     now[0] += 1
     assert shares.end(b) == pytest.approx(4.0)
     assert shares.typical(1) == pytest.approx(4.0)
+
+
+def test_a_switch_s_seconds_are_its_steps_not_the_wait_before_them():
+    said = "parked a (ram) 412 ms; stopped c 15 ms; woke b 688 ms"
+    assert switches.seconds(said) == pytest.approx(1.115)
+    assert switches.seconds("started b 2300 ms") == pytest.approx(2.3)
+    assert switches.seconds("unloaded adapter a; loaded adapter b 58 ms") == pytest.approx(0.058)
+    assert switches.seconds("") == 0
 
 
 def test_the_usage_chunk_a_client_did_not_ask_for_is_taken_out_as_it_streams():
@@ -364,8 +373,8 @@ def httpserver_url():
 @pytest.mark.django_db(transaction=True)
 async def test_a_switch_is_charged_to_the_requests_that_waited_for_it(gpu24, bob, database_threads):
     """b is parked in RAM behind a; three requests for b wait for its wake together: the
-    wake's seconds on its GPU are shared among them (each row's switch GPU-seconds about a
-    third of the wake), and a GPU-seconds budget counts them."""
+    switch's steps (a's park, b's wake) on b's GPU are shared among them, and a
+    GPU-seconds budget counts them."""
     from capyctl.access.services import issue_api_key
     from capyctl.engines.services import add_engine
     from capyctl.gateway.app import Gateway
@@ -400,7 +409,10 @@ async def test_a_switch_is_charged_to_the_requests_that_waited_for_it(gpu24, bob
     assert all("woke b" in a.headers.get("x-capyctl-switch", "") for a in answers)
     rows = [row async for row in Usage.objects.filter(model="b")]
     switch = sum(r.switch_gpu_seconds for r in rows)
-    assert 0.6 <= switch <= took + 0.1  # the wake's time on b's one GPU, shared by three
+    said = answers[0].headers["x-capyctl-switch"]  # "parked a (ram) 40 ms; woke b 612 ms"
+    steps = switches.seconds(said)
+    assert 0.6 <= steps <= took
+    assert switch == pytest.approx(steps, abs=0.003)  # b's one GPU, three shares of it
     assert sum(r.requests for r in rows) == 3
     used = await sync_to_async(rules.used_of)(await Budget.objects.aget())
     assert used.gpu_seconds == pytest.approx(switch + sum(r.gpu_seconds for r in rows))

@@ -50,7 +50,7 @@ def usage_by(by: str, since: datetime, *, user_id: int | None = None) -> list[di
     )
     out = [
         {
-            by: row[group] if row[group] is not None else "-",
+            by: row[group],  # None: the keys charged to no team
             "requests": int(row["requests_"]),
             "prompt_tokens": int(row["prompt"]),
             "completion_tokens": int(row["completion"]),
@@ -60,4 +60,4 @@ def usage_by(by: str, since: datetime, *, user_id: int | None = None) -> list[di
         }
         for row in sums
     ]
-    return sorted(out, key=lambda r: (-r["tokens"], -r["gpu_seconds"], str(r[by])))
+    return sorted(out, key=lambda r: (-r["tokens"], -r["gpu_seconds"], str(r[by] or "")))

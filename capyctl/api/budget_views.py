@@ -48,7 +48,9 @@ class BudgetOut(serializers.Serializer):  # type: ignore[type-arg]
 
 
 class UsageOut(serializers.Serializer):  # type: ignore[type-arg]
-    name = serializers.CharField(help_text="the team, user, key id or model (by ?by=)")
+    name = serializers.CharField(
+        allow_null=True, help_text="the team (null: no team), user, key id or model (by ?by=)"
+    )
     requests = serializers.IntegerField()
     prompt_tokens = serializers.IntegerField()
     completion_tokens = serializers.IntegerField()

@@ -344,11 +344,11 @@ def usage(args: argparse.Namespace) -> int:
     if args.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(fields)
-        writer.writerows([[_csv_safe(r[f]) for f in fields] for r in rows])
+        writer.writerows([[_csv_safe("" if r[f] is None else r[f]) for f in fields] for r in rows])
         return 0
-    table = [[r[args.by], f"{r['requests']:,}", f"{r['prompt_tokens']:,}",
-              f"{r['completion_tokens']:,}", f"{r['gpu_seconds']:,.1f}",
-              f"{r['switch_gpu_seconds']:,.1f}"] for r in rows]  # fmt: skip
+    table = [[r[args.by] or "(no team)", f"{r['requests']:,}", f"{r['prompt_tokens']:,}",
+              f"{r['completion_tokens']:,}", f"{r['gpu_seconds']:,.2f}",
+              f"{r['switch_gpu_seconds']:,.2f}"] for r in rows]  # fmt: skip
     print_table([args.by, "requests", "prompt", "completion", "gpu-s", "of it switches"], table,
                 empty=f"no usage in the last {args.since}")  # fmt: skip
     return 0

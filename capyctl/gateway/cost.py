@@ -8,8 +8,9 @@ running integral of ``gpus / requests in flight`` over time, so a request's shar
 integral's growth between its start and its end: O(1) at each, however many run.
 
 A switch (the parks and the wake, or the start, that a waiting request needed) is charged
-to the requests that waited for it, in equal shares: its seconds times the GPUs of the
-model it made ready (see :class:`~capyctl.gateway.waiting.Waiting`).
+to the requests that waited for it, in equal shares: the seconds its steps took times the
+GPUs of the model it made ready (see :class:`~capyctl.gateway.waiting.Waiting`); the wait
+for room before them (a model's turn, its minimum time ready) is not GPU work.
 
 Each process counts the requests it forwards: with several API processes serving one
 engine, each shares its engine time among its own requests only (docs/budgets.md).
@@ -86,19 +87,15 @@ class EngineShares:
 class SwitchCost:
     """One wake (or start) that requests wait for, and how many of them share it."""
 
-    __slots__ = ("ended", "sharing", "started")
+    __slots__ = ("sharing",)
 
     def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.ended: float | None = None
         self.sharing = 0
 
-    def done(self) -> None:
-        if self.ended is None:
-            self.ended = time.monotonic()
-
-    def share(self, gpus: int) -> float:
-        """One waiting request's share of the switch's GPU-seconds."""
-        if self.ended is None or self.sharing <= 0:
+    def share(self, steps_seconds: float, gpus: int) -> float:
+        """One waiting request's share of the switch's GPU-seconds: the seconds its steps
+        took (parks, stops, the wake or start; not the wait for room before them) times
+        the GPUs of the model it made ready."""
+        if self.sharing <= 0:
             return 0.0
-        return (self.ended - self.started) * gpus / self.sharing
+        return steps_seconds * gpus / self.sharing

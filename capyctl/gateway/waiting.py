@@ -137,8 +137,7 @@ class Waiting:
                     scheduler.ready(deployment_id, route.max_queue_seconds, wanted)
                 )
                 self._wakes[deployment_id] = wake
-                made = self._switch_costs[deployment_id] = SwitchCost()
-                wake.add_done_callback(lambda _: made.done())
+                self._switch_costs[deployment_id] = SwitchCost()
             cost = self._switch_costs[deployment_id]
             cost.sharing += 1
             try:
@@ -166,7 +165,8 @@ class Waiting:
             raise GatewayError(
                 503, "engine_failed", f"`{route.name}` is not running.", "server_error"
             )
-        return fresh, switch, cost.share(len(fresh.gpus)) if cost is not None else 0.0
+        spent = scheduler.switch_seconds(switch) if switch else 0.0
+        return fresh, switch, cost.share(spent, len(fresh.gpus)) if cost is not None else 0.0
 
     async def _publish_queues(self, emptied: asyncio.Event) -> None:
         """While requests wait, say so to other processes (``capyctl status``) every

@@ -24,6 +24,7 @@ from capyctl.scheduler import (
     requests_in_progress,
     routing,
     scaling,
+    switches,
     turns,
     wakes,
 )
@@ -174,6 +175,11 @@ def note_asked_for(deployment_id: int) -> None:
 def local_waits() -> list[Wait]:
     """The waits this process runs itself (standalone: all of them)."""
     return turns.local_waits()
+
+
+def switch_seconds(said: str) -> float:
+    """What the steps of a switch (``x-capyctl-switch``) took in all."""
+    return switches.seconds(said)
 
 
 def redis_link(url: str) -> Link:

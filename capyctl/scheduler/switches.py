@@ -8,6 +8,7 @@ worker), so the transition's own early word is not sent meanwhile (:func:`active
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,3 +52,12 @@ def note(kind: str, name: str, duration_ms: int | None, mode: object = None) -> 
 def header(steps: list[str]) -> str:
     """The steps as one header value (ASCII: names are validated, modes are ram/deep)."""
     return "; ".join(steps)
+
+
+_STEP_MS = re.compile(r" (\d{1,12}) ms(?:;|$)")
+
+
+def seconds(said: str) -> float:
+    """What the steps of a switch took in all (:func:`header`'s value read back): the
+    parks, stops and the wake or start, not the wait for room before them."""
+    return sum(int(ms) for ms in _STEP_MS.findall(said)) / 1000
