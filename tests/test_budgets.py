@@ -485,3 +485,32 @@ def test_rest_budgets_for_staff_and_usage_for_everyone_their_own(client, alice, 
     assert client.get("/api/budgets/").status_code == 403
     own = client.get("/api/usage/?by=key").json()
     assert [r["name"] for r in own] == [bob_key.key_id]
+
+
+@pytest.mark.django_db(transaction=True)  # a scrape closes its connection
+def test_metrics_show_tokens_and_gpu_seconds_by_team_and_each_budget_s_share(alice, bob):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from capyctl.access.services import issue_api_key
+    from capyctl.access.teams import add_member, add_team
+    from capyctl.web.metrics import _scrape
+
+    add_team("ml")
+    add_member("ml", "bob")
+    key = issue_api_key("bob", team="ml")[0]
+    Usage.objects.create(at=rules.quarter_of(time.time()), key=key, team=key.team, model="chat",
+                         requests=3, prompt_tokens=100, completion_tokens=300, gpu_seconds=2.0,
+                         switch_gpu_seconds=0.5)  # fmt: skip
+    rules.set_budget(team="ml", tokens=1000, period="day")
+    rules.set_budget(key=key.key_id, gpu_seconds=10, period="total")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(_scrape().decode())
+        for s in family.samples
+    }
+    labels = (("direction", "completion"), ("model", "chat"), ("team", "ml"))
+    assert samples[("capyctl_tokens_total", labels)] == 300
+    assert samples[("capyctl_gpu_seconds_total", (("model", "chat"), ("team", "ml")))] == 2.5
+    assert samples[("capyctl_budget_used_ratio", (("budget", "team:ml:day"),))] == 0.4
+    ratio = samples[("capyctl_budget_used_ratio", ((("budget", f"key:capy_{key.key_id}:total")),))]
+    assert ratio == 0.25

@@ -37,6 +37,7 @@ from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.scheduler import requests_in_progress, snapshots, turns
+from capyctl.web.usage_metrics import UsageCollector
 
 REGISTRY = CollectorRegistry()
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -249,6 +250,7 @@ HISTORY_SECONDS = 3600.0
 HISTORY_CHANGES = 20_000
 NOW = _Now()
 REGISTRY.register(NOW)
+REGISTRY.register(UsageCollector())
 
 
 def _scrape() -> bytes:
