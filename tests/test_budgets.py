@@ -514,3 +514,91 @@ def test_metrics_show_tokens_and_gpu_seconds_by_team_and_each_budget_s_share(ali
     assert samples[("capyctl_budget_used_ratio", (("budget", "team:ml:day"),))] == 0.4
     ratio = samples[("capyctl_budget_used_ratio", ((("budget", f"key:capy_{key.key_id}:total")),))]
     assert ratio == 0.25
+
+
+# --- outages -------------------------------------------------------------------------------
+
+
+async def _spend(budgets: Budgets, key: KeyInfo, written: list[int]) -> int:
+    """Requests of 100 tokens, one after another, until the budget refuses one; each is
+    answered or refused, never failed. ``written``: its usage, as the database gets it.
+    Returns how many were let in."""
+    from capyctl.gateway.errors import GatewayError
+
+    let_in = 0
+    while True:
+        try:
+            reservation = await budgets.admit(key, _route(), {"max_tokens": 90}, 40, None)
+        except GatewayError as refused:
+            codes = {refused.code}
+            assert codes == {"budget_exceeded"}
+            return let_in
+        assert reservation is not None
+        await budgets.settle(reservation, 100, 0.0)
+        written.append(100)
+        let_in += 1
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_redis_outage_counts_in_each_process_and_gives_back_what_it_counted(
+    bob, database_threads, own_redis
+):
+    """Two API processes, a key's budget of 1,000 tokens, 300 used through Redis. Redis is
+    cut off (a partition: its data kept): each process counts alone from the database's
+    sum, so each lets in the 700 it sees left (stated in docs/budgets.md); once Redis
+    answers, each gives back what it counted (1,000, then 1,700 used).
+    Redis then restarted empty: a process's counts begin again from the database's sum."""
+    from capyctl.access.services import issue_api_key
+    from capyctl.gateway.errors import GatewayError
+    from capyctl.scheduler import gateway_api
+    from tests.own_servers import PausableProxy
+
+    proxy = PausableProxy(own_redis.port)
+    url = proxy.url()
+
+    def set_up() -> ApiKey:
+        key = issue_api_key("bob")[0]
+        rules.set_budget(key=key.key_id, tokens=1000, period="day")
+        return key
+
+    row = await sync_to_async(set_up)()
+    key = _key(row)
+    written: list[int] = []
+
+    def write() -> None:  # the usage rows the gateway writes within a second
+        Usage.objects.create(at=rules.quarter_of(time.time()), key=row, model="chat",
+                             requests=len(written), completion_tokens=sum(written))  # fmt: skip
+        written.clear()
+
+    first, second = Budgets(url), Budgets(url)
+    try:
+        for _ in range(3):
+            reservation = await first.admit(key, _route(), {"max_tokens": 90}, 40, None)
+            assert reservation is not None
+            await first.settle(reservation, 100, 0.0)
+            written.append(100)
+        await sync_to_async(write)()
+        await first._refresh()
+        await second._refresh()
+        proxy.pause()
+        assert await _spend(first, key, written) == 7
+        assert await _spend(second, key, written) == 7
+        await sync_to_async(write)()
+        proxy.resume()
+        gateway_api.redis_link(url).answered()  # back (a background call would say so)
+        for budgets, used in ((first, "1,000"), (second, "1,700")):  # each gives its own back
+            with pytest.raises(GatewayError, match=f"is used up: {used} of 1,000 tokens"):
+                await budgets.admit(key, _route(), {"max_tokens": 90}, 40, None)
+        own_redis.stop()
+        own_redis.start()  # empty
+        gateway_api.redis_link(url).answered()
+        third = Budgets(url)  # a process (re)started with Redis: no count of its own
+        try:
+            with pytest.raises(GatewayError, match="is used up: 1,700 of 1,000 tokens"):
+                await third.admit(key, _route(), {"max_tokens": 90}, 40, None)
+        finally:
+            await third.close()
+    finally:
+        await first.close()
+        await second.close()
+        proxy.close()

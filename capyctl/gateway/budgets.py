@@ -191,22 +191,70 @@ return out
 """
 
 
+# What this process counted alone while Redis did not answer, given back once it does:
+# ARGV four a budget (used tokens and GPU-s to add, reserved ones to take back). A budget
+# Redis no longer has is begun again from the database, whose usage rows hold it already.
+_OWED_SCRIPT = """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then
+    local b = (i - 1) * 4
+    redis.call('HINCRBYFLOAT', key, 'ut', ARGV[b + 1])
+    redis.call('HINCRBYFLOAT', key, 'ug', ARGV[b + 2])
+    if tonumber(redis.call('HINCRBYFLOAT', key, 'rt', -tonumber(ARGV[b + 3]))) < 0 then
+      redis.call('HSET', key, 'rt', 0)
+    end
+    if tonumber(redis.call('HINCRBYFLOAT', key, 'rg', -tonumber(ARGV[b + 4]))) < 0 then
+      redis.call('HSET', key, 'rg', 0)
+    end
+  end
+end
+return #KEYS
+"""
+
+
 class RedisCounts:
     """The same counts in Redis, shared by every API process; this process's own while
-    Redis does not answer (see the module's docstring)."""
+    Redis does not answer (see the module's docstring). What it counted alone meanwhile
+    (the usage of requests it let in, and the reservations made in Redis that it could
+    not take back) is given back to Redis once it answers again."""
 
     def __init__(self, url: str) -> None:
         self._redis = scheduler.redis_async_client(url)
         self._reserve = self._redis.register_script(_RESERVE_SCRIPT)
         self._settle = self._redis.register_script(_SETTLE_SCRIPT)
+        self._give_back = self._redis.register_script(_OWED_SCRIPT)
         self._errors = scheduler.redis_errors()
         self._link = scheduler.redis_link(url)
         self.local = LocalCounts()
+        # Redis key -> [used tokens, used GPU-s, reserved tokens, reserved GPU-s] owed
+        self._owed: dict[str, list[float]] = {}
+
+    def _owe(self, reservation: Reservation, tokens: float, gpu: float) -> None:
+        held = 0.0 if reservation.local else 1.0  # reserved in Redis: take it back too
+        for line, start in reservation.lines:
+            owed = self._owed.setdefault(_counter_key(line, start), [0.0, 0.0, 0.0, 0.0])
+            owed[0] += tokens
+            owed[1] += gpu
+            owed[2] += held * reservation.tokens
+            owed[3] += held * reservation.gpu_seconds
+
+    async def _pay_back(self) -> None:
+        owed, self._owed = self._owed, {}
+        try:
+            await self._give_back(keys=list(owed), args=[v for row in owed.values() for v in row])
+        except self._errors as exc:
+            self._link.failed(exc)
+            for key, row in owed.items():  # kept for the next time it answers
+                mine = self._owed.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+                for at, value in enumerate(row):
+                    mine[at] += value
 
     async def reserve(
         self, lines: list[tuple[BudgetLine, float]], tokens: float, gpu: float
     ) -> tuple[tuple[int, str, float, float] | None, bool]:
         """:meth:`LocalCounts.reserve`'s answer, and whether it was counted here alone."""
+        if self._owed and self._link.answers():
+            await self._pay_back()
         if self._link.answers():
             args: list[Any] = []
             for line, start in lines:
@@ -234,6 +282,7 @@ class RedisCounts:
         self, reservation: Reservation, tokens: float, gpu: float
     ) -> list[tuple[float, float]]:
         if reservation.local or not self._link.answers():
+            self._owe(reservation, tokens, gpu)
             return self.local.settle(reservation, tokens, gpu)
         try:
             out = await self._settle(
@@ -242,6 +291,7 @@ class RedisCounts:
             )
         except self._errors as exc:
             self._link.failed(exc)
+            self._owe(reservation, tokens, gpu)
             return self.local.settle(reservation, tokens, gpu)
         values = [float(_text(v)) for v in out]
         return [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
