@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from capyctl.web import apidocs, keys, login, views
+from capyctl.web import apidocs, keys, login, usage_page, views
 from capyctl.web.dashboard import dashboard
 
 admin.autodiscover()  # not at start-up: see capyctl.adminapp
@@ -21,6 +21,7 @@ urlpatterns = [
     path("api/docs/", apidocs.api_docs),  # a logged-out browser is sent to log in first
     path("api/", include("capyctl.api.urls")),
     path("keys/", keys.keys_page, name="keys"),
+    path("usage/", usage_page.usage_page, name="usage"),
     path("keys/<str:key_id>/revoke/", keys.revoke_key, name="revoke-key"),
     path("login/", login.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),

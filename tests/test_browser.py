@@ -207,3 +207,65 @@ def test_the_dashboard_timeline_shows_turns_and_switches(server_env, browser):
             alice.locator("#timeline").screenshot(path=str(Path(shots) / "dashboard-timeline.png"))
     finally:
         stop_server(server, signal.SIGTERM)
+
+
+def test_the_usage_page_charts_tokens_and_gpu_seconds_by_team(server_env, browser):
+    """Two teams' keys and a key of no team ask through /v1; a budget of one team is half
+    used. Alice (staff) sees a bar a team on today's column of each chart, the keys ranked,
+    the budget's meter; Bob sees only his own key and his team."""
+    trickle = ["--env", "CAPYCTL_SIM_TOKENS_PER_SECOND=400",
+               "--env", "CAPYCTL_SIM_COMPLETION_TOKENS=200"]  # fmt: skip
+    setup = [
+        ["engine", "add", "sim", "--kind", "vllm", "--command", SIM, *trickle],
+        ["deployment", "add", "chat", "--engine", "sim", "--source", "m-chat",
+         "--gpu-memory", "16GiB"],
+        ["team", "add", "research"], ["team", "add", "support"],
+        ["team", "member", "add", "research", "alice"],
+        ["team", "member", "add", "support", "bob"],
+        ["budget", "set", "--team", "research", "--tokens", "2000", "--period", "day"],
+        ["key", "create", "--user", "alice", "--team", "research"],
+        ["key", "create", "--user", "bob", "--team", "support"],
+        ["key", "create", "--user", "alice"],
+    ]  # fmt: skip
+    results = [run_program(server_env, *argv) for argv in setup]
+    assert all(r.code == 0 for r in results), [r.err for r in results]
+    research, support, own = (r.out.strip() for r in results[-3:])
+    server = start_server(server_env)
+    base = server.base_url
+    try:
+        body = {"model": "chat", "max_tokens": 200, "messages": [{"role": "user", "content": "hi"}]}
+        for key, times in ((research, 5), (support, 3), (own, 1)):
+            for _ in range(times):
+                answer = httpx.post(f"{base}/v1/chat/completions", timeout=60, json=body,
+                                    headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                assert answer.status_code == 200, answer.text
+        time.sleep(1.5)  # usage is written within a second
+        alice = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+        log_in(alice, base, "alice")
+        alice.goto(f"{base}/usage/")
+        tokens = alice.locator("svg.chart[data-chart='tokens'] rect.bar")
+        expect(tokens).to_have_count(3)
+        assert sorted(tokens.nth(i).get_attribute("data-series") or "" for i in range(3)) == [
+            "(no team)", "research", "support"]  # fmt: skip
+        values = {tokens.nth(i).get_attribute("data-series"): float(
+            tokens.nth(i).get_attribute("data-value") or 0) for i in range(3)}  # fmt: skip
+        assert values["research"] == 5 * 201  # 200 generated, 1 of prompt, five times
+        gpu = alice.locator("svg.chart[data-chart='GPU-seconds'] rect.bar")
+        expect(gpu).to_have_count(3)
+        assert all(float(gpu.nth(i).get_attribute("data-value") or 0) > 0.3 for i in range(3))
+        expect(alice.locator("#top-keys tbody tr")).to_have_count(3)
+        meter = alice.locator("#budgets tr[data-budget='team:research:day']")
+        expect(meter).to_contain_text("1005 of 2000 tokens")
+        if shots := os.environ.get("CAPYCTL_SCREENSHOT_DIR"):  # docs/images/usage.png
+            alice.locator("main").screenshot(path=str(Path(shots) / "usage.png"))
+        bob = browser.new_context(viewport={"width": 390, "height": 844}).new_page()
+        log_in(bob, base, "bob")
+        bob.goto(f"{base}/usage/")
+        bars = bob.locator("svg.chart[data-chart='tokens'] rect.bar")
+        expect(bars).to_have_count(1)
+        assert bars.first.get_attribute("data-series") == "support"
+        expect(bob.locator("#top-keys tbody tr")).to_have_count(1)
+        expect(bob.locator("#budgets")).to_contain_text("No budgets apply to you")
+        assert "Traceback" not in server.log()
+    finally:
+        stop_server(server, signal.SIGTERM)

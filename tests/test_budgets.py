@@ -602,3 +602,33 @@ async def test_a_redis_outage_counts_in_each_process_and_gives_back_what_it_coun
         await first.close()
         await second.close()
         proxy.close()
+
+
+@pytest.mark.django_db
+def test_the_usage_page_shows_staff_everything_and_a_user_their_own(client, alice, bob):
+    from capyctl.access.services import issue_api_key
+    from capyctl.access.teams import add_member, add_team
+
+    add_team("ml")
+    add_member("ml", "bob")
+    bob_key = issue_api_key("bob", team="ml")[0]
+    alice_key = issue_api_key("alice")[0]
+    at = rules.quarter_of(time.time())
+    Usage.objects.create(at=at, key=bob_key, team=bob_key.team, model="chat", requests=2,
+                         prompt_tokens=10, completion_tokens=30, gpu_seconds=1.5)  # fmt: skip
+    Usage.objects.create(at=at, key=alice_key, model="code", requests=1, prompt_tokens=5,
+                         completion_tokens=5, gpu_seconds=0.5)  # fmt: skip
+    rules.set_budget(team="ml", tokens=100, period="day")
+    client.force_login(alice)
+    page = client.get("/usage/?days=7").content.decode()
+    assert page.count('class="bar"') == 4  # two teams (ml, none) on each chart, today
+    assert 'data-series="ml"' in page
+    assert 'data-value="40.000"' in page
+    assert "40 of 100 tokens" in page
+    client.force_login(bob)
+    page = client.get("/usage/?days=not-a-number").content.decode()
+    assert page.count('class="bar"') == 2  # only ml's
+    assert alice_key.key_id not in page
+    assert "40 of 100 tokens" in page  # his team's budget
+    client.logout()
+    assert client.get("/usage/").status_code == 302  # to log in
