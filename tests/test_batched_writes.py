@@ -16,7 +16,7 @@ from asgiref.sync import sync_to_async
 from capyctl.access.models import ApiKey
 from capyctl.access.services import issue_api_key
 from capyctl.gateway.batches import BatchedWrites
-from capyctl.gateway.usage import UsageBook, write_usage
+from capyctl.gateway.usage import UsageBook, UsageCell, write_usage
 from capyctl.traces.models import RequestTrace
 from capyctl.traces.recording import Trace, TraceBook, TraceWriter
 from tests.refusals import refused
@@ -46,7 +46,7 @@ async def test_what_arrives_during_a_write_is_written_about_a_second_later(bob, 
     key = (await sync_to_async(issue_api_key)("bob"))[0]
     writing: list[float] = []
 
-    def slow_write(pending: dict[int, list[int]]) -> None:
+    def slow_write(pending: dict[UsageCell, list[float]]) -> None:
         writing.append(time.monotonic())
         time.sleep(0.3)
         write_usage(pending)

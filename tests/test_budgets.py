@@ -17,6 +17,7 @@ import openai
 import pytest
 from asgiref.sync import sync_to_async
 from django.contrib.auth.models import User
+from openai.types.chat import ChatCompletionMessageParam
 
 from capyctl.access import budgets as rules
 from capyctl.access.models import ApiKey, Budget, Usage
@@ -141,11 +142,11 @@ async def _fifty_at_once(budgets_of: list[Budgets], key: KeyInfo) -> tuple[int, 
             refusals.append(f"{refused.code}: {refused.message}")
             return
         assert reservation is not None
-        assert reservation.tokens == 100
+        assert reservation.need[0] == 100
         let_in += 1
         await asyncio.sleep(random.uniform(0.01, 0.05))  # noqa: S311 - a spread, not a secret
         used += 100
-        await budgets.settle(reservation, 100, 0.0)
+        await budgets.settle(reservation, (100, 0.0, 0.0))
 
     await asyncio.gather(*(one(budgets_of[i % len(budgets_of)]) for i in range(50)))
     return let_in, used, refusals
@@ -191,15 +192,15 @@ def test_a_budget_is_never_reserved_in_when_another_that_applies_has_no_room():
     counts = LocalCounts()
     roomy = rules_line(1, tokens=1000)
     full = rules_line(2, tokens=100, seed=100)
-    assert counts.reserve([(roomy, 0.0), (full, 0.0)], 50, 1) == (1, "tokens", 100.0, 0.0)
-    assert counts.reserve([(roomy, 0.0)], 950, 1) is None  # all of roomy's 1,000 still free
+    assert counts.reserve([(roomy, 0.0), (full, 0.0)], (50, 1, 0)) == (1, 0, 100.0, 0.0)
+    assert counts.reserve([(roomy, 0.0)], (950, 1, 0)) is None  # all of roomy's 1,000 free
 
 
 def rules_line(pk: int, *, tokens: int, seed: int = 0) -> Any:
     from capyctl.gateway.budgets import BudgetLine
 
-    return BudgetLine(pk=pk, scope=("key", pk), period="total", tokens=tokens, gpu_seconds=None,
-                      soft_percent=None, words=f"budget {pk}", seed=rules.Used(tokens=seed),
+    return BudgetLine(pk=pk, scope=("key", pk), period="total", ceilings=(tokens, None, None),
+                      soft_percent=None, words=f"budget {pk}", seed=(seed, 0.0, 0.0),
                       seed_start=0.0)  # fmt: skip
 
 
@@ -247,9 +248,11 @@ async def test_a_team_s_daily_budget_runs_out_and_the_next_day_lets_them_in(monk
         def client(name: str) -> openai.AsyncOpenAI:
             http = httpx.AsyncClient(transport=transport, base_url="http://testserver")
             return openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=keys[name],
-                                      http_client=http, max_retries=0)  # fmt: skip
+                                      http_client=cast("Any", http), max_retries=0)  # fmt: skip
 
-        ask = [{"role": "user", "content": "Say hello to the whole team, please."}]
+        ask: list[ChatCompletionMessageParam] = [
+            {"role": "user", "content": "Say hello to the whole team, please."}
+        ]
         answered = 0
         refused = None
         for turn in range(40):
@@ -328,7 +331,7 @@ async def test_a_soft_line_is_said_once_a_period_with_the_webhook(
         for _ in range(10):
             reservation = await budgets.admit(key, _route(), {"max_tokens": 90}, 40, None)
             assert reservation is not None
-            await budgets.settle(reservation, 100, 0.0)
+            await budgets.settle(reservation, (100, 0.0, 0.0))
     finally:
         await budgets.close()
     events = [e async for e in Event.objects.filter(kind="budget.soft_crossed")]
@@ -439,7 +442,8 @@ def test_budgets_are_set_listed_and_removed_in_one_line_each(cli, alice, bob):
     before = Budget.objects.count()
     for argv, said in (
         (["--team", "nope", "--tokens", "5", "--period", "day"], "no team named 'nope'"),
-        (["--team", "ml", "--period", "day"], "give --tokens, --gpu-seconds or both"),
+        (["--team", "ml", "--period", "day"],
+         "give --tokens, --gpu-seconds, --spend or more of them"),
         (["--team", "ml", "--tokens", "5", "--period", "day", "--soft", "120"],
          "--soft must be a percentage from 1 to 100"),
     ):  # fmt: skip
@@ -534,7 +538,7 @@ async def _spend(budgets: Budgets, key: KeyInfo, written: list[int]) -> int:
             assert codes == {"budget_exceeded"}
             return let_in
         assert reservation is not None
-        await budgets.settle(reservation, 100, 0.0)
+        await budgets.settle(reservation, (100, 0.0, 0.0))
         written.append(100)
         let_in += 1
 
@@ -575,7 +579,7 @@ async def test_a_redis_outage_counts_in_each_process_and_gives_back_what_it_coun
         for _ in range(3):
             reservation = await first.admit(key, _route(), {"max_tokens": 90}, 40, None)
             assert reservation is not None
-            await first.settle(reservation, 100, 0.0)
+            await first.settle(reservation, (100, 0.0, 0.0))
             written.append(100)
         await sync_to_async(write)()
         await first._refresh()
@@ -632,3 +636,54 @@ def test_the_usage_page_shows_staff_everything_and_a_user_their_own(client, alic
     assert "40 of 100 tokens" in page  # his team's budget
     client.logout()
     assert client.get("/usage/").status_code == 302  # to log in
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("gpu24", "database_threads")
+async def test_a_spend_budget_counts_tokens_and_gpu_time_at_the_model_s_prices(bob, cli):
+    """A model priced at 2 a million prompt tokens, 10 a million completion tokens and 36
+    a GPU-hour (a hundredth a GPU-second); a key with a budget of 0.01 to spend: each
+    request's spend is its tokens and GPU-seconds at those prices, and the budget refuses
+    once they add up to it."""
+    from capyctl.access.services import issue_api_key
+    from capyctl.engines.services import add_engine
+    from capyctl.gateway.app import Gateway
+
+    def set_up() -> str:
+        wordy = {**SIM_ENV, "CAPYCTL_SIM_COMPLETION_TOKENS": "100"}
+        add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=wordy)
+        deployment("chat", price_prompt=2, price_completion=10, price_gpu_hour=36)
+        key, secret = issue_api_key("bob")
+        assert cli("budget", "set", "--key", key.key_id, "--spend", "0.01",
+                   "--period", "month").code == 0  # fmt: skip
+        return secret
+
+    secret = await sync_to_async(set_up)()
+    gateway = Gateway()
+    transport = httpx.ASGITransport(app=cast("Any", gateway))
+    statuses = []
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver",
+                                     timeout=60, headers={"Authorization": f"Bearer {secret}"}
+                                     ) as client:  # fmt: skip
+            body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+            for _ in range(20):
+                answer = await client.post("/v1/chat/completions", json=body)
+                statuses.append(answer.status_code)
+                if answer.status_code == 429:
+                    refusal = answer.json()["error"]
+                    break
+    finally:
+        await gateway.close()
+    assert statuses[-1] == 429
+    assert refusal["code"] == "budget_exceeded"
+    assert " to spend; it resets at " in refusal["message"]
+    rows = [row async for row in Usage.objects.all()]
+    for row in rows:
+        priced = (row.prompt_tokens * 2 + row.completion_tokens * 10) / 1e6 + (
+            row.gpu_seconds + row.switch_gpu_seconds
+        ) / 100
+        assert row.spend == pytest.approx(priced)
+    spent = sum(row.spend for row in rows)
+    assert spent >= 0.01  # used up, by less than one request's reservation past it
+    assert sum(row.requests for row in rows) == len(statuses) - 1

@@ -18,7 +18,8 @@ from django.db import models
 from rest_framework.fields import IntegerField
 
 from capyctl.api import serializers as s
-from capyctl.cli.parser import Parser, _deployment_settings, build_parser
+from capyctl.cli.parser import _deployment_settings, build_parser
+from capyctl.cli.parsing import Parser
 from capyctl.deployments import settings_spec
 from capyctl.deployments.admin import DeploymentAdmin, DeploymentForm, setting_fieldsets
 from capyctl.deployments.models import Deployment, OverClaim, ParkPolicy, Routing, Spread

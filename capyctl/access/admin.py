@@ -285,7 +285,7 @@ class TeamAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 class BudgetForm(forms.ModelForm):  # type: ignore[type-arg]
     class Meta:
         model = Budget
-        fields = ("key", "user", "team", "tokens", "gpu_seconds", "period", "soft_percent")
+        fields = ("key", "user", "team", "tokens", "gpu_seconds", "spend", "period", "soft_percent")
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -294,6 +294,7 @@ class BudgetForm(forms.ModelForm):  # type: ignore[type-arg]
                 scopes=sum(data.get(f) is not None for f in ("key", "user", "team")),
                 tokens=data.get("tokens"), gpu_seconds=data.get("gpu_seconds"),
                 period=str(data.get("period") or ""), soft_percent=data.get("soft_percent"),
+                spend=data.get("spend"),
             )  # fmt: skip
         except UserError as exc:
             raise forms.ValidationError(str(exc)) from None
@@ -312,7 +313,16 @@ class BudgetAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     shown, summed from the usage record."""
 
     form = BudgetForm
-    list_display = ("id", "whose", "period", "tokens", "gpu_seconds", "soft_percent", "used")
+    list_display = (
+        "id",
+        "whose",
+        "period",
+        "tokens",
+        "gpu_seconds",
+        "spend",
+        "soft_percent",
+        "used",
+    )
     list_filter = ("period",)
     raw_id_fields = ("key",)
 
@@ -323,7 +333,10 @@ class BudgetAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.display(description="used this period")
     def used(self, obj: Budget) -> str:
         row = budgets.budget_row(obj)
-        return f"{row['used_tokens']:,} tokens, {row['used_gpu_seconds']:,} GPU-s"
+        return (
+            f"{row['used_tokens']:,} tokens, {row['used_gpu_seconds']:,} GPU-s, "
+            f"{row['used_spend']:,.2f} spent"
+        )
 
     def save_model(self, request: HttpRequest, obj: Budget, form: Any, change: bool) -> None:
         super().save_model(request, obj, form, change)

@@ -1,4 +1,4 @@
-"""Budgets: ceilings on tokens and GPU-seconds per key, user or team, per period.
+"""Budgets: ceilings on tokens, GPU-seconds and spend per key, user or team, per period.
 
 The rule, one for every request: **every budget that applies to it must have room** (its
 key's, its user's and, when the key is charged to a team, its team's). A budget has room
@@ -33,6 +33,7 @@ from capyctl.events.services import record_event
 
 MAX_TOKENS = 10**15
 MAX_GPU_SECONDS = 10**12
+MAX_SPEND = 10**12
 QUARTER = 15 * 60  # seconds in a usage row's span
 _EPOCH = datetime(2000, 1, 1, tzinfo=UTC)  # before any usage: where ``total`` counts from
 _PERIOD_WORDS = {"day": "daily", "week": "weekly", "month": "monthly", "total": "total"}
@@ -82,6 +83,7 @@ def quarter_of(now: float) -> datetime:
 class Used:
     tokens: int = 0
     gpu_seconds: float = 0.0
+    spend: float = 0.0
 
 
 def _scope(budget: Budget) -> Q:
@@ -97,11 +99,12 @@ def used_of(budget: Budget, now: float | None = None) -> Used:
     start, _ = period_bounds(budget.period, now)
     sums = Usage.objects.filter(_scope(budget), at__gte=start).aggregate(
         prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"),
-        gpu=Sum("gpu_seconds"), switch=Sum("switch_gpu_seconds"),
+        gpu=Sum("gpu_seconds"), switch=Sum("switch_gpu_seconds"), spend=Sum("spend"),
     )  # fmt: skip
     return Used(
         tokens=int(sums["prompt"] or 0) + int(sums["completion"] or 0),
         gpu_seconds=float(sums["gpu"] or 0.0) + float(sums["switch"] or 0.0),
+        spend=float(sums["spend"] or 0.0),
     )
 
 
@@ -129,17 +132,18 @@ def _check_limit(value: float | None, most: float, flag: str) -> None:
 
 def check_budget(
     *, scopes: int, tokens: int | None, gpu_seconds: float | None, period: str,
-    soft_percent: int | None,
+    soft_percent: int | None, spend: float | None = None,
 ) -> None:  # fmt: skip
     """A budget's values, checked (the CLI's, REST's and the admin's)."""
     if scopes != 1:
         raise UserError("name one of --key, --user or --team", field="scope")
     if period not in Budget.PERIODS:
         raise UserError(f"--period must be one of {', '.join(Budget.PERIODS)}", field="period")
-    if tokens is None and gpu_seconds is None:
-        raise UserError("give --tokens, --gpu-seconds or both", field="tokens")
+    if tokens is None and gpu_seconds is None and spend is None:
+        raise UserError("give --tokens, --gpu-seconds, --spend or more of them", field="tokens")
     _check_limit(tokens, MAX_TOKENS, "--tokens")
     _check_limit(gpu_seconds, MAX_GPU_SECONDS, "--gpu-seconds")
+    _check_limit(spend, MAX_SPEND, "--spend")
     if soft_percent is not None and not 1 <= soft_percent <= 100:
         raise UserError("--soft must be a percentage from 1 to 100", field="soft_percent")
 
@@ -152,6 +156,7 @@ def set_budget(
     team: str | None = None,
     tokens: int | None = None,
     gpu_seconds: float | None = None,
+    spend: float | None = None,
     period: str,
     soft_percent: int | None = None,
     actor: str = "",
@@ -160,7 +165,7 @@ def set_budget(
     period exists) changed to these ceilings. Returns it and whether it was made."""
     check_budget(
         scopes=sum(x is not None for x in (key, user, team)), tokens=tokens,
-        gpu_seconds=gpu_seconds, period=period, soft_percent=soft_percent,
+        gpu_seconds=gpu_seconds, period=period, soft_percent=soft_percent, spend=spend,
     )  # fmt: skip
     scope: dict[str, ApiKey | Team | object] = {}
     if key is not None:
@@ -175,6 +180,7 @@ def set_budget(
         budget = Budget(period=period, **scope)
     budget.tokens = tokens
     budget.gpu_seconds = gpu_seconds
+    budget.spend = spend
     budget.soft_percent = soft_percent
     budget.save()
     record_event("budget.set", f"{describe(budget)}: {limits_text(budget)}",
@@ -188,6 +194,8 @@ def limits_text(budget: Budget) -> str:
         parts.append(f"{budget.tokens:,} tokens")
     if budget.gpu_seconds is not None:
         parts.append(f"{budget.gpu_seconds:,g} GPU-seconds")
+    if budget.spend is not None:
+        parts.append(f"{budget.spend:,.2f} to spend")
     text = " and ".join(parts)
     if budget.soft_percent is not None:
         text += f" (soft line {budget.soft_percent}%)"
@@ -238,8 +246,10 @@ def budget_row(budget: Budget, now: float | None = None) -> dict[str, object]:
         "period": budget.period,
         "tokens": budget.tokens,
         "gpu_seconds": budget.gpu_seconds,
+        "spend": budget.spend,
         "soft_percent": budget.soft_percent,
         "used_tokens": used.tokens,
         "used_gpu_seconds": round(used.gpu_seconds, 3),
+        "used_spend": round(used.spend, 6),
         "resets_at": None if ends is None else ends.astimezone(zone()).isoformat(),
     }

@@ -155,7 +155,8 @@ class Ceilings:
 
 class Budget(models.Model):
     """A ceiling on what one key, one user (all their keys) or one team (the keys charged to
-    it) may use in a period: tokens (prompt and completion), GPU-seconds, or both. Every
+    it) may use in a period: tokens (prompt and completion), GPU-seconds, spend (what those
+    come to at the models' prices), or any of them. Every
     budget that applies to a request must have room for it (:mod:`capyctl.access.budgets`).
     What was used is not kept here: it is the sum of :class:`Usage` since the period began,
     the one record that reports read too."""
@@ -170,6 +171,9 @@ class Budget(models.Model):
                              related_name="budgets")  # fmt: skip
     tokens = models.BigIntegerField(null=True, blank=True, help_text="prompt + completion")
     gpu_seconds = models.FloatField(null=True, blank=True)
+    spend = models.FloatField(
+        null=True, blank=True, help_text="in the currency of the models' prices"
+    )
     period = models.CharField(max_length=8, choices=[(p, p) for p in PERIODS])
     soft_percent = models.PositiveSmallIntegerField(
         null=True, blank=True, help_text="an event (and the alert webhook) once a period when "
@@ -192,7 +196,9 @@ class Budget(models.Model):
             ),
             models.CheckConstraint(
                 name="budget_has_a_limit",
-                condition=models.Q(tokens__isnull=False) | models.Q(gpu_seconds__isnull=False),
+                condition=models.Q(tokens__isnull=False)
+                | models.Q(gpu_seconds__isnull=False)
+                | models.Q(spend__isnull=False),
             ),
         ]
 
@@ -219,6 +225,8 @@ class Usage(models.Model):
     # in flight together, and their shares of the switches made for them.
     gpu_seconds = models.FloatField(default=0.0)
     switch_gpu_seconds = models.FloatField(default=0.0)
+    # What its tokens and GPU-seconds came to at its model's prices when it ran.
+    spend = models.FloatField(default=0.0)
 
     class Meta:
         indexes = [

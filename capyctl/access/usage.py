@@ -18,7 +18,8 @@ from capyctl.errors import UserError
 BY = ("team", "user", "key", "model")
 _GROUP = {"team": "team__name", "user": "key__user__username", "key": "key__key_id",
           "model": "model"}  # fmt: skip
-FIELDS = ("requests", "prompt_tokens", "completion_tokens", "gpu_seconds", "switch_gpu_seconds")
+FIELDS = ("requests", "prompt_tokens", "completion_tokens", "gpu_seconds", "switch_gpu_seconds",
+          "spend")  # fmt: skip
 
 
 def _rows(since: datetime, user_id: int | None) -> QuerySet[Usage]:
@@ -45,6 +46,7 @@ def usage_by(by: str, since: datetime, *, user_id: int | None = None) -> list[di
             completion=Coalesce(Sum("completion_tokens"), 0),
             gpu=Coalesce(Sum("gpu_seconds"), 0.0),
             switch=Coalesce(Sum("switch_gpu_seconds"), 0.0),
+            spend=Coalesce(Sum("spend"), 0.0),
         )
         .order_by()
     )
@@ -57,6 +59,7 @@ def usage_by(by: str, since: datetime, *, user_id: int | None = None) -> list[di
             "tokens": int(row["prompt"]) + int(row["completion"]),
             "gpu_seconds": round(float(row["gpu"]) + float(row["switch"]), 3),
             "switch_gpu_seconds": round(float(row["switch"]), 3),
+            "spend": round(float(row["spend"]), 6),
         }
         for row in sums
     ]

@@ -20,7 +20,8 @@ from capyctl.validation import parse_duration
 
 
 class BudgetIn(serializers.Serializer):  # type: ignore[type-arg]
-    """One of ``key``, ``user``, ``team``; at least one of ``tokens``, ``gpu_seconds``."""
+    """One of ``key``, ``user``, ``team``; at least one of ``tokens``, ``gpu_seconds``,
+    ``spend``."""
 
     key = serializers.CharField(required=False, max_length=64, help_text="a key's id")
     user = serializers.CharField(required=False, max_length=150)
@@ -29,6 +30,8 @@ class BudgetIn(serializers.Serializer):  # type: ignore[type-arg]
                                       max_value=budgets.MAX_TOKENS)  # fmt: skip
     gpu_seconds = serializers.FloatField(required=False, allow_null=True, min_value=0.001,
                                          max_value=budgets.MAX_GPU_SECONDS)  # fmt: skip
+    spend = serializers.FloatField(required=False, allow_null=True, min_value=0.000001,
+                                   max_value=budgets.MAX_SPEND)  # fmt: skip
     period = serializers.ChoiceField(choices=["day", "week", "month", "total"])
     soft_percent = serializers.IntegerField(required=False, allow_null=True, min_value=1,
                                             max_value=100)  # fmt: skip
@@ -41,9 +44,11 @@ class BudgetOut(serializers.Serializer):  # type: ignore[type-arg]
     period = serializers.CharField()
     tokens = serializers.IntegerField(allow_null=True)
     gpu_seconds = serializers.FloatField(allow_null=True)
+    spend = serializers.FloatField(allow_null=True)
     soft_percent = serializers.IntegerField(allow_null=True)
     used_tokens = serializers.IntegerField(help_text="in the current period")
     used_gpu_seconds = serializers.FloatField(help_text="in the current period")
+    used_spend = serializers.FloatField(help_text="in the current period")
     resets_at = serializers.CharField(allow_null=True, help_text="null: a total budget")
 
 
@@ -57,6 +62,7 @@ class UsageOut(serializers.Serializer):  # type: ignore[type-arg]
     tokens = serializers.IntegerField()
     gpu_seconds = serializers.FloatField(help_text="switches' shares included")
     switch_gpu_seconds = serializers.FloatField()
+    spend = serializers.FloatField(help_text="at the models' prices when they ran")
 
 
 def _scope_filter(request: Request) -> dict[str, str | None]:
@@ -93,7 +99,7 @@ class BudgetViewSet(viewsets.ViewSet):
         data: dict[str, Any] = dict(given.validated_data)
         budget, made = budgets.set_budget(
             key=data.get("key"), user=data.get("user"), team=data.get("team"),
-            tokens=data.get("tokens"), gpu_seconds=data.get("gpu_seconds"),
+            tokens=data.get("tokens"), gpu_seconds=data.get("gpu_seconds"), spend=data.get("spend"),
             period=data["period"], soft_percent=data.get("soft_percent"),
             actor=str(request.user.get_username()),
         )  # fmt: skip

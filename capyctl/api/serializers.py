@@ -11,7 +11,14 @@ from rest_framework.fields import empty
 
 from capyctl import reports
 from capyctl.deployments import guards, settings_spec
-from capyctl.deployments.settings_spec import CHOICE, FLAG, MAX_COUNT, Setting
+from capyctl.deployments.settings_spec import (
+    CHOICE,
+    FLAG,
+    MAX_COUNT,
+    MAX_PRICE,
+    PRICE,
+    Setting,
+)
 from capyctl.validation import MAX_SIZE_BYTES
 
 # -- output ---------------------------------------------------------------------------------
@@ -116,6 +123,8 @@ def setting_out(setting: Setting) -> serializers.Field:  # type: ignore[type-arg
         return serializers.BooleanField(help_text=setting.help)
     if setting.kind == CHOICE:
         return serializers.CharField(help_text=setting.help)
+    if setting.kind == PRICE:
+        return serializers.FloatField(help_text=setting.help)
     return serializers.IntegerField(help_text=setting.help)
 
 
@@ -314,6 +323,9 @@ def setting_in(setting: Setting) -> serializers.Field:  # type: ignore[type-arg]
         return serializers.ChoiceField(
             choices=setting.choices, required=False, help_text=setting.help
         )
+    if setting.kind == PRICE:
+        return serializers.FloatField(required=False, min_value=0, max_value=MAX_PRICE,
+                                      help_text=setting.help)  # fmt: skip
     return serializers.IntegerField(
         required=False,
         allow_null=setting.nullable,

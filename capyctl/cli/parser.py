@@ -11,13 +11,14 @@ from capyctl.cli.parsing import (
     add_json,
     cmd,
     count_arg,
+    price_arg,
     range_arg,
     size_arg,
 )
 
 # Plain Python: parsing stays Django-free.
 from capyctl.deployments import settings_spec
-from capyctl.deployments.settings_spec import CHOICE, FLAG, SETTING, Setting
+from capyctl.deployments.settings_spec import CHOICE, FLAG, PRICE, SETTING, Setting
 
 
 def build_parser() -> Parser:
@@ -350,6 +351,10 @@ def add_setting_flag(parser: argparse.ArgumentParser, setting: Setting, *, updat
     if setting.kind == CHOICE:
         parser.add_argument(setting.flag, choices=setting.choices, default=default,
                             metavar=setting.metavar, help=setting.cli_help())  # fmt: skip
+        return
+    if setting.kind == PRICE:
+        parser.add_argument(setting.flag, type=price_arg, metavar=setting.metavar,
+                            default=default, help=setting.cli_help())  # fmt: skip
         return
     least = setting.least_flag
     if setting.low_part is not None:

@@ -94,8 +94,8 @@ def _positive_number(text: str) -> float:
 
 
 def build_budget(commands: Any) -> None:
-    budget = cmd(commands, "budget", "budgets: tokens and GPU-seconds a key, user or team may "
-                 "use in a period")  # fmt: skip
+    budget = cmd(commands, "budget", "budgets: tokens, GPU-seconds or spend a key, user or "
+                 "team may use in a period")  # fmt: skip
     sub = budget.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
     put = cmd(sub, "set", "set the budget of a key, user or team for a period (one a period: "
               "setting it again changes it)", "budget_set")  # fmt: skip
@@ -108,6 +108,9 @@ def build_budget(commands: Any) -> None:
     put.add_argument("--gpu-seconds", type=_positive_number, metavar="N",
                      help="the time requests held their engines times its GPUs, shared, "
                      "and their shares of the switches made for them")  # fmt: skip
+    put.add_argument("--spend", type=_positive_number, metavar="AMOUNT",
+                     help="what its tokens and GPU-seconds come to at the models' prices "
+                     "(deployment --price-*)")  # fmt: skip
     put.add_argument("--period", required=True, choices=["day", "week", "month", "total"],
                      help="a calendar period in CAPYCTL_TIME_ZONE (total: never resets)",
                      )  # fmt: skip

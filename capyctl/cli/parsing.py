@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NoReturn
 
+from capyctl.deployments.settings_spec import MAX_PRICE
 from hostagent.units import SizeError, is_bare_number, is_unit, parse_size
 
 
@@ -73,6 +74,17 @@ def range_arg(minimum: int) -> Callable[[str], tuple[int, int]]:
         return low, high
 
     return parse
+
+
+def price_arg(text: str) -> float:
+    """An amount of money: a number from 0 to a million (``0.15``, ``2.5``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid amount {text!r}") from None
+    if not 0 <= value <= MAX_PRICE:
+        raise argparse.ArgumentTypeError(f"{text!r} must be from 0 to {MAX_PRICE:,}")
+    return value
 
 
 def limit_arg(text: str) -> int | None:

@@ -283,8 +283,9 @@ def budget_set(args: argparse.Namespace) -> int:
 
     prepare()
     budget, made = set_budget(key=args.key, user=args.user, team=args.team, tokens=args.tokens,
-                              gpu_seconds=args.gpu_seconds, period=args.period,
-                              soft_percent=args.soft, actor=_actor())  # fmt: skip
+                              gpu_seconds=args.gpu_seconds, spend=args.spend,
+                              period=args.period, soft_percent=args.soft,
+                              actor=_actor())  # fmt: skip
     print(f"budget {budget.pk} {'set' if made else 'changed'}: {describe(budget)}, "
           f"{limits_text(budget)}")  # fmt: skip
     return 0
@@ -308,11 +309,12 @@ def budget_list(args: argparse.Namespace) -> int:
     table = [
         [r["id"], f"{r['scope']} {r['of']}", r["period"], _used(r, "tokens", "used_tokens", ","),
          _used(r, "gpu_seconds", "used_gpu_seconds", ",.1f"),
+         _used(r, "spend", "used_spend", ",.2f"),
          f"{r['soft_percent']}%" if r["soft_percent"] else "-",
          str(r["resets_at"] or "never")[:16].replace("T", " ")]
         for r in rows
     ]  # fmt: skip
-    print_table(["id", "of", "period", "tokens", "gpu-seconds", "soft", "resets"], table,
+    print_table(["id", "of", "period", "tokens", "gpu-seconds", "spend", "soft", "resets"], table,
                 empty="no budgets")  # fmt: skip
     return 0
 
@@ -340,7 +342,7 @@ def usage(args: argparse.Namespace) -> int:
         print_json(rows)
         return 0
     fields = [args.by, "requests", "prompt_tokens", "completion_tokens", "tokens", "gpu_seconds",
-              "switch_gpu_seconds"]  # fmt: skip
+              "switch_gpu_seconds", "spend"]  # fmt: skip
     if args.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(fields)
@@ -348,8 +350,9 @@ def usage(args: argparse.Namespace) -> int:
         return 0
     table = [[r[args.by] or "(no team)", f"{r['requests']:,}", f"{r['prompt_tokens']:,}",
               f"{r['completion_tokens']:,}", f"{r['gpu_seconds']:,.2f}",
-              f"{r['switch_gpu_seconds']:,.2f}"] for r in rows]  # fmt: skip
-    print_table([args.by, "requests", "prompt", "completion", "gpu-s", "of it switches"], table,
+              f"{r['switch_gpu_seconds']:,.2f}", f"{r['spend']:,.4f}"] for r in rows]  # fmt: skip
+    print_table([args.by, "requests", "prompt", "completion", "gpu-s", "of it switches", "spend"],
+                table,
                 empty=f"no usage in the last {args.since}")  # fmt: skip
     return 0
 

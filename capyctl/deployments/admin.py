@@ -20,7 +20,14 @@ from capyctl.deployments.services import (
     check_deployment,
     update_deployment,
 )
-from capyctl.deployments.settings_spec import MEMORY, PARKING, REQUESTS, SETTINGS, Setting
+from capyctl.deployments.settings_spec import (
+    MEMORY,
+    PARKING,
+    PRICES,
+    REQUESTS,
+    SETTINGS,
+    Setting,
+)
 from capyctl.errors import UserError
 from capyctl.scheduler.intents import request_action, restart_to_take
 from capyctl.validation import parse_gpu_memory, parse_size_value, split_engine_args
@@ -111,6 +118,7 @@ _SECTION_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     MEMORY: (("gpu_memory", "weights_size"), ()),
     PARKING: ((), ()),
     REQUESTS: ((), ("media_domains",)),
+    PRICES: ((), ()),
 }
 
 

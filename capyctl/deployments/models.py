@@ -9,7 +9,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from capyctl.deployments import guards
-from capyctl.deployments.settings_spec import COUNT, SETTING, SETTINGS
+from capyctl.deployments.settings_spec import COUNT, PRICE, SETTING, SETTINGS
 
 
 class ParkPolicy(models.TextChoices):
@@ -75,7 +75,7 @@ def declared(name: str) -> dict[str, Any]:
     options: dict[str, Any] = {"help_text": setting.model_help()}
     if setting.default is not None:
         options["default"] = setting.default
-    if setting.kind == COUNT:
+    if setting.kind in (COUNT, PRICE):
         options["validators"] = [
             *([MinValueValidator(setting.minimum)] if setting.minimum is not None else []),
             *([MaxValueValidator(setting.maximum)] if setting.maximum is not None else []),
@@ -176,6 +176,9 @@ class Deployment(models.Model):
     max_tokens_ceiling = models.PositiveIntegerField(**declared("max_tokens_ceiling"))
     n_ceiling = models.PositiveIntegerField(**declared("n_ceiling"))
     best_of_ceiling = models.PositiveIntegerField(**declared("best_of_ceiling"))
+    price_prompt = models.FloatField(**declared("price_prompt"))
+    price_completion = models.FloatField(**declared("price_completion"))
+    price_gpu_hour = models.FloatField(**declared("price_gpu_hour"))
     media_domains = models.JSONField(
         default=list,
         blank=True,

@@ -69,6 +69,9 @@ class DeploymentSpec:
     pinned: bool = _default("pinned")
     over_claim: str = _default("over_claim")
     priority: int = _default("priority")
+    price_prompt: float = _default("price_prompt")
+    price_completion: float = _default("price_completion")
+    price_gpu_hour: float = _default("price_gpu_hour")
     idle_park_seconds: int | None = None
     min_ready_seconds: int | None = None
     max_waiting: int | None = None

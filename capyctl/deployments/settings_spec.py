@@ -39,11 +39,14 @@ STAFF = "staff"  # who may set it: staff users and admin keys
 MEMORY = "Memory"
 PARKING = "Parking and waiting"
 REQUESTS = "What a request may ask"
-SECTIONS = (MEMORY, PARKING, REQUESTS)
+PRICES = "Prices"
+SECTIONS = (MEMORY, PARKING, REQUESTS, PRICES)
 
 COUNT = "count"  # a whole number within its bounds
 CHOICE = "choice"  # one of its choices
 FLAG = "bool"  # on or off
+PRICE = "price"  # an amount of money, 0 or more, in the operator's own currency
+MAX_PRICE = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -127,11 +130,14 @@ class Setting:
         if value is None and self.nullable:
             return None
         if self.kind == CHOICE:
-            if value not in self.choices:
-                return f"invalid {self.words} {value!r} (use {', '.join(self.choices)})"
-            return None
+            wrong = value not in self.choices
+            return (
+                f"invalid {self.words} {value!r} (use {', '.join(self.choices)})" if wrong else None
+            )
         if self.kind == FLAG:
             return None if isinstance(value, bool) else f"invalid {self.words} {value!r}"
+        if self.kind == PRICE:
+            return _price_wrong(self.words, value)
         low, high = self.minimum, self.maximum
         if (
             type(value) is not int
@@ -140,6 +146,12 @@ class Setting:
         ):
             return f"invalid {self.words} {value!r}: use {low} to {high}"
         return None
+
+
+def _price_wrong(words: str, value: object) -> str | None:
+    if type(value) in (int, float) and 0 <= value <= MAX_PRICE:  # type: ignore[operator]
+        return None
+    return f"invalid {words} {value!r}: use 0 to {MAX_PRICE:,}"
 
 
 def _ceiling(ceiling: guards.Ceiling) -> Setting:
@@ -364,6 +376,22 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="SECONDS",
     ),
     *(_ceiling(ceiling) for ceiling in guards.CEILINGS),
+    *(
+        Setting(
+            name,
+            PRICE,
+            f"what {what} costs, in your currency (0: nothing), for budgets' "
+            "--spend and capyctl usage",
+            PRICES,
+            default=0,
+            metavar="AMOUNT",
+        )
+        for name, what in (
+            ("price_prompt", "a million prompt tokens"),
+            ("price_completion", "a million completion tokens"),
+            ("price_gpu_hour", "an hour of one of its GPUs"),
+        )
+    ),
 )
 
 

@@ -134,6 +134,7 @@ class Admission:
         _check_guards(parsed, body, route)  # what it asks of the engine
         if outcome.stream and parsed is not None and route.kind in _ASKS_FOR_USAGE:
             body, parsed = _with_usage(body, parsed, target.path, outcome)
+        outcome.prices = route.prices
         # Every budget that applies must have room: its worst case is reserved in each.
         outcome.reservation = await self.budgets.admit(
             key, route, parsed, len(body), self.shares.typical(route.deployment_id)

@@ -22,7 +22,7 @@ from django.conf import settings
 from capyctl.gateway import access, adapters
 from capyctl.gateway.admission import Admission, StoredResponses
 from capyctl.gateway.batches import BatchedWrites
-from capyctl.gateway.budgets import Budgets
+from capyctl.gateway.budgets import Budgets, spend_of
 from capyctl.gateway.context import Outcome, RequestContext, Scope
 from capyctl.gateway.errors import GatewayError, control_plane_down, respond
 from capyctl.gateway.forwarding import Forwarding
@@ -103,16 +103,16 @@ class Gateway:
         """What the request used, in its key's usage and its budgets (its reservation
         settled)."""
         key = outcome.admitted[0]  # type: ignore[index]  # counted only once admitted
-        tokens = outcome.prompt_tokens + outcome.completion_tokens
+        prompt, completion = outcome.prompt_tokens, outcome.completion_tokens
         gpu = outcome.gpu_seconds + outcome.switch_gpu_seconds
+        spend = spend_of(outcome.prices, prompt, completion, gpu)
         if outcome.reservation is not None:
             reservation, outcome.reservation = outcome.reservation, None
-            await self.budgets.settle(reservation, tokens, gpu)
+            await self.budgets.settle(reservation, (prompt + completion, gpu, spend))
         if outcome.forwarded:
-            self.usage.add(key.pk, outcome.prompt_tokens, outcome.completion_tokens,
-                           model=outcome.model, team_id=key.team_id,
+            self.usage.add(key.pk, prompt, completion, model=outcome.model, team_id=key.team_id,
                            gpu_seconds=outcome.gpu_seconds,
-                           switch_gpu_seconds=outcome.switch_gpu_seconds)  # fmt: skip
+                           switch_gpu_seconds=outcome.switch_gpu_seconds, spend=spend)  # fmt: skip
             self._usage_writes.soon()
 
     def _trace(self, outcome: Outcome, key_pk: int, started: float) -> None:

@@ -5,7 +5,8 @@ On admission a request reserves its worst case against each budget that applies 
 key's, its user's, its team's): tokens, its prompt (a token a 4 bytes of body, at
 least) plus what it may generate (``max_tokens`` or its kin, times ``n``; else the
 model's ceiling on ``max_tokens``; else 1,024); GPU-seconds, twice what a request of that
-model cost lately (else 1 GPU-second a GPU it holds). A budget has room while what was
+model cost lately (else 1 GPU-second a GPU it holds); spend, those at the model's prices.
+A budget has room while what was
 used with what is reserved is under its ceiling, so fifty requests at once against a
 budget with room for ten are let in until the reservations fill it: it is passed by at
 most one reservation. When the request ends its reservation is settled to what it used.
@@ -27,7 +28,7 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -54,25 +55,39 @@ RETRY_CAP_SECONDS = 3600
 _WEBHOOK_SECONDS = 5.0
 
 
+# What a budget bounds, in this order everywhere: a request's need, a budget's ceilings,
+# its counts (used, then reserved).
+MEASURES = ("tokens", "gpu_seconds", "spend")
+UNITS = ("tokens", "GPU-seconds", "to spend")
+Amounts = tuple[float, float, float]
+NONE: Amounts = (0.0, 0.0, 0.0)
+
+
 @dataclass(frozen=True)
 class BudgetLine:
-    """A budget as the gateway checks it; ``seed``: what the database had used of it in
-    the current period, at the last refresh."""
+    """A budget as the gateway checks it: its ceilings (None: not bounded); ``seed``:
+    what the database had used of it in the current period, at the last refresh."""
 
     pk: int
     scope: tuple[str, int]  # ("key", pk), ("user", id) or ("team", id)
     period: str
-    tokens: int | None
-    gpu_seconds: float | None
+    ceilings: tuple[float | None, float | None, float | None]
     soft_percent: int | None
     words: str  # "team ml's daily budget"
-    seed: rules.Used = field(default_factory=rules.Used)
+    seed: Amounts = NONE
     seed_start: float = 0.0  # the start of the period the seed is of
 
-    def seed_for(self, start: float) -> rules.Used:
+    def seed_for(self, start: float) -> Amounts:
         """What to begin a period's count with: the seed if it is of that period; nothing
         for a period begun since (its usage is yet to come)."""
-        return self.seed if start == self.seed_start else rules.Used()
+        return self.seed if start == self.seed_start else NONE
+
+    def full(self, used: Amounts, reserved: Amounts) -> int | None:
+        """The first measure whose used and reserved reach its ceiling (None: room)."""
+        for at, most in enumerate(self.ceilings):
+            if most is not None and used[at] + reserved[at] >= most:
+                return at
+        return None
 
 
 @dataclass
@@ -80,9 +95,12 @@ class Reservation:
     """What one request reserved, and of which budgets (in which period each)."""
 
     lines: list[tuple[BudgetLine, float]]  # each budget, with its period's start
-    tokens: float
-    gpu_seconds: float
+    need: Amounts
     local: bool = False  # counted in this process (Redis did not answer)
+
+
+# A budget with no room: its index, the measure, and that measure's used and reserved.
+Refusal = tuple[int, int, float, float]
 
 
 def _counter_key(line: BudgetLine, start: float) -> str:
@@ -93,7 +111,7 @@ class LocalCounts:
     """Used and reserved, per budget and period, in this process."""
 
     def __init__(self) -> None:
-        # (pk, period start) -> [used tokens, used GPU-s, reserved tokens, reserved GPU-s]
+        # (pk, period start) -> [used of each measure..., reserved of each measure...]
         self._counts: dict[tuple[int, float], list[float]] = {}
 
     def _of(self, line: BudgetLine, start: float) -> list[float]:
@@ -101,110 +119,98 @@ class LocalCounts:
         if counts is None:
             for old in [k for k in self._counts if k[0] == line.pk]:  # an ended period's
                 del self._counts[old]
-            counts = self._counts[(line.pk, start)] = [
-                float(line.seed.tokens),
-                line.seed.gpu_seconds,
-                0.0,
-                0.0,
-            ]
+            counts = self._counts[(line.pk, start)] = [*line.seed_for(start), *NONE]
         return counts
 
-    def reserve(
-        self, lines: list[tuple[BudgetLine, float]], tokens: float, gpu: float
-    ) -> tuple[int, str, float, float] | None:
-        """Reserve in every budget, or, when one has no room, in none: then its index,
-        which ceiling (``tokens`` or ``gpu``), and its used and reserved."""
+    def reserve(self, lines: list[tuple[BudgetLine, float]], need: Amounts) -> Refusal | None:
+        """Reserve in every budget, or, when one has no room, in none: then which."""
         for at, (line, start) in enumerate(lines):
-            used_t, used_g, res_t, res_g = self._of(line, start)
-            if line.tokens is not None and used_t + res_t >= line.tokens:
-                return at, "tokens", used_t, res_t
-            if line.gpu_seconds is not None and used_g + res_g >= line.gpu_seconds:
-                return at, "gpu", used_g, res_g
+            counts = self._of(line, start)
+            full = line.full((counts[0], counts[1], counts[2]), (counts[3], counts[4], counts[5]))
+            if full is not None:
+                return at, full, counts[full], counts[3 + full]
         for line, start in lines:
             counts = self._of(line, start)
-            counts[2] += tokens
-            counts[3] += gpu
+            for at in range(3):
+                counts[3 + at] += need[at]
         return None
 
-    def settle(
-        self, reservation: Reservation, tokens: float, gpu: float
-    ) -> list[tuple[float, float]]:
+    def settle(self, reservation: Reservation, used: Amounts) -> list[Amounts]:
         """Swap the reservation for what was used; returns each budget's used after."""
-        after = []
+        after: list[Amounts] = []
         for line, start in reservation.lines:
             counts = self._counts.get((line.pk, start))
             if counts is None:  # its period ended meanwhile: nothing to settle there
-                after.append((0.0, 0.0))
+                after.append(NONE)
                 continue
-            counts[0] += tokens
-            counts[1] += gpu
-            counts[2] = max(counts[2] - reservation.tokens, 0.0)
-            counts[3] = max(counts[3] - reservation.gpu_seconds, 0.0)
-            after.append((counts[0], counts[1]))
+            for at in range(3):
+                counts[at] += used[at]
+                counts[3 + at] = max(counts[3 + at] - reservation.need[at], 0.0)
+            after.append((counts[0], counts[1], counts[2]))
         return after
 
 
 # Every budget is checked before any is reserved in, so a request refused by one reserves
-# in none. ARGV: five a budget (seed tokens, seed GPU-s, ceiling tokens and GPU-s, -1 for
-# none, seconds to keep it), then the reservation's tokens and GPU-s.
+# in none. A hash a budget and period: u1..u3 used, r1..r3 reserved of each measure.
+# ARGV: seven a budget (its seed of each measure, its ceiling of each, -1 for none, and
+# the seconds to keep it), then the reservation of each measure.
 _RESERVE_SCRIPT = """
 local n = #KEYS
-local need_t = tonumber(ARGV[5 * n + 1])
-local need_g = tonumber(ARGV[5 * n + 2])
 for i, key in ipairs(KEYS) do
-  local b = (i - 1) * 5
+  local b = (i - 1) * 7
   if redis.call('EXISTS', key) == 0 then
-    redis.call('HSET', key, 'ut', ARGV[b + 1], 'ug', ARGV[b + 2], 'rt', 0, 'rg', 0)
+    redis.call('HSET', key, 'u1', ARGV[b + 1], 'u2', ARGV[b + 2], 'u3', ARGV[b + 3],
+               'r1', 0, 'r2', 0, 'r3', 0)
   end
-  redis.call('EXPIRE', key, tonumber(ARGV[b + 5]))
-  local v = redis.call('HMGET', key, 'ut', 'ug', 'rt', 'rg')
-  local lt = tonumber(ARGV[b + 3])
-  local lg = tonumber(ARGV[b + 4])
-  if lt >= 0 and tonumber(v[1]) + tonumber(v[3]) >= lt then return {i, 'tokens', v[1], v[3]} end
-  if lg >= 0 and tonumber(v[2]) + tonumber(v[4]) >= lg then return {i, 'gpu', v[2], v[4]} end
+  redis.call('EXPIRE', key, tonumber(ARGV[b + 7]))
+  for m = 1, 3 do
+    local most = tonumber(ARGV[b + 3 + m])
+    if most >= 0 then
+      local used = redis.call('HGET', key, 'u' .. m)
+      local held = redis.call('HGET', key, 'r' .. m)
+      if tonumber(used) + tonumber(held) >= most then return {i, m, used, held} end
+    end
+  end
 end
 for i, key in ipairs(KEYS) do
-  redis.call('HINCRBYFLOAT', key, 'rt', need_t)
-  redis.call('HINCRBYFLOAT', key, 'rg', need_g)
+  for m = 1, 3 do
+    redis.call('HINCRBYFLOAT', key, 'r' .. m, ARGV[7 * n + m])
+  end
 end
 return false
 """
 
-# ARGV: the reservation's tokens and GPU-s, then what was used of each. Returns each
-# budget's used tokens and GPU-s after ('-1' where Redis no longer has the budget).
+# ARGV: the reservation of each measure, then what was used of each. Returns each
+# budget's used of each measure after ('-1' where Redis no longer has the budget).
 _SETTLE_SCRIPT = """
 local out = {}
 for i, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 1 then
-    local rt = tonumber(redis.call('HINCRBYFLOAT', key, 'rt', -tonumber(ARGV[1])))
-    local rg = tonumber(redis.call('HINCRBYFLOAT', key, 'rg', -tonumber(ARGV[2])))
-    if rt < 0 then redis.call('HSET', key, 'rt', 0) end
-    if rg < 0 then redis.call('HSET', key, 'rg', 0) end
-    out[2 * i - 1] = redis.call('HINCRBYFLOAT', key, 'ut', ARGV[3])
-    out[2 * i] = redis.call('HINCRBYFLOAT', key, 'ug', ARGV[4])
-  else
-    out[2 * i - 1] = '-1'
-    out[2 * i] = '-1'
+  for m = 1, 3 do
+    if redis.call('EXISTS', key) == 1 then
+      if tonumber(redis.call('HINCRBYFLOAT', key, 'r' .. m, -tonumber(ARGV[m]))) < 0 then
+        redis.call('HSET', key, 'r' .. m, 0)
+      end
+      out[3 * (i - 1) + m] = redis.call('HINCRBYFLOAT', key, 'u' .. m, ARGV[3 + m])
+    else
+      out[3 * (i - 1) + m] = '-1'
+    end
   end
 end
 return out
 """
 
-
 # What this process counted alone while Redis did not answer, given back once it does:
-# ARGV four a budget (used tokens and GPU-s to add, reserved ones to take back). A budget
-# Redis no longer has is begun again from the database, whose usage rows hold it already.
+# ARGV six a budget (used of each measure to add, reserved of each to take back). A
+# budget Redis no longer has is begun again from the database, whose usage rows hold it.
 _OWED_SCRIPT = """
 for i, key in ipairs(KEYS) do
   if redis.call('EXISTS', key) == 1 then
-    local b = (i - 1) * 4
-    redis.call('HINCRBYFLOAT', key, 'ut', ARGV[b + 1])
-    redis.call('HINCRBYFLOAT', key, 'ug', ARGV[b + 2])
-    if tonumber(redis.call('HINCRBYFLOAT', key, 'rt', -tonumber(ARGV[b + 3]))) < 0 then
-      redis.call('HSET', key, 'rt', 0)
-    end
-    if tonumber(redis.call('HINCRBYFLOAT', key, 'rg', -tonumber(ARGV[b + 4]))) < 0 then
-      redis.call('HSET', key, 'rg', 0)
+    local b = (i - 1) * 6
+    for m = 1, 3 do
+      redis.call('HINCRBYFLOAT', key, 'u' .. m, ARGV[b + m])
+      if tonumber(redis.call('HINCRBYFLOAT', key, 'r' .. m, -tonumber(ARGV[b + 3 + m]))) < 0 then
+        redis.call('HSET', key, 'r' .. m, 0)
+      end
     end
   end
 end
@@ -226,17 +232,16 @@ class RedisCounts:
         self._errors = scheduler.redis_errors()
         self._link = scheduler.redis_link(url)
         self.local = LocalCounts()
-        # Redis key -> [used tokens, used GPU-s, reserved tokens, reserved GPU-s] owed
+        # Redis key -> [used of each measure, reserved of each] owed to it
         self._owed: dict[str, list[float]] = {}
 
-    def _owe(self, reservation: Reservation, tokens: float, gpu: float) -> None:
+    def _owe(self, reservation: Reservation, used: Amounts) -> None:
         held = 0.0 if reservation.local else 1.0  # reserved in Redis: take it back too
         for line, start in reservation.lines:
-            owed = self._owed.setdefault(_counter_key(line, start), [0.0, 0.0, 0.0, 0.0])
-            owed[0] += tokens
-            owed[1] += gpu
-            owed[2] += held * reservation.tokens
-            owed[3] += held * reservation.gpu_seconds
+            owed = self._owed.setdefault(_counter_key(line, start), [0.0] * 6)
+            for at in range(3):
+                owed[at] += used[at]
+                owed[3 + at] += held * reservation.need[at]
 
     async def _pay_back(self) -> None:
         owed, self._owed = self._owed, {}
@@ -245,13 +250,13 @@ class RedisCounts:
         except self._errors as exc:
             self._link.failed(exc)
             for key, row in owed.items():  # kept for the next time it answers
-                mine = self._owed.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+                mine = self._owed.setdefault(key, [0.0] * 6)
                 for at, value in enumerate(row):
                     mine[at] += value
 
     async def reserve(
-        self, lines: list[tuple[BudgetLine, float]], tokens: float, gpu: float
-    ) -> tuple[tuple[int, str, float, float] | None, bool]:
+        self, lines: list[tuple[BudgetLine, float]], need: Amounts
+    ) -> tuple[Refusal | None, bool]:
         """:meth:`LocalCounts.reserve`'s answer, and whether it was counted here alone."""
         if self._owed and self._link.answers():
             await self._pay_back()
@@ -260,41 +265,41 @@ class RedisCounts:
             for line, start in lines:
                 _, ends = rules.period_bounds(line.period)
                 keep = 30 * 86400 if ends is None else int(ends.timestamp() - start) + 86400
-                seed = line.seed_for(start)
-                args += [seed.tokens, seed.gpu_seconds,
-                         -1 if line.tokens is None else line.tokens,
-                         -1 if line.gpu_seconds is None else line.gpu_seconds, keep]  # fmt: skip
+                ceilings = [-1 if most is None else most for most in line.ceilings]
+                args += [*line.seed_for(start), *ceilings, keep]
             try:
                 refused = await self._reserve(
-                    keys=[_counter_key(line, start) for line, start in lines],
-                    args=[*args, tokens, gpu],
+                    keys=[_counter_key(line, start) for line, start in lines], args=[*args, *need]
                 )
             except self._errors as exc:
                 self._link.failed(exc)
             else:
                 if not refused:
                     return None, False
-                at, which, used, held = refused
-                return (int(at) - 1, _text(which), float(used), float(held)), False
-        return self.local.reserve(lines, tokens, gpu), True
+                at, measure, used, held = refused
+                return (
+                    int(at) - 1,
+                    int(measure) - 1,
+                    float(_text(used)),
+                    float(_text(held)),
+                ), False
+        return self.local.reserve(lines, need), True
 
-    async def settle(
-        self, reservation: Reservation, tokens: float, gpu: float
-    ) -> list[tuple[float, float]]:
+    async def settle(self, reservation: Reservation, used: Amounts) -> list[Amounts]:
         if reservation.local or not self._link.answers():
-            self._owe(reservation, tokens, gpu)
-            return self.local.settle(reservation, tokens, gpu)
+            self._owe(reservation, used)
+            return self.local.settle(reservation, used)
         try:
             out = await self._settle(
                 keys=[_counter_key(line, start) for line, start in reservation.lines],
-                args=[reservation.tokens, reservation.gpu_seconds, tokens, gpu],
+                args=[*reservation.need, *used],
             )
         except self._errors as exc:
             self._link.failed(exc)
-            self._owe(reservation, tokens, gpu)
-            return self.local.settle(reservation, tokens, gpu)
+            self._owe(reservation, used)
+            return self.local.settle(reservation, used)
         values = [float(_text(v)) for v in out]
-        return [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+        return [(values[i], values[i + 1], values[i + 2]) for i in range(0, len(values), 3)]
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -310,6 +315,7 @@ def _load() -> dict[tuple[str, int], list[BudgetLine]]:
     try:
         now = rules.clock()
         for budget in Budget.objects.select_related("key", "user", "team"):
+            used = rules.used_of(budget, now)
             scope = (
                 ("key", budget.key_id) if budget.key_id is not None
                 else ("user", budget.user_id) if budget.user_id is not None
@@ -317,9 +323,10 @@ def _load() -> dict[tuple[str, int], list[BudgetLine]]:
             )  # fmt: skip
             table.setdefault(scope, []).append(
                 BudgetLine(
-                    pk=budget.pk, scope=scope, period=budget.period, tokens=budget.tokens,
-                    gpu_seconds=budget.gpu_seconds, soft_percent=budget.soft_percent,
-                    words=rules.describe(budget), seed=rules.used_of(budget, now),
+                    pk=budget.pk, scope=scope, period=budget.period,
+                    ceilings=(budget.tokens, budget.gpu_seconds, budget.spend),
+                    soft_percent=budget.soft_percent, words=rules.describe(budget),
+                    seed=(used.tokens, used.gpu_seconds, used.spend),
                     seed_start=rules.period_bounds(budget.period, now)[0].timestamp(),
                 )
             )  # fmt: skip
@@ -377,35 +384,37 @@ class Budgets:
         now = rules.clock()
         spans = [(line, rules.period_bounds(line.period, now)) for line in lines]
         held = [(line, start.timestamp()) for line, (start, _) in spans]
-        tokens = float(_worst_tokens(parsed, body_bytes, route))
+        prompt, completion = _worst_tokens(parsed, body_bytes, route)
         gpus = max(len(route.gpus), 1)
         gpu = 2 * typical_gpu_seconds if typical_gpu_seconds else float(gpus)
+        need = (float(prompt + completion), gpu, spend_of(route.prices, prompt, completion, gpu))
         if isinstance(self.counts, RedisCounts):
-            refused, local = await self.counts.reserve(held, tokens, gpu)
+            refused, local = await self.counts.reserve(held, need)
         else:
-            refused, local = self.counts.reserve(held, tokens, gpu), True
+            refused, local = self.counts.reserve(held, need), True
         if refused is not None:
             line, (_, ends) = spans[refused[0]]
             raise _exceeded(line, refused, ends, now)
-        return Reservation(held, tokens, gpu, local=local)
+        return Reservation(held, need, local=local)
 
-    async def settle(self, reservation: Reservation, tokens: int, gpu_seconds: float) -> None:
-        """The request ended having used ``tokens`` and ``gpu_seconds``."""
+    async def settle(self, reservation: Reservation, used: Amounts) -> None:
+        """The request ended having used ``used`` (tokens, GPU-seconds, spend)."""
         if isinstance(self.counts, RedisCounts):
-            after = await self.counts.settle(reservation, tokens, gpu_seconds)
+            after = await self.counts.settle(reservation, used)
         else:
-            after = self.counts.settle(reservation, tokens, gpu_seconds)
-        for (line, start), (used_t, used_g) in zip(reservation.lines, after, strict=True):
+            after = self.counts.settle(reservation, used)
+        for (line, start), now_used in zip(reservation.lines, after, strict=True):
             if line.soft_percent is None or (line.pk, start) in self._alerted:
                 continue
             share = line.soft_percent / 100
-            crossed = (line.tokens is not None and used_t >= share * line.tokens) or (
-                line.gpu_seconds is not None and used_g >= share * line.gpu_seconds
+            crossed = any(
+                most is not None and now_used[at] >= share * most
+                for at, most in enumerate(line.ceilings)
             )
             if crossed:
                 self._alerted.add((line.pk, start))
                 task = asyncio.ensure_future(
-                    asyncio.to_thread(_soft_crossed, line, start, used_t, used_g)
+                    asyncio.to_thread(_soft_crossed, line, start, now_used)
                 )
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -420,7 +429,14 @@ class Budgets:
             await self.counts.close()
 
 
-def _worst_tokens(parsed: dict[str, Any] | None, body_bytes: int, route: Route) -> int:
+def spend_of(prices: Amounts, prompt: float, completion: float, gpu_seconds: float) -> float:
+    """What tokens and GPU-seconds come to at a model's prices (a million prompt tokens, a
+    million completion tokens, a GPU-hour)."""
+    return (prompt * prices[0] + completion * prices[1]) / 1e6 + gpu_seconds * prices[2] / 3600
+
+
+def _worst_tokens(parsed: dict[str, Any] | None, body_bytes: int, route: Route) -> tuple[int, int]:
+    """The most a request may use: its prompt, and what it may generate."""
     prompt = max(body_bytes // _BYTES_A_TOKEN, 1)
     completion: int | None = None
     if parsed is not None:
@@ -434,42 +450,40 @@ def _worst_tokens(parsed: dict[str, Any] | None, body_bytes: int, route: Route) 
         completion = ceiling or DEFAULT_COMPLETION
     n = parsed.get("n") if parsed is not None else None
     many = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-    return prompt + completion * many
+    return prompt, completion * many
 
 
-def _amount(which: str, value: float) -> str:
-    if which == "tokens":
+def _amount(measure: int, value: float) -> str:
+    if measure == 0:  # tokens
         return f"{math.ceil(value):,}"
-    return f"{value:,.1f}"
+    return f"{value:,.1f}" if measure == 1 else f"{value:,.2f}"
+
+
+def _of(measure: int, used: float, most: float) -> str:
+    """``1,050 of 1,000 tokens``, ``12.5 of 10 GPU-seconds``, ``5.20 of 5.00 to spend``."""
+    return f"{_amount(measure, used)} of {_amount(measure, most)} {UNITS[measure]}"
 
 
 def _exceeded(
-    line: BudgetLine, refused: tuple[int, str, float, float], ends: datetime | None, now: float
+    line: BudgetLine, refused: Refusal, ends: datetime | None, now: float
 ) -> GatewayError:
-    _, which, used, reserved = refused
-    most = line.tokens if which == "tokens" else line.gpu_seconds
-    ceiling = float(most or 0)
-    unit = "tokens" if which == "tokens" else "GPU-seconds"
-    limit = _amount(which, ceiling)
+    _, measure, used, reserved = refused
+    ceiling = float(line.ceilings[measure] or 0)
+    whose = f"{line.words[0].upper()}{line.words[1:]}"
     if used < ceiling:  # requests in flight hold the rest: room comes back as they end
         message = (
-            f"{line.words[0].upper()}{line.words[1:]} is held by requests in flight: "
-            f"{_amount(which, used)} of {limit} {unit} used and {_amount(which, reserved)} "
-            "reserved; retry when they end."
+            f"{whose} is held by requests in flight: {_of(measure, used, ceiling)} used and "
+            f"{_amount(measure, reserved)} reserved; retry when they end."
         )
         wait = 1
     elif ends is None:
-        message = (
-            f"{line.words[0].upper()}{line.words[1:]} is used up: {_amount(which, used)} of "
-            f"{limit} {unit}; it does not reset."
-        )
+        message = f"{whose} is used up: {_of(measure, used, ceiling)}; it does not reset."
         wait = RETRY_CAP_SECONDS
     else:
         local = ends.astimezone(rules.zone())
         message = (
-            f"{line.words[0].upper()}{line.words[1:]} is used up: {_amount(which, used)} of "
-            f"{limit} {unit}; it resets at {local:%Y-%m-%d %H:%M} "
-            f"{settings.CAPYCTL['TIME_ZONE']}."
+            f"{whose} is used up: {_of(measure, used, ceiling)}; it resets at "
+            f"{local:%Y-%m-%d %H:%M} {settings.CAPYCTL['TIME_ZONE']}."
         )
         wait = min(max(math.ceil(ends.timestamp() - now), 1), RETRY_CAP_SECONDS)
     return GatewayError(
@@ -478,7 +492,7 @@ def _exceeded(
     )  # fmt: skip
 
 
-def _soft_crossed(line: BudgetLine, start: float, used_t: float, used_g: float) -> None:
+def _soft_crossed(line: BudgetLine, start: float, used: Amounts) -> None:
     """Say once a period (across processes: a conditional update) that ``line``'s soft
     line was crossed: an event, and a POST to the alert webhook when one is set."""
     try:
@@ -490,23 +504,20 @@ def _soft_crossed(line: BudgetLine, start: float, used_t: float, used_g: float) 
         )
         if not won:
             return
-        parts = []
-        if line.tokens is not None:
-            parts.append(f"{_amount('tokens', used_t)} of {line.tokens:,} tokens")
-        if line.gpu_seconds is not None:
-            parts.append(f"{used_g:,.1f} of {line.gpu_seconds:,g} GPU-seconds")
+        parts = [
+            _of(at, used[at], most) for at, most in enumerate(line.ceilings) if most is not None
+        ]
         said = f"{line.words} passed its soft line ({line.soft_percent}%): {', '.join(parts)}"
+        figures = {f"used_{name}": used[at] for at, name in enumerate(MEASURES)}
         record_event("budget.soft_crossed", said, subject=line.words, level="warning",
-                     data={"budget": line.pk, "used_tokens": used_t,
-                           "used_gpu_seconds": used_g})  # fmt: skip
+                     data={"budget": line.pk, **figures})  # fmt: skip
         url = settings.CAPYCTL["ALERT_WEBHOOK"]
         if url:
             payload = {
                 "event": "budget.soft_crossed", "budget": line.pk, "of": line.words,
                 "period": line.period, "period_start": period.isoformat(),
-                "soft_percent": line.soft_percent, "tokens": line.tokens,
-                "gpu_seconds": line.gpu_seconds, "used_tokens": used_t,
-                "used_gpu_seconds": used_g, "message": said,
+                "soft_percent": line.soft_percent,
+                **dict(zip(MEASURES, line.ceilings, strict=True)), **figures, "message": said,
             }  # fmt: skip
             try:
                 httpx.post(str(url), json=payload, timeout=_WEBHOOK_SECONDS)

@@ -23,7 +23,7 @@ class Outcome:
     """What one request came to, for the metrics and its trace."""
 
     __slots__ = ("admitted", "code", "completion_tokens", "forwarded", "gpu_seconds",
-                 "headers_at", "held", "model", "overhead", "path", "prompt_tokens",
+                 "headers_at", "held", "model", "overhead", "path", "prices", "prompt_tokens",
                  "queued_ms", "reservation", "status", "stream", "strip_usage", "switch",
                  "switch_gpu_seconds")  # fmt: skip
 
@@ -45,6 +45,7 @@ class Outcome:
         self.gpu_seconds = 0.0  # its share of its engine's GPU time
         self.switch_gpu_seconds = 0.0  # its share of the switch it waited for
         self.reservation: Reservation | None = None  # what it reserved of its budgets
+        self.prices = (0.0, 0.0, 0.0)  # its model's (see Route.prices)
         self.strip_usage = False  # a stream whose usage chunk the client did not ask for
 
 

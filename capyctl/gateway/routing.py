@@ -53,6 +53,8 @@ class Route:
     # order; () for a deployment of one.
     replicas: tuple[Route, ...] = ()
     kind: str = ""  # its engine's kind (how a request names an adapter to it)
+    # What a million prompt tokens, a million completion tokens and a GPU-hour cost.
+    prices: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # A request for an adapter of it: the adapter (None: for the deployment itself).
     adapter: AdapterRef | None = None
 
@@ -162,6 +164,7 @@ def _route(deployment: Deployment, instance: Instance | None) -> Route:
         scale_up_wait_seconds=deployment.setting("scale_up_wait_seconds"),
         affinity=deployment.routing == "affinity",
         kind=deployment.engine.kind,
+        prices=(deployment.price_prompt, deployment.price_completion, deployment.price_gpu_hour),
     )
 
 

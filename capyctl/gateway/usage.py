@@ -117,7 +117,7 @@ def _usage_only(event: bytes) -> bool:
 class UsageBook:
     """Counts per key, team, model and quarter hour in memory; :meth:`flush` writes them in
     one go (once a second): [requests, prompt and completion tokens, GPU-seconds, switch
-    GPU-seconds]."""
+    GPU-seconds, spend]."""
 
     def __init__(self) -> None:
         self._pending: dict[UsageCell, list[float]] = {}
@@ -126,15 +126,17 @@ class UsageBook:
     def add(
         self, key_pk: int, prompt_tokens: int, completion_tokens: int, *, model: str = "",
         team_id: int | None = None, gpu_seconds: float = 0.0, switch_gpu_seconds: float = 0.0,
+        spend: float = 0.0,
     ) -> None:  # fmt: skip
         now = time.time()
         cell = (key_pk, team_id, model, now - now % QUARTER)
-        counts = self._pending.setdefault(cell, [0, 0, 0, 0.0, 0.0])
+        counts = self._pending.setdefault(cell, [0, 0, 0, 0.0, 0.0, 0.0])
         counts[0] += 1
         counts[1] += prompt_tokens
         counts[2] += completion_tokens
         counts[3] += gpu_seconds
         counts[4] += switch_gpu_seconds
+        counts[5] += spend
 
     def take(self) -> dict[UsageCell, list[float]]:
         pending, self._pending = self._pending, {}
@@ -143,7 +145,7 @@ class UsageBook:
     def put_back(self, pending: dict[UsageCell, list[float]]) -> None:
         """Counts taken but not written (the database did not answer): kept for the next."""
         for cell, added in pending.items():
-            counts = self._pending.setdefault(cell, [0, 0, 0, 0.0, 0.0])
+            counts = self._pending.setdefault(cell, [0, 0, 0, 0.0, 0.0, 0.0])
             for at, value in enumerate(added):
                 counts[at] += value
 
@@ -181,13 +183,14 @@ def write_usage(pending: dict[UsageCell, list[float]]) -> None:
 def _add_usage(
     key_pk: int, team_id: int | None, model: str, at: datetime, counts: list[float]
 ) -> None:
-    requests, prompt, completion, gpu, switch = counts
+    requests, prompt, completion, gpu, switch, spend = counts
     change = {
         "requests": F("requests") + int(requests),
         "prompt_tokens": F("prompt_tokens") + int(prompt),
         "completion_tokens": F("completion_tokens") + int(completion),
         "gpu_seconds": F("gpu_seconds") + gpu,
         "switch_gpu_seconds": F("switch_gpu_seconds") + switch,
+        "spend": F("spend") + spend,
     }
     # The row's first copy: two processes that made it at once made two, and sums of them
     # stay right (nothing reads one row alone).
@@ -204,7 +207,7 @@ def _add_usage(
     Usage.objects.create(at=at, key_id=key_pk, model=model, team_id=team_id,
                          requests=int(requests), prompt_tokens=int(prompt),
                          completion_tokens=int(completion), gpu_seconds=gpu,
-                         switch_gpu_seconds=switch)  # fmt: skip
+                         switch_gpu_seconds=switch, spend=spend)  # fmt: skip
 
 
 Bucket = tuple[str, int]  # ("key", pk) or ("user", id): what a limit counts

@@ -58,5 +58,7 @@ class UsageCollector(Collector):
                 shares.append(spent.tokens / budget.tokens)
             if budget.gpu_seconds:
                 shares.append(spent.gpu_seconds / budget.gpu_seconds)
+            if budget.spend:
+                shares.append(spent.spend / budget.spend)
             used.add_metric([budget_label(budget)], round(max(shares, default=0.0), 4))
         yield used

@@ -160,6 +160,8 @@ def budget_rows(user: Any) -> list[dict[str, Any]]:
             shares.append(("tokens", float(str(row["used_tokens"])), budget.tokens))
         if budget.gpu_seconds:
             shares.append(("GPU-seconds", float(str(row["used_gpu_seconds"])), budget.gpu_seconds))
+        if budget.spend:
+            shares.append(("spent", float(str(row["used_spend"])), budget.spend))
         row["bars"] = [
             {"unit": unit, "used": used, "of": most,
              "percent": min(round(100 * used / most), 100), "over": used >= most}
