@@ -4,16 +4,16 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from capyctl.api import budget_views, views
+from capyctl.api import budget_views, people_views, views
 
 router = DefaultRouter()
 router.register("engines", views.EngineViewSet, basename="engine")
 router.register("deployments", views.DeploymentViewSet, basename="deployment")
 router.register("adapters", views.AdapterViewSet, basename="adapter")
 router.register("hosts", views.HostViewSet, basename="host")
-router.register("keys", views.KeyViewSet, basename="key")
-router.register("users", views.UserViewSet, basename="user")
-router.register("teams", views.TeamViewSet, basename="team")
+router.register("keys", people_views.KeyViewSet, basename="key")
+router.register("users", people_views.UserViewSet, basename="user")
+router.register("teams", people_views.TeamViewSet, basename="team")
 router.register("budgets", budget_views.BudgetViewSet, basename="budget")
 router.register("ledger", views.LedgerViewSet, basename="ledger")
 router.register("events", views.EventViewSet, basename="event")

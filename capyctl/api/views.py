@@ -1,31 +1,27 @@
-"""REST resources: engines, deployments (with start/stop/park/wake), hosts, keys, users,
-the ledger, events and operations. Every change goes through the service layer that the
-CLI and the admin use, so the three accept and refuse the same things."""
+"""REST resources: engines, adapters, deployments (with start/stop/park/wake), hosts, the
+ledger, events and operations (teams, keys and users: :mod:`capyctl.api.people_views`;
+budgets and usage: :mod:`capyctl.api.budget_views`). Every change goes through the
+service layer that the CLI and the admin use, so the three accept and refuse the same
+things."""
 
 from __future__ import annotations
 
 import datetime as dt
 from typing import Any, ClassVar
 
-from django.contrib.auth.models import User
-from django.db import transaction
 from django.db.models import QuerySet
-from django.utils.cache import add_never_cache_headers
 from django_filters import rest_framework as filters
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import exceptions, mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.serializers import Serializer
 from rest_framework.views import exception_handler
 
 from capyctl import reports
-from capyctl.access import services as access
-from capyctl.access import teams
-from capyctl.access.models import ApiKey
 from capyctl.api import serializers as s
-from capyctl.api.auth import IsAdmin, IsSignedIn, is_admin
+from capyctl.api.auth import IsAdmin
+from capyctl.api.common import actor, unstored, valid
 from capyctl.deployments import adapters
 from capyctl.deployments import services as deployments
 from capyctl.deployments.models import Deployment
@@ -38,7 +34,7 @@ from capyctl.ledger.models import LedgerEntry
 from capyctl.scheduler import host_states, intents
 from capyctl.scheduler.errors import ControlPlaneUnavailableError
 from capyctl.scheduler.models import Operation
-from capyctl.validation import parse_duration, parse_gpu_memory, parse_size_value
+from capyctl.validation import parse_gpu_memory, parse_size_value
 
 
 def handle_errors(exc: Exception, context: dict[str, Any]) -> Response | None:
@@ -54,22 +50,6 @@ def handle_errors(exc: Exception, context: dict[str, Any]) -> Response | None:
     elif isinstance(exc, UserError):
         exc = exceptions.ValidationError({exc.field or "non_field_errors": [exc.message]})
     return exception_handler(exc, context)
-
-
-def _actor(request: Request) -> str:
-    return str(request.user.get_username())
-
-
-def _unstored(response: Response) -> Response:
-    """An answer that holds a secret (a new key, a join token): no cache may keep it."""
-    add_never_cache_headers(response)
-    return response
-
-
-def _valid(serializer_class: type[Serializer[Any]], request: Request, **kw: Any) -> dict[str, Any]:
-    serializer = serializer_class(data=request.data, **kw)
-    serializer.is_valid(raise_exception=True)
-    return dict(serializer.validated_data)
 
 
 # -- engines --------------------------------------------------------------------------------
@@ -112,76 +92,25 @@ class EngineViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ig
         return Response(s.EngineOut(engines.get_engine(name)).data)
 
     def create(self, request: Request) -> Response:
-        data = _valid(s.EngineIn, request)
+        data = valid(s.EngineIn, request)
         engine = engines.add_engine(
             data["name"], kind=data["kind"], command=data["command"], host=data.get("host"),
-            env=data.get("env"), options=data.get("options"), actor=_actor(request),
+            env=data.get("env"), options=data.get("options"), actor=actor(request),
         )  # fmt: skip
         return Response(s.EngineOut(engine).data, status=status.HTTP_201_CREATED)
 
     def partial_update(self, request: Request, name: str) -> Response:
-        data = _valid(s.EngineIn, request, partial=True)
+        data = valid(s.EngineIn, request, partial=True)
         engine = engines.update_engine(
             name, new_name=data.get("name"), kind=data.get("kind"), command=data.get("command"),
             host=data.get("host"), clear_host="host" in data and data["host"] is None,
-            env=data.get("env"), options=data.get("options"), actor=_actor(request),
+            env=data.get("env"), options=data.get("options"), actor=actor(request),
         )  # fmt: skip
         return Response(s.EngineOut(engine).data)
 
     def destroy(self, request: Request, name: str) -> Response:
-        engines.remove_engine(name, actor=_actor(request))
+        engines.remove_engine(name, actor=actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-# -- teams ----------------------------------------------------------------------------------
-
-
-@extend_schema_view(
-    list=extend_schema(summary="Teams", responses=s.TeamOut(many=True)),
-    retrieve=extend_schema(summary="One team", responses=s.TeamOut),
-    create=extend_schema(summary="Add a team", request=s.TeamIn, responses={201: s.TeamOut}),
-    destroy=extend_schema(summary="Remove a team no key is charged to", responses={204: None}),
-)
-class TeamViewSet(viewsets.ViewSet):
-    permission_classes = (IsAdmin,)
-    lookup_field = "name"
-    lookup_value_regex = "[^/]+"
-    serializer_class = s.TeamOut
-
-    def list(self, request: Request) -> Response:
-        return Response(s.TeamOut(reports.all_teams(), many=True).data)
-
-    def retrieve(self, request: Request, name: str) -> Response:
-        return Response(s.TeamOut(self._one(name)).data)
-
-    def create(self, request: Request) -> Response:
-        data = _valid(s.TeamIn, request)
-        teams.add_team(data["name"], actor=_actor(request))
-        return Response(s.TeamOut(self._one(data["name"])).data, status=status.HTTP_201_CREATED)
-
-    def destroy(self, request: Request, name: str) -> Response:
-        teams.remove_team(name, actor=_actor(request))
-        return Response(status=status.HTTP_204_NO_CONTENT)
-
-    @extend_schema(summary="Add a member", request=s.MemberIn, responses=s.TeamOut)
-    @action(detail=True, methods=["post"])
-    def members(self, request: Request, name: str) -> Response:
-        data = _valid(s.MemberIn, request)
-        teams.add_member(name, data["user"], actor=_actor(request))
-        return Response(s.TeamOut(self._one(name)).data)
-
-    @extend_schema(summary="Take a member off", responses=s.TeamOut)
-    @action(detail=True, methods=["delete"], url_path="members/(?P<user>[^/]+)")
-    def member(self, request: Request, name: str, user: str) -> Response:
-        teams.remove_member(name, user, actor=_actor(request))
-        return Response(s.TeamOut(self._one(name)).data)
-
-    @staticmethod
-    def _one(name: str) -> Any:
-        found = reports.all_teams(name)
-        if not found:
-            raise NotFoundError(f"no team named {name!r}", field="name")
-        return found[0]
 
 
 # -- adapters -------------------------------------------------------------------------------
@@ -215,16 +144,16 @@ class AdapterViewSet(viewsets.ViewSet):
         return Response(s.AdapterOut(found[0]).data)
 
     def create(self, request: Request) -> Response:
-        data = _valid(s.AdapterIn, request)
+        data = valid(s.AdapterIn, request)
         added = adapters.add_adapter(
-            data["name"], data["base"], data["source"], actor=_actor(request)
+            data["name"], data["base"], data["source"], actor=actor(request)
         )
-        intents.restart_to_take(added, actor=_actor(request))
+        intents.restart_to_take(added, actor=actor(request))
         view = adapters.adapter_views([data["name"]])[0]
         return Response(s.AdapterOut(view).data, status=status.HTTP_201_CREATED)
 
     def destroy(self, request: Request, name: str) -> Response:
-        adapters.remove_adapter(name, actor=_actor(request))
+        adapters.remove_adapter(name, actor=actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -293,25 +222,25 @@ class DeploymentViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type
         return Response(s.DeploymentOut(deployments.get_deployment(name)).data)
 
     def create(self, request: Request) -> Response:
-        spec = _spec(_valid(s.DeploymentIn, request), None)
-        deployment = deployments.add_deployment(spec, actor=_actor(request))
+        spec = _spec(valid(s.DeploymentIn, request), None)
+        deployment = deployments.add_deployment(spec, actor=actor(request))
         return Response(s.DeploymentOut(deployment).data, status=status.HTTP_201_CREATED)
 
     def partial_update(self, request: Request, name: str) -> Response:
         current = deployments.get_deployment(name)
-        spec = _spec(_valid(s.DeploymentIn, request, partial=True), deployments.spec_of(current))
-        deployment = deployments.update_deployment(current.name, spec, actor=_actor(request))
+        spec = _spec(valid(s.DeploymentIn, request, partial=True), deployments.spec_of(current))
+        deployment = deployments.update_deployment(current.name, spec, actor=actor(request))
         return Response(s.DeploymentOut(deployment).data)
 
     def destroy(self, request: Request, name: str) -> Response:
-        deployments.remove_deployment(name, actor=_actor(request))
+        deployments.remove_deployment(name, actor=actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
     def _act(self, request: Request, name: str, verb: str) -> Response:
         deployment = deployments.get_deployment(name)
-        data = _valid(s.ActionIn, request)
+        data = valid(s.ActionIn, request)
         op = intents.request_action(
-            deployment, verb, mode=data.get("mode", ""), actor=_actor(request)
+            deployment, verb, mode=data.get("mode", ""), actor=actor(request)
         )
         if op is None:  # no server runs: only the desired state was saved
             return Response(s.DeploymentOut(Deployment.objects.get(pk=deployment.pk)).data,
@@ -386,15 +315,15 @@ class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
         return Response(s.HostOut(hosts.get_host(name)).data)
 
     def create(self, request: Request) -> Response:
-        data = _valid(s.HostIn, request)
+        data = valid(s.HostIn, request)
         host, token = hosts.add_host(data["name"], data["address"])
-        return _unstored(Response(s.HostAdded((host, token)).data, status=status.HTTP_201_CREATED))
+        return unstored(Response(s.HostAdded((host, token)).data, status=status.HTTP_201_CREATED))
 
     def partial_update(self, request: Request, name: str) -> Response:
-        data = _valid(s.HostChange, request)
+        data = valid(s.HostChange, request)
         reserves = {k: v for k, v in data.items() if k.endswith("_reserve_bytes")}
         host = hosts.update_host(
-            name, address=data.get("address"), reserves=reserves, actor=_actor(request)
+            name, address=data.get("address"), reserves=reserves, actor=actor(request)
         )
         return Response(s.HostOut(host).data)
 
@@ -412,7 +341,7 @@ class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
         host = hosts.get_host(name)
         if host.is_local:
             raise UserError(f"{name!r} is the in-process host; it does not join", field="name")
-        return _unstored(Response(s.HostAdded((host, hosts.new_join_token(host))).data))
+        return unstored(Response(s.HostAdded((host, hosts.new_join_token(host))).data))
 
     @extend_schema(
         summary="Stop trusting the host's certificate at once (it must join again)",
@@ -421,7 +350,7 @@ class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
     )
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, name: str) -> Response:
-        host = host_states.revoke_host(name, actor=_actor(request))
+        host = host_states.revoke_host(name, actor=actor(request))
         return Response(s.HostOut(host).data)
 
     @extend_schema(
@@ -431,159 +360,13 @@ class HostViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: igno
     )
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, name: str) -> Response:
-        return Response(s.HostOut(host_states.drain_host(name, actor=_actor(request))).data)
+        return Response(s.HostOut(host_states.drain_host(name, actor=actor(request))).data)
 
     @extend_schema(summary="Let models be placed on the host again", request=None,
                    responses=s.HostOut)  # fmt: skip
     @action(detail=True, methods=["post"])
     def undrain(self, request: Request, name: str) -> Response:
-        return Response(s.HostOut(host_states.undrain_host(name, actor=_actor(request))).data)
-
-
-# -- keys -----------------------------------------------------------------------------------
-
-
-@extend_schema_view(
-    list=extend_schema(summary="API keys (yours; staff see all)", responses=s.KeyOut(many=True)),
-    retrieve=extend_schema(summary="One API key", responses=s.KeyOut),
-    create=extend_schema(
-        summary="Create an API key; the full key is in this answer only",
-        request=s.KeyIn,
-        responses={201: s.KeyCreated},
-    ),
-    partial_update=extend_schema(
-        summary="Change a key's name, models or rate limit", request=s.KeyChange, responses=s.KeyOut
-    ),
-    destroy=extend_schema(
-        summary="Revoke a key (within a second on every process)", responses={204: None}
-    ),
-)
-class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
-    permission_classes = (IsSignedIn,)
-    lookup_field = "key_id"
-    lookup_value_regex = "[^/]+"
-    filterset_fields = ("is_admin",)
-    serializer_class = s.KeyOut
-    http_method_names = ("get", "post", "patch", "delete", "head", "options")
-
-    def get_queryset(self) -> QuerySet[ApiKey]:
-        keys = reports.keys_query()  # as `capyctl key list` reads them
-        if getattr(self, "swagger_fake_view", False):  # the schema generator's pass
-            return keys.none()
-        if not is_admin(self.request):
-            keys = keys.filter(user_id=self.request.user.pk or 0)
-        return keys
-
-    def _mine(self, key_id: str) -> ApiKey:
-        key = self.get_queryset().filter(key_id=key_id).first()
-        if key is None:
-            raise exceptions.NotFound(f"no API key with id {key_id!r}")
-        return key
-
-    def retrieve(self, request: Request, key_id: str) -> Response:
-        return Response(s.KeyOut(self._mine(key_id)).data)
-
-    def create(self, request: Request) -> Response:
-        data = _valid(s.KeyIn, request)
-        owner = data.get("user") or _actor(request)
-        if owner != _actor(request) and not is_admin(request):
-            raise exceptions.PermissionDenied("only staff may create keys for other users")
-        expires = data.get("expires")
-        key, full = access.issue_api_key(
-            owner,
-            name=data.get("name", ""),
-            models=data.get("models"),
-            expires_in=parse_duration(expires, field="expires") if expires else None,
-            admin=data["admin"],
-            requests_per_minute=data.get("requests_per_minute"),
-            max_concurrent=data.get("max_concurrent"),
-            team=data.get("team"),
-            actor=_actor(request),
-        )
-        return _unstored(Response(s.KeyCreated((key, full)).data, status=status.HTTP_201_CREATED))
-
-    def partial_update(self, request: Request, key_id: str) -> Response:
-        self._mine(key_id)
-        data = _valid(s.KeyChange, request)
-        key = access.update_api_key(
-            key_id,
-            name=data.get("name"),
-            models=data.get("models"),
-            requests_per_minute=data.get("requests_per_minute", access.UNCHANGED),
-            max_concurrent=data.get("max_concurrent", access.UNCHANGED),
-            team=data.get("team", access.UNCHANGED),
-            actor=_actor(request),
-        )
-        return Response(s.KeyOut(key).data)
-
-    def destroy(self, request: Request, key_id: str) -> Response:
-        self._mine(key_id)
-        access.revoke_api_key(key_id, actor=_actor(request))
-        return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-# -- users ----------------------------------------------------------------------------------
-
-
-@extend_schema_view(
-    list=extend_schema(summary="Users", responses=s.UserOut(many=True)),
-    retrieve=extend_schema(summary="One user", responses=s.UserOut),
-    create=extend_schema(summary="Add a user", request=s.UserIn, responses={201: s.UserOut}),
-    partial_update=extend_schema(
-        summary="Set a password, staff, active or ceilings",
-        request=s.UserChange,
-        responses=s.UserOut,
-    ),
-    destroy=extend_schema(summary="Remove a user and their keys", responses={204: None}),
-)
-class UserViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
-    permission_classes = (IsAdmin,)
-    queryset = User.objects.order_by("username")
-    lookup_field = "username"
-    lookup_value_regex = "[^/]+"
-    filterset_fields = (
-        "is_staff",
-        "is_active",
-    )
-    serializer_class = s.UserOut
-    http_method_names = ("get", "post", "patch", "delete", "head", "options")
-
-    def get_queryset(self) -> QuerySet[User]:
-        return reports.users_query()  # each user's keys and ceilings read in bulk
-
-    def retrieve(self, request: Request, username: str) -> Response:
-        return Response(s.UserOut(access.get_user(username)).data)
-
-    def create(self, request: Request) -> Response:
-        data = _valid(s.UserIn, request)
-        if data.get("password") is not None and len(data["password"]) < 8:
-            raise UserError("a password is at least 8 characters", field="password")
-        user = access.add_user(
-            data["username"], password=data.get("password"), staff=data["staff"],
-            limits=_limits(data), actor=_actor(request),
-        )  # fmt: skip
-        return Response(s.UserOut(user).data, status=status.HTTP_201_CREATED)
-
-    def partial_update(self, request: Request, username: str) -> Response:
-        data = _valid(s.UserChange, request)
-        limits = _limits(data)
-        with transaction.atomic():  # all of it or none
-            user = access.update_user(username, actor=_actor(request), **data)
-            if limits:
-                access.set_user_limits(username, actor=_actor(request), **limits)
-        return Response(s.UserOut(user).data)
-
-    def destroy(self, request: Request, username: str) -> Response:
-        access.remove_user(username, actor=_actor(request))
-        return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-def _limits(data: dict[str, Any]) -> dict[str, Any]:
-    """Take the ceilings out of ``data`` as :func:`access.set_user_limits` takes them."""
-    limits = {name: data.pop(name) for name in s.LimitsIn.LIMIT_FIELDS if name in data}
-    if limits.get("key_lifetime") is not None:
-        limits["key_lifetime"] = parse_duration(limits["key_lifetime"], field="key_lifetime")
-    return limits
+        return Response(s.HostOut(host_states.undrain_host(name, actor=actor(request))).data)
 
 
 # -- read-only records ----------------------------------------------------------------------
