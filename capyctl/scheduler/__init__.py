@@ -21,7 +21,8 @@ steps                 the step a request waits on (try, pause, try again) and it
                       runs it on real time (``actions.ready``), the what-if replay on its
                       virtual clock (``capyctl.whatif``), so the two cannot drift.
 policy                placement and eviction, a pure function of plain data
-                      (placement_data: that data, and the answers).
+                      (placement_data: that data, and the answers; park_modes: how each
+                      victim parks; turn_rules: who keeps GPUs others wait for, who is next).
 routing               which replica of a deployment a request goes to (fewest in flight, or
                       its affinity key's on a hash ring within a bounded load), Django-free.
 scaling               when a model of ``--replicas MIN:MAX`` brings a replica up (a parked one

@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import replace
 from itertools import combinations
 
+from capyctl.scheduler.park_modes import expected_residual, gib, park_mode
 from capyctl.scheduler.placement_data import (
     DEEP,
     MIN_RESIDUAL_BYTES,
@@ -59,6 +60,14 @@ from capyctl.scheduler.placement_data import (
     Victim,
     is_gpu_pool,
     standing,
+)
+from capyctl.scheduler.turn_rules import (
+    in_its_turn,
+    room_kept_for,
+    turn_before,
+    turn_left,
+    turn_left_for,
+    turn_refusal,
 )
 
 __all__ = [
@@ -89,66 +98,14 @@ __all__ = [
 ]
 
 
-def expected_residual(resident: Resident, held: int) -> int:
-    if resident.residual_bytes is not None:
-        return min(resident.residual_bytes, held)
-    return min(held, max(int(held * RESIDUAL_SHARE), MIN_RESIDUAL_BYTES))
-
-
-def park_mode(  # noqa: PLR0911 - a decision table reads best as early answers
-    resident: Resident, host: HostSnapshot, ram_free: int
-) -> tuple[str, str]:
-    """The best mode ``resident`` allows here, and why (for the event and the log)."""
-    policy = resident.park_policy
-    ram_allowed = policy in ("auto", RAM) and resident.can_park_ram and not host.unified
-    deep_allowed = policy in ("auto", RAM, DEEP) and resident.can_park_deep
-    if resident.parks_unverified and (ram_allowed or deep_allowed):
-        return STOP, "its engine's last park did not free its GPU memory"
-    if ram_allowed and resident.weights_bytes <= ram_free:
-        return RAM, "its weights copy fits in host RAM"
-    if deep_allowed:
-        if host.unified and policy in ("auto", RAM) and resident.can_park_ram:
-            return DEEP, "on unified memory a RAM copy would come out of the same pool"
-        if ram_allowed:
-            return DEEP, (
-                f"its copy ({_gib(resident.weights_bytes)}) would not fit in host RAM "
-                f"({_gib(ram_free)} free)"
-            )
-        return DEEP, "it parks deep"
-    refused = resident.deep_refused and policy in ("auto", RAM, DEEP)
-    if ram_allowed:
-        return STOP, (
-            f"its copy ({_gib(resident.weights_bytes)}) would not fit in host RAM "
-            f"({_gib(ram_free)} free)"
-        ) + (f", and it may not park deep: {resident.deep_refused}" if refused else "")
-    if refused:
-        return STOP, f"it may not park deep: {resident.deep_refused}"
-    if policy in (STOP, "never"):
-        return STOP, f"its park policy is {policy}"
-    return STOP, "its engine cannot park"
-
-
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 1024**3:.1f} GiB"
-
-
 def _evictable(resident: Resident, need: Need) -> bool:
     return (
         resident.deployment_id not in need.siblings
         and resident.state == "ready"
         and not resident.pinned
         and resident.ready_for_seconds >= resident.min_ready_seconds
-        and not _in_its_turn(resident, need)
+        and not in_its_turn(resident, need)
     )
-
-
-def turn_left(busy: bool, max_turn_seconds: float, waited: float, ready_for: float) -> float:
-    """Seconds left of a busy resident's turn against a need that has ``waited`` (0 or
-    less: it has no turn to keep): its turn runs from when the need began to wait (or from
-    when it became ready, ``ready_for`` seconds ago, if later) for its ``max_turn_seconds``."""
-    if not busy:
-        return 0.0
-    return max_turn_seconds - min(waited, ready_for)
 
 
 def _sibling_pools(host: HostSnapshot, need: Need) -> set[str]:
@@ -165,88 +122,6 @@ def _sibling_pools(host: HostSnapshot, need: Need) -> set[str]:
 def _siblings_on(host: HostSnapshot, need: Need) -> int:
     """How many other replicas of ``need`` are on ``host``, in any state."""
     return len({r.deployment_id for r in host.residents if r.deployment_id in need.siblings})
-
-
-def _turn_left(resident: Resident, need: Need) -> float:
-    return turn_left(resident.busy, resident.max_turn_seconds, need.waited_seconds,
-                     resident.ready_for_seconds)  # fmt: skip
-
-
-def _in_its_turn(resident: Resident, need: Need) -> bool:
-    return _turn_left(resident, need) > 0
-
-
-def _ahead(host: HostSnapshot, need: Need, pools: tuple[str, ...]) -> Contender | None:
-    """The contender for any of ``pools`` that goes before ``need`` (waited longer,
-    weighted by priority), if any."""
-    best = None
-    for contender in host.contenders:
-        if contender.deployment_id == need.deployment_id:
-            continue
-        if contender.pools and not set(contender.pools) & set(pools):
-            continue
-        ahead = contender.goes_before(need.deployment_id, need.standing)
-        if ahead and (best is None or contender.standing > best.standing):
-            best = contender
-    return best
-
-
-def _turn_before(
-    host: HostSnapshot, need: Need, pools: tuple[str, ...], switching: bool
-) -> Contender | None:
-    """Whose turn on ``pools`` comes before ``need``'s: a switch there (``switching``) is
-    the turn of whoever waited longer for them; free room is kept for a contender it was
-    freed for."""
-    if switching:
-        return _ahead(host, need, pools)
-    free = {p: host.pools[p].free_bytes for p in host.gpu_pools}
-    taking = dict.fromkeys(pools, need.claim_per_gpu_bytes)
-    return room_kept_for(host.contenders, need.deployment_id, need.standing, free, taking)
-
-
-def room_kept_for(
-    contenders: tuple[Contender, ...] | list[Contender],
-    deployment_id: int,
-    standing: float,
-    free: dict[str, int],
-    taking: dict[str, int],
-) -> Contender | None:
-    """The contender whose room ``taking`` (pool -> bytes) would take, if any: one that
-    goes before the deployment, fits in ``free`` (GPU pool -> free bytes) now on the GPUs
-    it waits for, and would not fit there once ``taking`` is taken. Room freed for a model
-    that waits (a park made to make room for it) is kept for it, not taken by whoever asks
-    first; a contender whose claim is not known, or that does not fit even now, does not
-    hold anyone back."""
-    best = None
-    for contender in contenders:
-        claim = contender.claim_per_gpu_bytes
-        if contender.deployment_id == deployment_id or claim <= 0:
-            continue
-        if not contender.goes_before(deployment_id, standing):
-            continue
-        if contender.pools:  # all of its GPUs, each with room for it
-            theirs = [p for p in contender.pools if p in free]
-            if not theirs or not set(theirs) & set(taking):
-                continue
-            fits_now = all(free[p] >= claim for p in theirs)
-            fits_after = all(free[p] - taking.get(p, 0) >= claim for p in theirs)
-        else:  # any one GPU of the host
-            fits_now = any(room >= claim for room in free.values())
-            fits_after = any(room - taking.get(p, 0) >= claim for p, room in free.items())
-        if fits_now and not fits_after and (best is None or contender.standing > best.standing):
-            best = contender
-    return best
-
-
-def turn_refusal(name: str, before: Contender, pools: tuple[str, ...]) -> NoCapacity:
-    """The answer for ``name`` that waits its turn behind ``before`` for ``pools``."""
-    return NoCapacity(
-        f"{name} waits for its turn: {before.name} has waited longer "
-        f"({before.waited_seconds:.0f} s) for the same GPUs",
-        (f"{before.name} (waiting longer)",),
-        lasting=False,
-        pools=pools,
-    )
 
 
 def _frees(resident: Resident, mode: str) -> dict[str, int]:
@@ -356,7 +231,7 @@ def _copies_to_drop(
         if remaining.get(host.ram_pool, 0) <= 0:
             break
         frees = {**resident.gpu_bytes, host.ram_pool: resident.ram_bytes}
-        reason = f"its copy in host RAM ({_gib(resident.ram_bytes)}) is needed for another engine"
+        reason = f"its copy in host RAM ({gib(resident.ram_bytes)}) is needed for another engine"
         chosen.append(Victim(resident.deployment_id, resident.name, STOP, frees, 0, reason))
         for pool, amount in frees.items():
             if pool in remaining:
@@ -418,7 +293,7 @@ def _residuals_to_stop(
         if resident.ram_bytes > 0 and not host.unified:
             frees[host.ram_pool] = resident.ram_bytes
         on = ", ".join(sorted(set(resident.gpu_bytes) & gpus))
-        reason = f"{_RESIDUAL_REASON} ({_gib(held)} on {on}) is needed: parking alone is not enough"
+        reason = f"{_RESIDUAL_REASON} ({gib(held)} on {on}) is needed: parking alone is not enough"
         chosen.append(Victim(resident.deployment_id, resident.name, STOP, frees, 0, reason))
         for pool, amount in frees.items():
             if pool in remaining:
@@ -443,7 +318,7 @@ def _stops_instead(
             continue
         on = ", ".join(sorted(p for p, amount in left.items() if amount > 0))
         reason = (
-            f"parked, its residual ({_gib(sum(left.values()))} on {on}) would still be in the way"
+            f"parked, its residual ({gib(sum(left.values()))} on {on}) would still be in the way"
         )
         stop = Victim(victim.deployment_id, victim.name, STOP, dict(resident.gpu_bytes), 0,
                       reason, victim.turn_over)  # fmt: skip
@@ -509,7 +384,7 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
             victims = _try_victims(host, pools, need)
             if victims is None:
                 continue
-            before = _turn_before(host, need, pools, bool(victims))
+            before = turn_before(host, need, pools, bool(victims))
             if before is not None:  # switching here is its turn first
                 waits_behind.append((before, pools))
                 continue
@@ -539,7 +414,7 @@ def plan(hosts: list[HostSnapshot], need: Need) -> Placement | NoCapacity:
 
 def _replicas_reason(hosts: list[HostSnapshot], need: Need) -> str:
     """Why ``need`` does not fit where no other replica of it is (one line)."""
-    name, size = need.name, _gib(need.claim_per_gpu_bytes)
+    name, size = need.name, gib(need.claim_per_gpu_bytes)
     if all(h.unified for h in hosts) and need.gpus:
         return f"{name} needs {size}; no host without another replica of {name} has room"
     if need.gpus > 1:
@@ -590,8 +465,8 @@ def _blocker(resident: Resident, need: Need) -> str | None:
         return None if _stoppable_parked(resident, need) else f"{resident.name} ({resident.state})"
     if resident.ready_for_seconds < resident.min_ready_seconds:
         return f"{resident.name} (ready for less than {resident.min_ready_seconds:.0f}s)"
-    if _in_its_turn(resident, need):
-        return f"{resident.name} (busy, its turn: {_turn_left(resident, need):.0f} s left)"
+    if in_its_turn(resident, need):
+        return f"{resident.name} (busy, its turn: {turn_left_for(resident, need):.0f} s left)"
     return None
 
 
@@ -608,25 +483,24 @@ def _why_not(hosts: list[HostSnapshot], need: Need) -> NoCapacity:
     largest = max((h.pools[p].capacity_bytes for h in hosts for p in h.gpu_pools), default=0)
     if need.claim_per_gpu_bytes > largest:
         reason = (
-            f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU; the largest GPU "
-            f"pool holds {_gib(largest)}"
+            f"{need.name} needs {gib(need.claim_per_gpu_bytes)} per GPU; the largest GPU "
+            f"pool holds {gib(largest)}"
         )
     elif (pools := next(filter(None, (_pools_once_unpinned_gone(h, need) for h in hosts)),
                         None)) is not None:  # fmt: skip
         passing = sorted(b for b in blockers if not b.endswith(("(pinned)", "(another replica)")))
-        reason = (
-            f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU and waits for room"
-            + (f"; in the way: {', '.join(passing)}" if passing else "")
+        reason = f"{need.name} needs {gib(need.claim_per_gpu_bytes)} per GPU and waits for room" + (
+            f"; in the way: {', '.join(passing)}" if passing else ""
         )
         return NoCapacity(reason, tuple(sorted(blockers)), lasting=False, pools=pools)
     elif blockers:
         reason = (
-            f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU and does not fit even "
+            f"{need.name} needs {gib(need.claim_per_gpu_bytes)} per GPU and does not fit even "
             f"with everything parkable parked; in the way: {', '.join(sorted(blockers))}"
         )
     else:
         reason = (
-            f"{need.name} needs {_gib(need.claim_per_gpu_bytes)} per GPU and does not fit even "
+            f"{need.name} needs {gib(need.claim_per_gpu_bytes)} per GPU and does not fit even "
             "with everything parkable parked"
         )
     return NoCapacity(reason, tuple(sorted(blockers)))

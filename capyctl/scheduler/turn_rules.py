@@ -1,0 +1,99 @@
+"""Turns: while a busy model keeps its GPUs against the models that wait for them, and
+which of those goes next (the contender that has waited longest, each point of priority
+counting as :data:`~capyctl.scheduler.placement_data.TURN_PRIORITY_SECONDS` of waiting).
+Read by the policy (:mod:`capyctl.scheduler.policy`); plain data, no clock."""
+
+from __future__ import annotations
+
+from capyctl.scheduler.placement_data import Contender, HostSnapshot, Need, NoCapacity, Resident
+
+
+def turn_left(busy: bool, max_turn_seconds: float, waited: float, ready_for: float) -> float:
+    """Seconds left of a busy resident's turn against a need that has ``waited`` (0 or
+    less: it has no turn to keep): its turn runs from when the need began to wait (or from
+    when it became ready, ``ready_for`` seconds ago, if later) for its ``max_turn_seconds``."""
+    if not busy:
+        return 0.0
+    return max_turn_seconds - min(waited, ready_for)
+
+
+def turn_left_for(resident: Resident, need: Need) -> float:
+    return turn_left(resident.busy, resident.max_turn_seconds, need.waited_seconds,
+                     resident.ready_for_seconds)  # fmt: skip
+
+
+def in_its_turn(resident: Resident, need: Need) -> bool:
+    return turn_left_for(resident, need) > 0
+
+
+def _ahead(host: HostSnapshot, need: Need, pools: tuple[str, ...]) -> Contender | None:
+    """The contender for any of ``pools`` that goes before ``need`` (waited longer,
+    weighted by priority), if any."""
+    best = None
+    for contender in host.contenders:
+        if contender.deployment_id == need.deployment_id:
+            continue
+        if contender.pools and not set(contender.pools) & set(pools):
+            continue
+        ahead = contender.goes_before(need.deployment_id, need.standing)
+        if ahead and (best is None or contender.standing > best.standing):
+            best = contender
+    return best
+
+
+def turn_before(
+    host: HostSnapshot, need: Need, pools: tuple[str, ...], switching: bool
+) -> Contender | None:
+    """Whose turn on ``pools`` comes before ``need``'s: a switch there (``switching``) is
+    the turn of whoever waited longer for them; free room is kept for a contender it was
+    freed for."""
+    if switching:
+        return _ahead(host, need, pools)
+    free = {p: host.pools[p].free_bytes for p in host.gpu_pools}
+    taking = dict.fromkeys(pools, need.claim_per_gpu_bytes)
+    return room_kept_for(host.contenders, need.deployment_id, need.standing, free, taking)
+
+
+def room_kept_for(
+    contenders: tuple[Contender, ...] | list[Contender],
+    deployment_id: int,
+    standing: float,
+    free: dict[str, int],
+    taking: dict[str, int],
+) -> Contender | None:
+    """The contender whose room ``taking`` (pool -> bytes) would take, if any: one that
+    goes before the deployment, fits in ``free`` (GPU pool -> free bytes) now on the GPUs
+    it waits for, and would not fit there once ``taking`` is taken. Room freed for a model
+    that waits (a park made to make room for it) is kept for it, not taken by whoever asks
+    first; a contender whose claim is not known, or that does not fit even now, does not
+    hold anyone back."""
+    best = None
+    for contender in contenders:
+        claim = contender.claim_per_gpu_bytes
+        if contender.deployment_id == deployment_id or claim <= 0:
+            continue
+        if not contender.goes_before(deployment_id, standing):
+            continue
+        if contender.pools:  # all of its GPUs, each with room for it
+            theirs = [p for p in contender.pools if p in free]
+            if not theirs or not set(theirs) & set(taking):
+                continue
+            fits_now = all(free[p] >= claim for p in theirs)
+            fits_after = all(free[p] - taking.get(p, 0) >= claim for p in theirs)
+        else:  # any one GPU of the host
+            fits_now = any(room >= claim for room in free.values())
+            fits_after = any(room - taking.get(p, 0) >= claim for p, room in free.items())
+        if fits_now and not fits_after and (best is None or contender.standing > best.standing):
+            best = contender
+    return best
+
+
+def turn_refusal(name: str, before: Contender, pools: tuple[str, ...]) -> NoCapacity:
+    """The answer for ``name`` that waits its turn behind ``before`` for ``pools``."""
+    return NoCapacity(
+        f"{name} waits for its turn: {before.name} has waited longer "
+        f"({before.waited_seconds:.0f} s) for the same GPUs",
+        (f"{before.name} (waiting longer)",),
+        lasting=False,
+        pools=pools,
+    )
