@@ -9,7 +9,8 @@ import asyncio
 import json
 import random
 import time
-from datetime import datetime
+import zoneinfo
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 import httpx
@@ -22,7 +23,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from capyctl.access import budgets as rules
 from capyctl.access.models import ApiKey, Budget, Usage
 from capyctl.events.models import Event
-from capyctl.gateway.budgets import Budgets, LocalCounts
+from capyctl.gateway.budgets import Budgets, LocalCounts, RedisCounts
 from capyctl.gateway.cost import EngineShares
 from capyctl.gateway.keys import KeyInfo
 from capyctl.gateway.routing import Route
@@ -687,3 +688,74 @@ async def test_a_spend_budget_counts_tokens_and_gpu_time_at_the_model_s_prices(b
     spent = sum(row.spend for row in rows)
     assert spent >= 0.01  # used up, by less than one request's reservation past it
     assert sum(row.requests for row in rows) == len(statuses) - 1
+
+
+def test_a_day_whose_midnight_comes_twice_begins_at_its_first(settings):
+    """Havana turns its clocks back at 01:00 to 00:00 on 2025-11-02: the day's start is
+    the same at 00:30 before the change, at 00:30 after it, and at noon."""
+    zone = zoneinfo.ZoneInfo("America/Havana")
+    noon = datetime(2025, 11, 2, 12, 0, tzinfo=zone).timestamp()
+    first = datetime(2025, 11, 2, 0, 30, tzinfo=zone, fold=0).timestamp()
+    second = datetime(2025, 11, 2, 0, 30, tzinfo=zone, fold=1).timestamp()
+    assert second - first == timedelta(hours=1).total_seconds()
+    settings.CAPYCTL = {**settings.CAPYCTL, "TIME_ZONE": "America/Havana"}
+    starts = {rules.period_bounds("day", moment)[0] for moment in (first, second, noon)}
+    assert len(starts) == 1, starts
+
+
+@pytest.mark.django_db(transaction=True)
+def test_usage_of_a_key_removed_while_in_flight_does_not_hold_up_the_rest(bob, alice):
+    """A user removed while their request was in flight: that usage is left out, the
+    rest of the batch is written (the batch once failed whole, every second, for good)."""
+    from capyctl.access.services import issue_api_key, remove_user
+    from capyctl.access.teams import add_member, add_team
+    from capyctl.gateway.usage import UsageBook, write_usage
+
+    add_team("ml")
+    add_member("ml", "alice")
+    gone = issue_api_key("bob")[0]
+    stays = issue_api_key("alice", team="ml")[0]
+    book = UsageBook()
+    book.add(gone.pk, 1, 2, model="chat")
+    book.add(stays.pk, 3, 4, model="chat", team_id=stays.team_id)
+    book.add(stays.pk, 5, 6, model="chat", team_id=987654)  # a team removed meanwhile
+    remove_user("bob")
+    write_usage(book.take())
+    rows = sorted((r.prompt_tokens, r.key_id, r.team_id) for r in Usage.objects.all())
+    assert rows == [(3, stays.pk, stays.team_id), (5, stays.pk, None)]
+
+
+async def test_a_settle_given_back_after_it_ran_counts_nothing_twice(redis_url):
+    """Redis ran a settle but its answer did not arrive (a timeout), so it is given back
+    once Redis answers: the hold is taken back once and the usage counted once; and a
+    reserve that ran unanswered has its hold taken back by its settle."""
+    budgets = Budgets(redis_url)
+    counts = budgets.counts
+    assert isinstance(counts, RedisCounts)
+    line = rules_line(1, tokens=1000)
+    try:
+        reservation = await budgets_reserve(counts, line)
+        await counts._settle_there(reservation, (100, 0, 0), time.time())
+        after = await counts._settle_there(reservation, (100, 0, 0), time.time())  # again
+        assert after == [(100.0, 0.0, 0.0)]
+        unanswered = await budgets_reserve(counts, line)  # ran; the caller counted locally
+        unanswered.local = True
+        after = await counts._settle_there(unanswered, (50, 0, 0), time.time())
+        assert after == [(150.0, 0.0, 0.0)]
+        held = await counts._redis.hget(_key_of(line), "r1")
+        assert float(held) == 0.0  # both holds taken back, each once
+    finally:
+        await budgets.close()
+
+
+async def budgets_reserve(counts: RedisCounts, line: Any) -> Any:
+    from capyctl.gateway.budgets import Reservation
+
+    reservation = Reservation([(line, 0.0)], (100.0, 0.0, 0.0))
+    refused, local = await counts.reserve(reservation.lines, reservation.need, reservation.rid)
+    assert (refused, local) == (None, False)
+    return reservation
+
+
+def _key_of(line: Any) -> str:
+    return f"capyctl:budget:{line.pk}:0"

@@ -53,7 +53,8 @@ def period_bounds(period: str, now: float | None = None) -> tuple[datetime, date
     if period == "total":
         return _EPOCH, None
     here = datetime.fromtimestamp(clock() if now is None else now, zone())
-    start = here.replace(hour=0, minute=0, second=0, microsecond=0)
+    # fold=0: where midnight comes twice (a clock turned back at 01:00), its first.
+    start = here.replace(hour=0, minute=0, second=0, microsecond=0, fold=0)
     if period == "week":
         start -= timedelta(days=start.weekday())
     elif period == "month":

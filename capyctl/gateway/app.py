@@ -89,7 +89,10 @@ class Gateway:
         finally:
             if outcome.admitted is not None:
                 await self.limits.leave(*outcome.admitted)
-                await self._count(outcome)
+                try:
+                    await self._count(outcome, started)
+                except Exception:  # its answer is out: what it used is logged as lost
+                    logger.exception("could not count what a request to %s used", outcome.model)
             metrics.count(outcome.model, outcome.status, started, outcome.headers_at,
                           outcome.overhead)  # fmt: skip
             key_id = outcome.admitted[0].key_id if outcome.admitted is not None else "-"
@@ -99,9 +102,9 @@ class Gateway:
             if self._tracing and outcome.admitted is not None and outcome.model != "-":
                 self._trace(outcome, outcome.admitted[0].pk, started)
 
-    async def _count(self, outcome: Outcome) -> None:
-        """What the request used, in its key's usage and its budgets (its reservation
-        settled)."""
+    async def _count(self, outcome: Outcome, started: float) -> None:
+        """What the request used, in its key's usage (dated when it began, as its
+        reservation's period is) and its budgets (its reservation settled)."""
         key = outcome.admitted[0]  # type: ignore[index]  # counted only once admitted
         prompt, completion = outcome.prompt_tokens, outcome.completion_tokens
         gpu = outcome.gpu_seconds + outcome.switch_gpu_seconds
@@ -110,7 +113,9 @@ class Gateway:
             reservation, outcome.reservation = outcome.reservation, None
             await self.budgets.settle(reservation, (prompt + completion, gpu, spend))
         if outcome.forwarded:
+            began = time.time() - (time.perf_counter() - started)
             self.usage.add(key.pk, prompt, completion, model=outcome.model, team_id=key.team_id,
+                           at=began,
                            gpu_seconds=outcome.gpu_seconds,
                            switch_gpu_seconds=outcome.switch_gpu_seconds, spend=spend)  # fmt: skip
             self._usage_writes.soon()

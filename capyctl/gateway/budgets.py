@@ -4,7 +4,7 @@
 On admission a request reserves its worst case against each budget that applies (its
 key's, its user's, its team's): tokens, its prompt (a token a 4 bytes of body, at
 least) plus what it may generate (``max_tokens`` or its kin, times ``n``; else the
-model's ceiling on ``max_tokens``; else 1,024); GPU-seconds, twice what a request of that
+model's ceiling on ``max_tokens``); GPU-seconds, twice what a request of that
 model cost lately (else 1 GPU-second a GPU it holds); spend, those at the model's prices.
 A budget has room while what was
 used with what is reserved is under its ceiling, so fifty requests at once against a
@@ -28,7 +28,8 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -48,7 +49,7 @@ from capyctl.scheduler import gateway_api as scheduler
 logger = logging.getLogger("capyctl.gateway")
 
 REFRESH_SECONDS = 1.0  # budgets set or removed take effect within about this
-DEFAULT_COMPLETION = 1024  # tokens reserved for a request that bounds none
+DEFAULT_COMPLETION = 1024  # tokens reserved where nothing bounds a request (no ceiling read)
 _BYTES_A_TOKEN = 4
 _COMPLETION_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 RETRY_CAP_SECONDS = 3600
@@ -97,6 +98,7 @@ class Reservation:
     lines: list[tuple[BudgetLine, float]]  # each budget, with its period's start
     need: Amounts
     local: bool = False  # counted in this process (Redis did not answer)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)  # its id in Redis
 
 
 # A budget with no room: its index, the measure, and that measure's used and reserved.
@@ -145,22 +147,25 @@ class LocalCounts:
                 continue
             for at in range(3):
                 counts[at] += used[at]
-                counts[3 + at] = max(counts[3 + at] - reservation.need[at], 0.0)
+                if reservation.local:  # held here (not in Redis): taken back here
+                    counts[3 + at] = max(counts[3 + at] - reservation.need[at], 0.0)
             after.append((counts[0], counts[1], counts[2]))
         return after
 
 
 # Every budget is checked before any is reserved in, so a request refused by one reserves
-# in none. A hash a budget and period: u1..u3 used, r1..r3 reserved of each measure.
+# in none. A hash a budget and period: u1..u3 used, r1..r3 reserved of each measure,
+# ``born`` (Redis's clock when it was begun), and ``h:ID`` for each reservation it holds.
 # ARGV: seven a budget (its seed of each measure, its ceiling of each, -1 for none, and
-# the seconds to keep it), then the reservation of each measure.
+# the seconds to keep it), then the reservation of each measure, then its id.
 _RESERVE_SCRIPT = """
 local n = #KEYS
+local now = redis.call('TIME')
 for i, key in ipairs(KEYS) do
   local b = (i - 1) * 7
   if redis.call('EXISTS', key) == 0 then
     redis.call('HSET', key, 'u1', ARGV[b + 1], 'u2', ARGV[b + 2], 'u3', ARGV[b + 3],
-               'r1', 0, 'r2', 0, 'r3', 0)
+               'r1', 0, 'r2', 0, 'r3', 0, 'born', string.format('%d.%06d', now[1], now[2]))
   end
   redis.call('EXPIRE', key, tonumber(ARGV[b + 7]))
   for m = 1, 3 do
@@ -176,86 +181,90 @@ for i, key in ipairs(KEYS) do
   for m = 1, 3 do
     redis.call('HINCRBYFLOAT', key, 'r' .. m, ARGV[7 * n + m])
   end
+  redis.call('HSET', key, 'h:' .. ARGV[7 * n + 4], 1)
 end
 return false
 """
 
-# ARGV: the reservation of each measure, then what was used of each. Returns each
-# budget's used of each measure after ('-1' where Redis no longer has the budget).
+# A reservation settled (or given back after an outage), once: the last KEY marks it
+# settled for an hour, so a settle that timed out after it ran and is given back later
+# counts nothing twice. Each budget: its hold taken back if it still holds it; the usage
+# added if it held it, or if the hash was begun before the usage was counted (one begun
+# since, from the database's sum, counts it already). ARGV: the reservation's id, its
+# need of each measure, the used of each, and when the usage was counted (time.time()).
+# Returns each budget's used of each measure after ('-1' where Redis has no budget).
 _SETTLE_SCRIPT = """
+local n = #KEYS - 1
+local done = KEYS[#KEYS]
 local out = {}
-for i, key in ipairs(KEYS) do
-  for m = 1, 3 do
-    if redis.call('EXISTS', key) == 1 then
-      if tonumber(redis.call('HINCRBYFLOAT', key, 'r' .. m, -tonumber(ARGV[m]))) < 0 then
-        redis.call('HSET', key, 'r' .. m, 0)
-      end
-      out[3 * (i - 1) + m] = redis.call('HINCRBYFLOAT', key, 'u' .. m, ARGV[3 + m])
-    else
-      out[3 * (i - 1) + m] = '-1'
-    end
-  end
-end
-return out
-"""
-
-# What this process counted alone while Redis did not answer, given back once it does:
-# ARGV six a budget (used of each measure to add, reserved of each to take back). A
-# budget Redis no longer has is begun again from the database, whose usage rows hold it.
-_OWED_SCRIPT = """
-for i, key in ipairs(KEYS) do
+local again = redis.call('EXISTS', done) == 1
+for i = 1, n do
+  local key = KEYS[i]
+  for m = 1, 3 do out[3 * (i - 1) + m] = '-1' end
   if redis.call('EXISTS', key) == 1 then
-    local b = (i - 1) * 6
-    for m = 1, 3 do
-      redis.call('HINCRBYFLOAT', key, 'u' .. m, ARGV[b + m])
-      if tonumber(redis.call('HINCRBYFLOAT', key, 'r' .. m, -tonumber(ARGV[b + 3 + m]))) < 0 then
-        redis.call('HSET', key, 'r' .. m, 0)
+    if not again then
+      local held = redis.call('HDEL', key, 'h:' .. ARGV[1]) == 1
+      local born = tonumber(redis.call('HGET', key, 'born') or '0')
+      local counts = held or born <= tonumber(ARGV[8])
+      for m = 1, 3 do
+        if held then
+          if tonumber(redis.call('HINCRBYFLOAT', key, 'r' .. m, -tonumber(ARGV[1 + m]))) < 0 then
+            redis.call('HSET', key, 'r' .. m, 0)
+          end
+        end
+        if counts then redis.call('HINCRBYFLOAT', key, 'u' .. m, ARGV[4 + m]) end
       end
     end
+    for m = 1, 3 do out[3 * (i - 1) + m] = redis.call('HGET', key, 'u' .. m) end
   end
 end
-return #KEYS
+redis.call('SET', done, 1, 'EX', 3600)
+return out
 """
 
 
 class RedisCounts:
     """The same counts in Redis, shared by every API process; this process's own while
-    Redis does not answer (see the module's docstring). What it counted alone meanwhile
-    (the usage of requests it let in, and the reservations made in Redis that it could
-    not take back) is given back to Redis once it answers again."""
+    Redis does not answer (see the module's docstring). A reservation this process could
+    not settle in Redis (it did not answer) is settled there once it answers again: its
+    hold taken back, what it used added, each once; the counts kept here meanwhile are
+    then dropped, so a later outage begins again from the database's sum."""
 
     def __init__(self, url: str) -> None:
         self._redis = scheduler.redis_async_client(url)
         self._reserve = self._redis.register_script(_RESERVE_SCRIPT)
         self._settle = self._redis.register_script(_SETTLE_SCRIPT)
-        self._give_back = self._redis.register_script(_OWED_SCRIPT)
         self._errors = scheduler.redis_errors()
         self._link = scheduler.redis_link(url)
         self.local = LocalCounts()
-        # Redis key -> [used of each measure, reserved of each] owed to it
-        self._owed: dict[str, list[float]] = {}
+        self._alone = False  # it counted here alone since Redis last answered
+        # Settles Redis did not take: (reservation, used, when it was counted)
+        self._owed: list[tuple[Reservation, Amounts, float]] = []
 
-    def _owe(self, reservation: Reservation, used: Amounts) -> None:
-        held = 0.0 if reservation.local else 1.0  # reserved in Redis: take it back too
-        for line, start in reservation.lines:
-            owed = self._owed.setdefault(_counter_key(line, start), [0.0] * 6)
-            for at in range(3):
-                owed[at] += used[at]
-                owed[3 + at] += held * reservation.need[at]
+    async def _settle_there(
+        self, reservation: Reservation, used: Amounts, counted_at: float
+    ) -> list[Amounts]:
+        keys = [_counter_key(line, start) for line, start in reservation.lines]
+        out = await self._settle(
+            keys=[*keys, f"capyctl:budget:settled:{reservation.rid}"],
+            args=[reservation.rid, *reservation.need, *used, counted_at],
+        )
+        values = [float(_text(v)) for v in out]
+        return [(values[i], values[i + 1], values[i + 2]) for i in range(0, len(values), 3)]
 
     async def _pay_back(self) -> None:
-        owed, self._owed = self._owed, {}
-        try:
-            await self._give_back(keys=list(owed), args=[v for row in owed.values() for v in row])
-        except self._errors as exc:
-            self._link.failed(exc)
-            for key, row in owed.items():  # kept for the next time it answers
-                mine = self._owed.setdefault(key, [0.0] * 6)
-                for at, value in enumerate(row):
-                    mine[at] += value
+        owed, self._owed = self._owed, []
+        for at, (reservation, used, counted_at) in enumerate(owed):
+            try:
+                await self._settle_there(reservation, used, counted_at)
+            except self._errors as exc:
+                self._link.failed(exc)
+                self._owed.extend(owed[at:])  # kept for the next time it answers
+                return
+        self.local, self._alone = LocalCounts(), False  # Redis holds it all again
 
     async def reserve(
-        self, lines: list[tuple[BudgetLine, float]], need: Amounts
+        self, lines: list[tuple[BudgetLine, float]], need: Amounts, rid: str
     ) -> tuple[Refusal | None, bool]:
         """:meth:`LocalCounts.reserve`'s answer, and whether it was counted here alone."""
         if self._owed and self._link.answers():
@@ -269,11 +278,14 @@ class RedisCounts:
                 args += [*line.seed_for(start), *ceilings, keep]
             try:
                 refused = await self._reserve(
-                    keys=[_counter_key(line, start) for line, start in lines], args=[*args, *need]
+                    keys=[_counter_key(line, start) for line, start in lines],
+                    args=[*args, *need, rid],
                 )
-            except self._errors as exc:
+            except self._errors as exc:  # it may have run: its settle takes the hold back
                 self._link.failed(exc)
             else:
+                if self._alone and not self._owed:  # back: what was counted here goes
+                    self.local, self._alone = LocalCounts(), False
                 if not refused:
                     return None, False
                 at, measure, used, held = refused
@@ -283,23 +295,22 @@ class RedisCounts:
                     float(_text(used)),
                     float(_text(held)),
                 ), False
+        self._alone = True
         return self.local.reserve(lines, need), True
 
     async def settle(self, reservation: Reservation, used: Amounts) -> list[Amounts]:
-        if reservation.local or not self._link.answers():
-            self._owe(reservation, used)
+        now = time.time()
+        if not self._link.answers():
+            self._owed.append((reservation, used, now))
             return self.local.settle(reservation, used)
+        if self._owed:
+            await self._pay_back()
         try:
-            out = await self._settle(
-                keys=[_counter_key(line, start) for line, start in reservation.lines],
-                args=[*reservation.need, *used],
-            )
-        except self._errors as exc:
+            return await self._settle_there(reservation, used, now)
+        except self._errors as exc:  # it may have run: given back, it counts nothing twice
             self._link.failed(exc)
-            self._owe(reservation, used)
+            self._owed.append((reservation, used, now))
             return self.local.settle(reservation, used)
-        values = [float(_text(v)) for v in out]
-        return [(values[i], values[i + 1], values[i + 2]) for i in range(0, len(values), 3)]
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -388,14 +399,15 @@ class Budgets:
         gpus = max(len(route.gpus), 1)
         gpu = 2 * typical_gpu_seconds if typical_gpu_seconds else float(gpus)
         need = (float(prompt + completion), gpu, spend_of(route.prices, prompt, completion, gpu))
+        rid = uuid.uuid4().hex
         if isinstance(self.counts, RedisCounts):
-            refused, local = await self.counts.reserve(held, need)
+            refused, local = await self.counts.reserve(held, need, rid)
         else:
             refused, local = self.counts.reserve(held, need), True
         if refused is not None:
             line, (_, ends) = spans[refused[0]]
             raise _exceeded(line, refused, ends, now)
-        return Reservation(held, need, local=local)
+        return Reservation(held, need, local=local, rid=rid)
 
     async def settle(self, reservation: Reservation, used: Amounts) -> None:
         """The request ended having used ``used`` (tokens, GPU-seconds, spend)."""

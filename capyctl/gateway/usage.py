@@ -16,7 +16,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from capyctl.access.budgets import QUARTER
-from capyctl.access.models import ApiKey, Usage
+from capyctl.access.models import ApiKey, Team, Usage
 from capyctl.gateway.errors import GatewayError
 from capyctl.gateway.keys import KeyInfo
 from capyctl.scheduler import gateway_api as scheduler
@@ -126,10 +126,11 @@ class UsageBook:
     def add(
         self, key_pk: int, prompt_tokens: int, completion_tokens: int, *, model: str = "",
         team_id: int | None = None, gpu_seconds: float = 0.0, switch_gpu_seconds: float = 0.0,
-        spend: float = 0.0,
+        spend: float = 0.0, at: float | None = None,
     ) -> None:  # fmt: skip
-        now = time.time()
-        cell = (key_pk, team_id, model, now - now % QUARTER)
+        """One request's usage, in the quarter hour of ``at`` (when it began; default now)."""
+        when = time.time() if at is None else at
+        cell = (key_pk, team_id, model, when - when % QUARTER)
         counts = self._pending.setdefault(cell, [0, 0, 0, 0.0, 0.0, 0.0])
         counts[0] += 1
         counts[1] += prompt_tokens
@@ -164,6 +165,9 @@ def write_usage(pending: dict[UsageCell, list[float]]) -> None:
             for at in range(3):
                 totals[at] += int(counts[at])
         with transaction.atomic():
+            keys = set(ApiKey.objects.filter(pk__in=list(per_key)).values_list("pk", flat=True))
+            teams = {team for (_, team, _, _) in pending if team is not None}
+            teams = set(Team.objects.filter(pk__in=teams).values_list("pk", flat=True))
             for key_pk, (requests, prompt, completion) in sorted(per_key.items()):
                 ApiKey.objects.filter(pk=key_pk).update(
                     request_count=F("request_count") + requests,
@@ -175,7 +179,11 @@ def write_usage(pending: dict[UsageCell, list[float]]) -> None:
             ).update(last_used_at=now)
             order = sorted(pending.items(), key=lambda item: (item[0][3], item[0][0], item[0][2]))
             for (key_pk, team_id, model, quarter), counts in order:
-                _add_usage(key_pk, team_id, model, datetime.fromtimestamp(quarter, UTC), counts)
+                if key_pk not in keys:  # removed (its user removed) while it was in flight
+                    logger.info("usage of a key removed meanwhile (%d) left out", key_pk)
+                    continue
+                charged = team_id if team_id in teams else None  # a team removed meanwhile
+                _add_usage(key_pk, charged, model, datetime.fromtimestamp(quarter, UTC), counts)
     finally:
         connection.close()
 
