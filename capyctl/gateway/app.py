@@ -109,16 +109,15 @@ class Gateway:
         prompt, completion = outcome.prompt_tokens, outcome.completion_tokens
         gpu = outcome.gpu_seconds + outcome.switch_gpu_seconds
         spend = spend_of(outcome.prices, prompt, completion, gpu)
+        if outcome.forwarded:  # the record first: a settle that fails loses none of it
+            began = time.time() - (time.perf_counter() - started)
+            self.usage.add(key.pk, prompt, completion, model=outcome.model, team_id=key.team_id,
+                           at=began, gpu_seconds=outcome.gpu_seconds,
+                           switch_gpu_seconds=outcome.switch_gpu_seconds, spend=spend)  # fmt: skip
+            self._usage_writes.soon()
         if outcome.reservation is not None:
             reservation, outcome.reservation = outcome.reservation, None
             await self.budgets.settle(reservation, (prompt + completion, gpu, spend))
-        if outcome.forwarded:
-            began = time.time() - (time.perf_counter() - started)
-            self.usage.add(key.pk, prompt, completion, model=outcome.model, team_id=key.team_id,
-                           at=began,
-                           gpu_seconds=outcome.gpu_seconds,
-                           switch_gpu_seconds=outcome.switch_gpu_seconds, spend=spend)  # fmt: skip
-            self._usage_writes.soon()
 
     def _trace(self, outcome: Outcome, key_pk: int, started: float) -> None:
         """Note what the request came to, for ``capyctl trace export`` (a tuple appended;
