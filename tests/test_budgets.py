@@ -759,3 +759,32 @@ async def budgets_reserve(counts: RedisCounts, line: Any) -> Any:
 
 def _key_of(line: Any) -> str:
     return f"capyctl:budget:{line.pk}:0"
+
+
+@pytest.mark.django_db
+def test_the_budgets_sums_are_read_a_query_a_scope_and_period(
+    bob, alice, django_assert_max_num_queries
+):
+    """Twenty keys' daily budgets, a user's and a team's: three queries give every sum
+    (the gateway reads them each second; a query a budget grew with their number)."""
+    from capyctl.access.services import issue_api_key
+    from capyctl.access.teams import add_member, add_team
+
+    add_team("ml")
+    add_member("ml", "bob")
+    at = rules.quarter_of(time.time())
+    found = []
+    for n in range(20):
+        key = issue_api_key("bob", team="ml" if n % 2 else None)[0]
+        Usage.objects.create(at=at, key=key, team=key.team, model="chat", requests=1,
+                             prompt_tokens=n, completion_tokens=1, spend=0.5)  # fmt: skip
+        found.append(rules.set_budget(key=key.key_id, tokens=100, period="day")[0])
+    found.append(rules.set_budget(user="bob", tokens=1000, period="week")[0])
+    found.append(rules.set_budget(team="ml", gpu_seconds=10, period="month")[0])
+    with django_assert_max_num_queries(3):
+        together = rules.used_of_many(found)
+    alone = {budget.pk: rules.used_of(budget) for budget in found}
+    assert together == alone
+    assert together[found[5].pk] == rules.Used(tokens=6, gpu_seconds=0.0, spend=0.5)
+    assert together[found[-2].pk].tokens == sum(range(20)) + 20
+    assert together[found[-1].pk].spend == 5.0  # the ten keys charged to ml

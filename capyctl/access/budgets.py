@@ -24,7 +24,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q, Sum
+from django.db.models import Sum
 
 from capyctl.access.models import ApiKey, Budget, Team, Usage
 from capyctl.access.services import get_api_key, get_team, get_user
@@ -87,26 +87,52 @@ class Used:
     spend: float = 0.0
 
 
-def _scope(budget: Budget) -> Q:
+# What a budget of each scope sums: the usage rows of its key, its user's keys, its team.
+_SCOPE_FIELD = {"key": "key_id", "user": "key__user_id", "team": "team_id"}
+
+
+def scope_of(budget: Budget) -> tuple[str, int]:
+    """``("key", pk)``, ``("user", id)`` or ``("team", id)``."""
     if budget.key_id is not None:
-        return Q(key_id=budget.key_id)
+        return "key", budget.key_id
     if budget.user_id is not None:
-        return Q(key__user_id=budget.user_id)
-    return Q(team_id=budget.team_id)
+        return "user", budget.user_id
+    return "team", int(budget.team_id or 0)
 
 
 def used_of(budget: Budget, now: float | None = None) -> Used:
     """What was used of ``budget`` in its current period, as the database has it."""
-    start, _ = period_bounds(budget.period, now)
-    sums = Usage.objects.filter(_scope(budget), at__gte=start).aggregate(
-        prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"),
-        gpu=Sum("gpu_seconds"), switch=Sum("switch_gpu_seconds"), spend=Sum("spend"),
-    )  # fmt: skip
-    return Used(
-        tokens=int(sums["prompt"] or 0) + int(sums["completion"] or 0),
-        gpu_seconds=float(sums["gpu"] or 0.0) + float(sums["switch"] or 0.0),
-        spend=float(sums["spend"] or 0.0),
-    )
+    return used_of_many([budget], now)[budget.pk]
+
+
+def used_of_many(found: list[Budget], now: float | None = None) -> dict[int, Used]:
+    """What was used of each budget in its current period, by its id: one query for each
+    scope and period among them, however many budgets."""
+    groups: dict[tuple[str, str], list[Budget]] = {}
+    for budget in found:
+        groups.setdefault((scope_of(budget)[0], budget.period), []).append(budget)
+    used: dict[int, Used] = {}
+    for (scope, period), members in groups.items():
+        start, _ = period_bounds(period, now)
+        field = _SCOPE_FIELD[scope]
+        ids = {scope_of(budget)[1] for budget in members}
+        sums = {
+            row[field]: Used(
+                tokens=int(row["prompt"] or 0) + int(row["completion"] or 0),
+                gpu_seconds=float(row["gpu"] or 0.0) + float(row["switch"] or 0.0),
+                spend=float(row["spend"] or 0.0),
+            )
+            for row in Usage.objects.filter(**{f"{field}__in": ids}, at__gte=start)
+            .values(field)
+            .annotate(
+                prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"),
+                gpu=Sum("gpu_seconds"), switch=Sum("switch_gpu_seconds"), spend=Sum("spend"),
+            )
+            .order_by()
+        }  # fmt: skip
+        for budget in members:
+            used[budget.pk] = sums.get(scope_of(budget)[1], Used())
+    return used
 
 
 def whose(budget: Budget) -> str:
@@ -235,10 +261,18 @@ def budgets(
     return list(found.order_by("pk"))
 
 
-def budget_row(budget: Budget, now: float | None = None) -> dict[str, object]:
+def budget_rows(found: list[Budget], now: float | None = None) -> list[dict[str, object]]:
+    """:func:`budget_row` of each, their sums read together."""
+    used = used_of_many(found, now)
+    return [budget_row(budget, now, used=used[budget.pk]) for budget in found]
+
+
+def budget_row(
+    budget: Budget, now: float | None = None, *, used: Used | None = None
+) -> dict[str, object]:
     """A budget as the CLI's ``--json``, REST and the usage page show it: its ceilings,
     what was used of them this period, and when the period ends."""
-    used = used_of(budget, now)
+    used = used_of(budget, now) if used is None else used
     _, ends = period_bounds(budget.period, now)
     return {
         "id": budget.pk,

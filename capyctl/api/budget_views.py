@@ -87,8 +87,7 @@ class BudgetViewSet(viewsets.ViewSet):
     serializer_class = BudgetOut
 
     def list(self, request: Request) -> Response:
-        found = budgets.budgets(**_scope_filter(request))
-        return Response([budgets.budget_row(b) for b in found])
+        return Response(budgets.budget_rows(budgets.budgets(**_scope_filter(request))))
 
     def retrieve(self, request: Request, pk: str) -> Response:
         return Response(budgets.budget_row(budgets.get_budget(pk)))

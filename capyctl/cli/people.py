@@ -299,10 +299,10 @@ def _used(row: dict[str, Any], limit: str, used: str, fmt: str) -> str:
 
 
 def budget_list(args: argparse.Namespace) -> int:
-    from capyctl.access.budgets import budget_row, budgets
+    from capyctl.access.budgets import budget_rows, budgets
 
     prepare()
-    rows = [budget_row(b) for b in budgets(key=args.key, user=args.user, team=args.team)]
+    rows = budget_rows(budgets(key=args.key, user=args.user, team=args.team))
     if args.json:
         print_json(rows)
         return 0

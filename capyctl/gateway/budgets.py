@@ -325,13 +325,10 @@ def _load() -> dict[tuple[str, int], list[BudgetLine]]:
     table: dict[tuple[str, int], list[BudgetLine]] = {}
     try:
         now = rules.clock()
-        for budget in Budget.objects.select_related("key", "user", "team"):
-            used = rules.used_of(budget, now)
-            scope = (
-                ("key", budget.key_id) if budget.key_id is not None
-                else ("user", budget.user_id) if budget.user_id is not None
-                else ("team", int(budget.team_id or 0))
-            )  # fmt: skip
+        found = list(Budget.objects.select_related("key", "user", "team"))
+        all_used = rules.used_of_many(found, now)  # a query a scope and period, no more
+        for budget in found:
+            used, scope = all_used[budget.pk], rules.scope_of(budget)
             table.setdefault(scope, []).append(
                 BudgetLine(
                     pk=budget.pk, scope=scope, period=budget.period,

@@ -47,12 +47,14 @@ class UsageCollector(Collector):
         yield gpu
         used = GaugeMetricFamily(
             "capyctl_budget_used_ratio",
-            "how much of each budget its current period has used (the larger of its tokens' "
-            "and GPU-seconds' shares; 1 or more: used up)",
+            "how much of each budget its current period has used (the largest of its tokens', "
+            "GPU-seconds' and spend's shares; 1 or more: used up)",
             labels=["budget"],
         )
-        for budget in Budget.objects.select_related("key", "user", "team").order_by("pk"):
-            spent = budgets.used_of(budget)
+        found = list(Budget.objects.select_related("key", "user", "team").order_by("pk"))
+        all_used = budgets.used_of_many(found)
+        for budget in found:
+            spent = all_used[budget.pk]
             shares = []
             if budget.tokens:
                 shares.append(spent.tokens / budget.tokens)

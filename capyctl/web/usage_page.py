@@ -151,8 +151,8 @@ def budget_rows(user: Any) -> list[dict[str, Any]]:
         found = found.filter(Q(key__user_id=user.pk) | Q(user_id=user.pk)
                              | Q(team__members__id=user.pk)).distinct()  # fmt: skip
     rows = []
-    for budget in found.order_by("pk"):
-        row = rules.budget_row(budget)
+    chosen = list(found.order_by("pk"))
+    for budget, row in zip(chosen, rules.budget_rows(chosen), strict=True):
         resets = row["resets_at"]
         row["resets"] = str(resets)[:16].replace("T", " ") if resets else "never"
         shares: list[tuple[str, float, float]] = []
