@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 import zoneinfo
@@ -176,13 +177,20 @@ async def test_fifty_at_once_against_room_for_ten_pass_it_by_at_most_one(
         budgets_of = [Budgets(url), Budgets(url)]
     else:
         budgets_of = [Budgets(None)]
+    from capyctl.gateway.errors import GatewayError
+
     try:
         let_in, used, refusals = await _fifty_at_once(budgets_of, _key(key))
+        assert (let_in, used) == (10, 1000)
+        # What the counts themselves hold (in this process, or in Redis): 1 + 1,000 used,
+        # past the ceiling by 1 token, less than one reservation (100).
+        for budgets in budgets_of:
+            with pytest.raises(GatewayError, match=r"is used up: 1,001 of 1,000 tokens"):
+                await budgets.admit(_key(key), _route(), {"max_tokens": 90}, 40, None)
     finally:
         for budgets in budgets_of:
             await budgets.close()
     assert (let_in, len(refusals)) == (10, 40)
-    assert 1 + used == 1001  # past the ceiling by 1 token: less than one reservation (100)
     assert all(r.startswith("budget_exceeded: Key capy_") for r in refusals), refusals[:3]
     assert any("is held by requests in flight" in r for r in refusals)
 
@@ -273,7 +281,9 @@ async def test_a_team_s_daily_budget_runs_out_and_the_next_day_lets_them_in(monk
                                         f"{rules.period_bounds('day', today)[1]:%Y-%m-%d} "
                                         "00:00 UTC.")  # fmt: skip
         wait = int(refused.response.headers["retry-after"])
-        assert 1 <= wait <= 3600
+        ends = rules.period_bounds("day", today)[1]
+        assert ends is not None
+        assert wait == min(max(math.ceil(ends.timestamp() - today), 1), 3600)  # capped
         # Streams count too: the engine is asked for its usage chunk, the client that did
         # not ask for it does not get it, and alice's own key has no team and no budget.
         stream = await client("alice-own").chat.completions.create(
@@ -457,8 +467,9 @@ def test_budgets_are_set_listed_and_removed_in_one_line_each(cli, alice, bob):
     assert [r["of"] for r in json.loads(cli("budget", "list", "--json").out)] == ["bob"]
 
 
-@pytest.mark.django_db
-def test_rest_budgets_for_staff_and_usage_for_everyone_their_own(client, alice, bob):
+def _two_users_used(*, switch_gpu_seconds: float) -> tuple[ApiKey, ApiKey]:
+    """Bob's key charged to team ml used chat (40 tokens), alice's of no team code (10):
+    the two keys."""
     from capyctl.access.services import issue_api_key
     from capyctl.access.teams import add_member, add_team
 
@@ -470,7 +481,14 @@ def test_rest_budgets_for_staff_and_usage_for_everyone_their_own(client, alice, 
     Usage.objects.create(at=at, key=bob_key, team=bob_key.team, model="chat", requests=2,
                          prompt_tokens=10, completion_tokens=30, gpu_seconds=1.5)  # fmt: skip
     Usage.objects.create(at=at, key=alice_key, model="code", requests=1, prompt_tokens=5,
-                         completion_tokens=5, gpu_seconds=0.5, switch_gpu_seconds=0.25)  # fmt: skip
+                         completion_tokens=5, gpu_seconds=0.5,
+                         switch_gpu_seconds=switch_gpu_seconds)  # fmt: skip
+    return bob_key, alice_key
+
+
+@pytest.mark.django_db
+def test_rest_budgets_for_staff_and_usage_for_everyone_their_own(client, alice, bob):
+    bob_key, _ = _two_users_used(switch_gpu_seconds=0.25)
     client.force_login(alice)
     made = client.post("/api/budgets/", {"team": "ml", "tokens": 100, "period": "month"},
                        content_type="application/json")  # fmt: skip
@@ -611,18 +629,7 @@ async def test_a_redis_outage_counts_in_each_process_and_gives_back_what_it_coun
 
 @pytest.mark.django_db
 def test_the_usage_page_shows_staff_everything_and_a_user_their_own(client, alice, bob):
-    from capyctl.access.services import issue_api_key
-    from capyctl.access.teams import add_member, add_team
-
-    add_team("ml")
-    add_member("ml", "bob")
-    bob_key = issue_api_key("bob", team="ml")[0]
-    alice_key = issue_api_key("alice")[0]
-    at = rules.quarter_of(time.time())
-    Usage.objects.create(at=at, key=bob_key, team=bob_key.team, model="chat", requests=2,
-                         prompt_tokens=10, completion_tokens=30, gpu_seconds=1.5)  # fmt: skip
-    Usage.objects.create(at=at, key=alice_key, model="code", requests=1, prompt_tokens=5,
-                         completion_tokens=5, gpu_seconds=0.5)  # fmt: skip
+    _, alice_key = _two_users_used(switch_gpu_seconds=0.0)
     rules.set_budget(team="ml", tokens=100, period="day")
     client.force_login(alice)
     page = client.get("/usage/?days=7").content.decode()
@@ -788,3 +795,45 @@ def test_the_budgets_sums_are_read_a_query_a_scope_and_period(
     assert together[found[5].pk] == rules.Used(tokens=6, gpu_seconds=0.0, spend=0.5)
     assert together[found[-2].pk].tokens == sum(range(20)) + 20
     assert together[found[-1].pk].spend == 5.0  # the ten keys charged to ml
+
+
+def test_what_a_body_says_of_its_size_is_read_only_where_it_is_a_count():
+    """A hostile body's ``max_tokens``, ``n`` and ``stream_options`` of the wrong types
+    reserve as if absent (the model's ceiling), and never raise; a stream's options are
+    kept, with include_usage added."""
+    from capyctl.gateway.admission import _with_usage
+    from capyctl.gateway.budgets import _worst_tokens
+    from capyctl.gateway.context import Outcome
+
+    route = _route()
+    for hostile in ({"max_tokens": "9"}, {"max_tokens": True}, {"max_tokens": -5},
+                    {"max_tokens": 1.5}, {"n": "3"}, {"n": True}):  # fmt: skip
+        assert _worst_tokens(hostile, 40, route) == (10, 1024), hostile
+    assert _worst_tokens({"max_tokens": 8, "n": 3}, 40, route) == (10, 24)
+    outcome = Outcome()
+    for options in ("x", ["include_usage"], None, {"include_usage": "yes"}):
+        parsed = {"model": "chat", "stream": True, "stream_options": options}
+        body, asked = _with_usage(b"{}", parsed, "/v1/chat/completions", outcome)
+        assert asked["stream_options"]["include_usage"] is True
+        assert json.loads(body) == asked
+        assert outcome.strip_usage
+    kept = {"model": "chat", "stream": True, "stream_options": {"include_usage": True}}
+    fresh = Outcome()
+    assert _with_usage(b"same", kept, "/v1/chat/completions", fresh) == (b"same", kept)
+    assert not fresh.strip_usage  # the client asked for it: passed on
+
+
+@pytest.mark.django_db
+def test_usage_csv_never_starts_a_cell_a_spreadsheet_would_run(cli):
+    """A username may begin with @, + or - (Django allows them): ``capyctl usage --csv``
+    quotes such a cell so a spreadsheet shows it instead of running it."""
+    from capyctl.access.services import issue_api_key
+
+    for name in ("@SUM(1+1)", "+cmd", "-2"):
+        User.objects.create_user(name, password="x-password-1")
+        key = issue_api_key(name)[0]
+        Usage.objects.create(at=rules.quarter_of(time.time()), key=key, model="chat",
+                             requests=1, prompt_tokens=1)  # fmt: skip
+    out = cli("usage", "--by", "user", "--csv").out.splitlines()
+    assert out[0].startswith("user,requests,")
+    assert sorted(line.split(",")[0] for line in out[1:]) == ["'+cmd", "'-2", "'@SUM(1+1)"]

@@ -18,8 +18,6 @@ from capyctl.errors import UserError
 BY = ("team", "user", "key", "model")
 _GROUP = {"team": "team__name", "user": "key__user__username", "key": "key__key_id",
           "model": "model"}  # fmt: skip
-FIELDS = ("requests", "prompt_tokens", "completion_tokens", "gpu_seconds", "switch_gpu_seconds",
-          "spend")  # fmt: skip
 
 
 def _rows(since: datetime, user_id: int | None) -> QuerySet[Usage]:
