@@ -126,6 +126,8 @@ def key_data(key: ApiKey) -> dict[str, Any]:
         ),
         "all_models": not key.limit_models,  # else only ``models``: none left means none
         "team": key.team.name if key.team is not None else None,
+        "priority_class": key.priority_class or None,  # its own (None: its team's)
+        "class": key.effective_class,  # its own, else its team's, else interactive
         "admin": key.is_admin,
         "requests_per_minute": key.requests_per_minute,
         "max_concurrent": key.max_concurrent,
@@ -253,6 +255,7 @@ def team_data(team: Team) -> dict[str, Any]:
     return {
         "name": team.name,
         "members": sorted(u.get_username() for u in team.members.all()),
+        "priority_class": team.priority_class,
         "keys": getattr(team, "key_count", None),  # its keys not revoked
         "created_at": _time(team.created_at),
     }

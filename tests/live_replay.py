@@ -209,9 +209,14 @@ def replay(
     settings: dict[str, str] | None = None,
     prestart: bool = True,
     request_timeout: float = 300.0,
+    classes: bool = True,
 ) -> LiveResult:
     """Run ``trace`` through a fresh server that serves ``models`` on ``gpus``, and report
-    what it switched (see the module's doc for how the run is set up and timed)."""
+    what it switched (see the module's doc for how the run is set up and timed).
+
+    Rows with ``"class": "batch"`` are sent with a second key, made with ``--class batch``
+    (``classes=False``: ``--class interactive``, to compare the same trace without
+    classes); the others with the admin key, interactive."""
     if timings.tokens_per_second <= 0:
         raise ValueError("tokens_per_second must be above 0: service times are set with it")
     if any(not isinstance(row.get("at"), int | float) or row["at"] < 0 for row in trace):
@@ -225,13 +230,18 @@ def replay(
     try:
         setup = [sim_engine(f"sim-{m.name}", timings.engine_env(m)) for m in models]
         server.start(*setup, *(m.add_command() for m in models))
+        keys = {"interactive": server.key}
+        if any(row.get("class") == "batch" for row in trace):
+            made = server.commands(["key", "create", "--user", "admin", "--class",
+                                    "batch" if classes else "interactive"])  # fmt: skip
+            keys["batch"] = made[-1].strip().splitlines()[-1]
         starts = [["deployment", "start", m.name] for m in models] if prestart else []
         outputs, before = server.commands_then_snapshot(*starts, ["status", "--json"])
         status = json.loads(outputs[-1])
         if not before.settled:  # each start waits for its model: this is not expected
             raise LiveServerError(f"the server was still switching: {before.states}")
         initial = {name: f"{state} {mode}".strip() for name, (state, mode) in before.states.items()}
-        rows, clock = asyncio.run(_send(server, trace, timings, request_timeout))
+        rows, clock = asyncio.run(_send(server, trace, timings, request_timeout, keys))
         after = server.settled(before.last_event_id)
     except LiveServerError:
         raise
@@ -254,9 +264,14 @@ def replay(
 
 
 async def _send(
-    server: LiveServer, trace: list[dict[str, Any]], timings: LiveTimings, timeout: float
+    server: LiveServer,
+    trace: list[dict[str, Any]],
+    timings: LiveTimings,
+    timeout: float,
+    keys: dict[str, str],
 ) -> tuple[list[dict[str, Any]], float]:
-    """Send every row at its ``at``; the result rows, and the clock's start (epoch seconds)."""
+    """Send every row at its ``at`` (with the key of its ``class``); the result rows, and
+    the clock's start (epoch seconds)."""
     loop = asyncio.get_running_loop()
     headers = {"Authorization": f"Bearer {server.key}"}
     limits = httpx.Limits(max_connections=len(trace) + 8, max_keepalive_connections=len(trace) + 8)
@@ -276,9 +291,12 @@ async def _send(
             body = {"model": row["model"], "max_tokens": tokens, "stream": False,
                     "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
             result: dict[str, Any] = {"model": row["model"], "at": at, "sent": sent - zero,
-                                      "tokens": tokens}  # fmt: skip
+                                      "tokens": tokens,
+                                      "class": row.get("class") or "interactive"}  # fmt: skip
+            key = keys[str(row.get("class") or "interactive")]
             try:
-                reply = await client.post("/v1/chat/completions", json=body)
+                reply = await client.post("/v1/chat/completions", json=body,
+                                          headers={"Authorization": f"Bearer {key}"})  # fmt: skip
             except httpx.HTTPError as exc:
                 return {**result, "status": 0, "code": type(exc).__name__, "queued_ms": None,
                         "seconds": loop.time() - sent}  # fmt: skip

@@ -395,6 +395,53 @@ def test_room_that_fits_a_longer_waiting_contender_is_kept_for_it():
     assert plan([both], need("b")) == Placement(1, ("gpu1",), ())
 
 
+# --- priority classes ------------------------------------------------------------------------
+
+
+def test_a_batch_model_never_ends_the_turn_of_one_serving_interactive_requests():
+    """b only batch requests wait for: a, busy with interactive requests (not batch-only),
+    keeps gpu0 however long b waits; once a is idle, b takes it at once."""
+    long_after = plan([contended()], need(waited_seconds=10_000.0, batch=True))
+    assert isinstance(long_after, NoCapacity)
+    assert not long_after.lasting
+    assert long_after.reason == (
+        "b needs 16.0 GiB per GPU and waits for room; in the way: a (busy with interactive "
+        "requests; batch waits)"
+    )
+    idle = plan([contended(holder_busy=False)], need(waited_seconds=0.0, batch=True))
+    assert isinstance(idle, Placement)
+    # Two batch models take turns as two interactive ones do.
+    turn_over = plan([contended(batch=True)], need(waited_seconds=30.0, batch=True))
+    assert isinstance(turn_over, Placement)
+    in_turn = plan([contended(batch=True)], need(waited_seconds=29.0, batch=True))
+    assert isinstance(in_turn, NoCapacity)
+
+
+def test_a_model_busy_with_batch_requests_only_keeps_a_quarter_turn_against_interactive():
+    """a's 30 s turn is 7.5 s against an interactive b when only batch requests keep a
+    busy; against a batch b it is the whole 30 s."""
+    assert isinstance(plan([contended(batch=True)], need(waited_seconds=7.0)), NoCapacity)
+    result = plan([contended(batch=True)], need(waited_seconds=7.5))
+    assert isinstance(result, Placement)
+    assert [(v.name, v.turn_over) for v in result.victims] == [("a", True)]
+    assert isinstance(plan([contended(batch=True)], need(waited_seconds=7.5, batch=True)),
+                      NoCapacity)  # fmt: skip
+
+
+def test_a_batch_wait_counts_for_a_quarter_and_priority_as_before():
+    """a's turn is over for both: c (batch) has waited 100 s, standing 25; b (interactive)
+    30 s goes first. With priority 1 (10 s) c's standing is 35 and c goes first."""
+    c = Contender(5, "c", 100.0, pools=("gpu0",), batch=True)
+    assert isinstance(plan([contended(c)], need("b", waited_seconds=30.0)), Placement)
+    c_high = Contender(5, "c", 100.0, priority=1, pools=("gpu0",), batch=True)
+    behind = plan([contended(c_high)], need("b", waited_seconds=30.0))
+    assert isinstance(behind, NoCapacity)
+    assert behind.blockers == ("c (waiting longer)",)
+    # b batch too: both count for a quarter, the longer wait goes first
+    assert isinstance(plan([contended(c)], need("b", waited_seconds=90.0, batch=True)),
+                      NoCapacity)  # fmt: skip
+
+
 # --- parked residuals ------------------------------------------------------------------------
 
 

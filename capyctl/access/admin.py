@@ -47,8 +47,8 @@ def _chosen(data: dict[str, Any]) -> list[Any]:
 class NewKeyForm(forms.ModelForm):  # type: ignore[type-arg]
     class Meta:
         model = ApiKey
-        fields = ("user", "name", "allowed_models", "allowed_adapters", "team", "is_admin",
-                  "requests_per_minute", "max_concurrent", "expires_at")  # fmt: skip
+        fields = ("user", "name", "allowed_models", "allowed_adapters", "team", "priority_class",
+                  "is_admin", "requests_per_minute", "max_concurrent", "expires_at")  # fmt: skip
         help_texts: ClassVar = {
             "allowed_models": "none chosen here or below: every model its user may use",
             "allowed_adapters": "adapters it may use: one does not allow its base",
@@ -87,13 +87,16 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "prefix",
         "name",
         "user",
+        "team",
+        "priority",
         "is_admin",
         "expires_at",
         "revoked_at",
         "last_used_at",
         "request_count",
     )
-    list_filter = ("is_admin", "user")
+    list_select_related = ("user", "team")
+    list_filter = ("is_admin", "priority_class", "user")
     search_fields = ("key_id", "name", "user__username")
     readonly_fields = (
         "key_id",
@@ -111,6 +114,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "allowed_models",
         "allowed_adapters",
         "team",
+        "priority_class",
         "is_admin",
         "requests_per_minute",
         "max_concurrent",
@@ -120,11 +124,19 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     filter_horizontal = ("allowed_models", "allowed_adapters")
     actions = ("revoke_keys",)
 
+    @admin.display(description="class", ordering="priority_class")
+    def priority(self, key: ApiKey) -> str:
+        """Its class: its own, or its team's (``batch (team)``), else interactive."""
+        if key.priority_class or key.team_id is None:
+            return key.effective_class
+        return f"{key.effective_class} (team)"
+
     def get_form(
         self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
     ) -> Any:
         kwargs["form"] = NewKeyForm
-        kwargs["fields"] = NewKeyForm.Meta.fields if obj is None else self.fields[:8]
+        editable = self.fields[: -len(self.readonly_fields)]
+        kwargs["fields"] = NewKeyForm.Meta.fields if obj is None else editable
         return super().get_form(request, obj, change, **kwargs)
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
@@ -148,6 +160,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 max_concurrent=data.get("max_concurrent"),
                 expires_at=data.get("expires_at"), actor=actor,
                 team=data["team"].name if data.get("team") else None,
+                priority_class=data.get("priority_class") or "",
             )  # fmt: skip
             ApiKey.objects.filter(pk=obj.pk).update(is_admin=bool(data.get("is_admin")))
             return
@@ -161,6 +174,7 @@ class ApiKeyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             requests_per_minute=data.get("requests_per_minute"),
             max_concurrent=data.get("max_concurrent"),
             team=data["team"].name if data.get("team") else None,
+            priority_class=data.get("priority_class") or "",
             actor=actor,
         )
         obj.pk = key.pk
@@ -243,19 +257,24 @@ class TeamAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     """Teams: added and their members chosen here or with ``capyctl team``; one is removed
     only once no key is charged to it, a member only once none of theirs is."""
 
-    list_display = ("name", "created_at")
+    list_display = ("name", "priority_class", "created_at")
+    list_filter = ("priority_class",)
     search_fields = ("name", "members__username")
-    fields = ("name", "members")
+    fields = ("name", "priority_class", "members")
     filter_horizontal = ("members",)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         return ("name",) if obj else ()
 
     def save_model(self, request: HttpRequest, obj: Team, form: Any, change: bool) -> None:
+        actor = request.user.get_username()
+        chosen = form.cleaned_data["priority_class"]
         if not change:
-            saved = teams.add_team(form.cleaned_data["name"], actor=request.user.get_username())
+            saved = teams.add_team(form.cleaned_data["name"], priority_class=chosen, actor=actor)
             obj.pk = saved.pk
             obj.refresh_from_db()
+        elif "priority_class" in form.changed_data:
+            teams.update_team(obj.name, priority_class=chosen, actor=actor)
 
     def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
         """Members through the service: one whose keys are charged here stays, and says so."""

@@ -9,6 +9,11 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+INTERACTIVE = "interactive"
+BATCH = "batch"
+CLASSES = (INTERACTIVE, BATCH)
+CLASS_CHOICES = [(c, c) for c in CLASSES]
+
 
 class Team(models.Model):
     """People who share GPUs, and what their keys are charged to: a key may be charged to
@@ -16,6 +21,10 @@ class Team(models.Model):
 
     name = models.CharField(max_length=63, unique=True)
     members = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="teams")
+    priority_class = models.CharField(
+        max_length=12, choices=CLASS_CHOICES, default=INTERACTIVE,
+        help_text="its keys' class, unless a key has its own (batch: idle GPUs only)",
+    )  # fmt: skip
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -55,6 +64,10 @@ class ApiKey(models.Model):
         Team, null=True, blank=True, on_delete=models.PROTECT, related_name="api_keys",
         help_text="the team it is charged to: one of its user's (empty: none)",
     )  # fmt: skip
+    priority_class = models.CharField(
+        max_length=12, choices=CLASS_CHOICES, blank=True, default="",
+        help_text="interactive or batch (empty: its team's, else interactive)",
+    )  # fmt: skip
     is_admin = models.BooleanField(default=False, help_text="may use the REST API as admin")
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
     max_concurrent = models.PositiveIntegerField(
@@ -79,6 +92,14 @@ class ApiKey(models.Model):
     def prefix(self) -> str:
         """The public part of the key, safe to show anywhere."""
         return f"capy_{self.key_id}"
+
+    @property
+    def effective_class(self) -> str:
+        """Its own class, else its team's, else interactive (the team read: a query unless
+        selected with the key)."""
+        if self.priority_class:
+            return self.priority_class
+        return self.team.priority_class if self.team_id is not None else INTERACTIVE  # type: ignore[union-attr]
 
     def is_active(self, now: object = None) -> bool:
         moment = now or timezone.now()

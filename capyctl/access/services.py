@@ -20,7 +20,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from capyctl.access.guessing import RecentMisses
-from capyctl.access.models import ApiKey, Ceilings, Team, UserLimits
+from capyctl.access.models import CLASSES, ApiKey, Ceilings, Team, UserLimits
 from capyctl.deployments.models import Adapter, Deployment
 from capyctl.deployments.services import get_deployment
 from capyctl.errors import NotFoundError, UserError
@@ -74,6 +74,17 @@ def team_for_key(user: User, name: str | None) -> Team | None:
             field="team",
         )
     return team
+
+
+def check_class(value: object, *, inherits: bool = True) -> str:
+    """A priority class as given: ``interactive`` or ``batch``, or (``inherits``: a key's)
+    ``""`` for its team's. Anything else is refused naming ``priority_class``: the one
+    check of REST, the CLI and the keys page."""
+    if isinstance(value, str) and (value in CLASSES or (inherits and value == "")):
+        return value
+    also = " (or empty: its team's)" if inherits else ""
+    raise UserError(f"a priority class is interactive or batch{also}, not {value!r}",
+                    field="priority_class")  # fmt: skip
 
 
 @transaction.atomic
@@ -246,12 +257,15 @@ def issue_api_key(
     requests_per_minute: int | None = None,
     max_concurrent: int | None = None,
     team: str | None = None,
+    priority_class: str = "",
     actor: str = "",
 ) -> tuple[ApiKey, str]:
     """Make a key for ``username``. Returns the row and the full key, which is shown once.
 
     The key's limits can only narrow its user's ceilings, whoever issues it: a limit left
-    out takes the ceiling, one beyond it is refused."""
+    out takes the ceiling, one beyond it is refused. ``priority_class``: interactive or
+    batch (empty: its team's, else interactive)."""
+    check_class(priority_class)
     user = get_user(username)
     charged = team_for_key(user, team)
     deployments = [model_named(model) for model in models or []]
@@ -283,13 +297,15 @@ def issue_api_key(
         max_concurrent=max_concurrent,
         expires_at=expires_at,
         team=charged,
+        priority_class=priority_class,
     )
     set_models(key, scope)
     record_event(
         "key.created",
         f"API key {key.prefix} created for {username}"
         + (f" (models: {_names(scope)})" if scope is not None else "")
-        + (f", charged to team {charged.name}" if charged is not None else ""),
+        + (f", charged to team {charged.name}" if charged is not None else "")
+        + (f", class {priority_class}" if priority_class else ""),
         subject=key.prefix,
         actor=actor,
     )
@@ -382,11 +398,14 @@ def update_api_key(
     max_concurrent: int | object | None = UNCHANGED,
     expires_at: datetime | object | None = UNCHANGED,
     team: str | object | None = UNCHANGED,
+    priority_class: str | object = UNCHANGED,
     actor: str = "",
 ) -> ApiKey:
     """Change a key's label, allowed models (none: every model its user may use), limits,
-    expiry or team (None: none; its secret never changes). The new limits can only narrow its user's
-    ceilings, as when it was made."""
+    expiry, team (None: none) or priority class ("": its team's); its secret never
+    changes. The new limits can only narrow its user's ceilings, as when it was made."""
+    if priority_class is not UNCHANGED:
+        check_class(priority_class)
     key = get_api_key(ident)
     username = key.user.get_username()
     ceilings = ceilings_of(key.user)
@@ -420,6 +439,9 @@ def update_api_key(
     if team is not UNCHANGED:
         key.team = team_for_key(key.user, cast("str | None", team))
         changed.append(f"team {key.team.name}" if key.team is not None else "no team")
+    if priority_class is not UNCHANGED:
+        key.priority_class = cast("str", priority_class)
+        changed.append(f"class {priority_class}" if priority_class else "its team's class")
     if models is not None:
         scope = _within_models([model_named(m) for m in models], ceilings, username)
         key.limit_models = scope is not None

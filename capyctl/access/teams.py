@@ -11,19 +11,34 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from capyctl.access.models import ApiKey, Team
-from capyctl.access.services import get_team, get_user
+from capyctl.access.models import INTERACTIVE, ApiKey, Team
+from capyctl.access.services import check_class, get_team, get_user
 from capyctl.errors import UserError
 from capyctl.events.services import record_event
 from capyctl.validation import validate_name
 
 
-def add_team(name: str, *, actor: str = "") -> Team:
+def add_team(name: str, *, priority_class: str = INTERACTIVE, actor: str = "") -> Team:
+    """A new team; ``priority_class``: its keys' class, unless a key has its own."""
     validate_name(name, what="team name")
+    check_class(priority_class, inherits=False)
     if Team.objects.filter(name=name).exists():
         raise UserError(f"a team named {name!r} already exists", field="name")
-    team = Team.objects.create(name=name)
-    record_event("team.added", f"team {name} added", subject=name, actor=actor)
+    team = Team.objects.create(name=name, priority_class=priority_class)
+    also = f" (class {priority_class})" if priority_class != INTERACTIVE else ""
+    record_event("team.added", f"team {name} added{also}", subject=name, actor=actor)
+    return team
+
+
+def update_team(name: str, *, priority_class: str, actor: str = "") -> Team:
+    """Set a team's priority class: its keys without one of their own follow it (the
+    gateway reads it within a second)."""
+    check_class(priority_class, inherits=False)
+    team = get_team(name)
+    team.priority_class = priority_class
+    team.save(update_fields=["priority_class"])
+    record_event("team.changed", f"team {name} changed: class {priority_class}", subject=name,
+                 actor=actor)  # fmt: skip
     return team
 
 

@@ -31,6 +31,9 @@ from capyctl.validation import parse_duration
     list=extend_schema(summary="Teams", responses=s.TeamOut(many=True)),
     retrieve=extend_schema(summary="One team", responses=s.TeamOut),
     create=extend_schema(summary="Add a team", request=s.TeamIn, responses={201: s.TeamOut}),
+    partial_update=extend_schema(
+        summary="Set a team's priority class", request=s.TeamChange, responses=s.TeamOut
+    ),
     destroy=extend_schema(summary="Remove a team no key is charged to", responses={204: None}),
 )
 class TeamViewSet(viewsets.ViewSet):
@@ -47,8 +50,13 @@ class TeamViewSet(viewsets.ViewSet):
 
     def create(self, request: Request) -> Response:
         data = valid(s.TeamIn, request)
-        teams.add_team(data["name"], actor=actor(request))
+        teams.add_team(data["name"], priority_class=data["priority_class"], actor=actor(request))
         return Response(s.TeamOut(self._one(data["name"])).data, status=status.HTTP_201_CREATED)
+
+    def partial_update(self, request: Request, name: str) -> Response:
+        data = valid(s.TeamChange, request)
+        teams.update_team(name, priority_class=data["priority_class"], actor=actor(request))
+        return Response(s.TeamOut(self._one(name)).data)
 
     def destroy(self, request: Request, name: str) -> Response:
         teams.remove_team(name, actor=actor(request))
@@ -87,7 +95,9 @@ class TeamViewSet(viewsets.ViewSet):
         responses={201: s.KeyCreated},
     ),
     partial_update=extend_schema(
-        summary="Change a key's name, models or rate limit", request=s.KeyChange, responses=s.KeyOut
+        summary="Change a key's name, models, limits, team or priority class",
+        request=s.KeyChange,
+        responses=s.KeyOut,
     ),
     destroy=extend_schema(
         summary="Revoke a key (within a second on every process)", responses={204: None}
@@ -133,6 +143,7 @@ class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignor
             requests_per_minute=data.get("requests_per_minute"),
             max_concurrent=data.get("max_concurrent"),
             team=data.get("team"),
+            priority_class=data.get("priority_class") or "",
             actor=actor(request),
         )
         return unstored(Response(s.KeyCreated((key, full)).data, status=status.HTTP_201_CREATED))
@@ -147,6 +158,9 @@ class KeyViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):  # type: ignor
             requests_per_minute=data.get("requests_per_minute", access.UNCHANGED),
             max_concurrent=data.get("max_concurrent", access.UNCHANGED),
             team=data.get("team", access.UNCHANGED),
+            priority_class=(  # null or empty: its team's
+                (data["priority_class"] or "") if "priority_class" in data else access.UNCHANGED
+            ),
             actor=actor(request),
         )
         return Response(s.KeyOut(key).data)

@@ -10,6 +10,7 @@ from rest_framework import serializers
 from rest_framework.fields import empty
 
 from capyctl import reports
+from capyctl.access.models import CLASSES
 from capyctl.deployments import guards, settings_spec
 from capyctl.deployments.settings_spec import (
     CHOICE,
@@ -187,6 +188,9 @@ class KeyOut(_Report):
         help_text="true: every model (models is empty); false: only models, so none if empty"
     )
     team = serializers.CharField(allow_null=True, help_text="the team it is charged to")
+    priority_class = serializers.ChoiceField(
+        CLASSES, allow_null=True, help_text="its own class (null: its team's, else interactive)"
+    )
     admin = serializers.BooleanField()
     requests_per_minute = serializers.IntegerField(allow_null=True)
     max_concurrent = serializers.IntegerField(allow_null=True)
@@ -199,6 +203,13 @@ class KeyOut(_Report):
     prompt_tokens = serializers.IntegerField()
     completion_tokens = serializers.IntegerField()
     created_at = serializers.DateTimeField()
+
+
+# The class it has (read only): its own, else its team's, else interactive. ``class`` is a
+# keyword, so the field is declared here rather than in the class body.
+KeyOut._declared_fields["class"] = serializers.ChoiceField(
+    CLASSES, read_only=True, help_text="its own class, else its team's, else interactive"
+)
 
 
 class KeyCreated(KeyOut):
@@ -374,6 +385,19 @@ class HostChange(serializers.Serializer):  # type: ignore[type-arg]
     )
 
 
+_BAD_CLASS: dict[str, Any] = {
+    "invalid_choice": "{input!r} is not a priority class: interactive or batch"
+}
+
+
+def _key_class() -> serializers.ChoiceField:
+    return serializers.ChoiceField(
+        CLASSES, required=False, allow_null=True, allow_blank=True, error_messages=_BAD_CLASS,
+        help_text="interactive or batch (batch: idle GPUs only; null or empty: its team's, "
+        "else interactive)",
+    )  # fmt: skip
+
+
 class KeyIn(serializers.Serializer):  # type: ignore[type-arg]
     user = serializers.CharField(
         required=False, max_length=150, help_text="staff only: whose key (default: yours)"
@@ -397,6 +421,7 @@ class KeyIn(serializers.Serializer):  # type: ignore[type-arg]
         required=False, allow_null=True, max_length=63,
         help_text="the team it is charged to: one of its user's (left out or null: none)",
     )  # fmt: skip
+    priority_class = _key_class()
 
 
 class KeyChange(serializers.Serializer):  # type: ignore[type-arg]
@@ -415,18 +440,33 @@ class KeyChange(serializers.Serializer):  # type: ignore[type-arg]
         required=False, allow_null=True, max_length=63,
         help_text="the team it is charged to: one of its user's (null: none)",
     )  # fmt: skip
+    priority_class = _key_class()
 
 
 class TeamOut(_Report):
     report = staticmethod(reports.team_data)
     name = serializers.CharField()
     members = serializers.ListField(child=serializers.CharField())
+    priority_class = serializers.ChoiceField(
+        CLASSES, help_text="its keys' class, unless a key has its own"
+    )
     keys = serializers.IntegerField(allow_null=True, help_text="its keys not revoked")
     created_at = serializers.DateTimeField()
 
 
 class TeamIn(serializers.Serializer):  # type: ignore[type-arg]
     name = serializers.CharField(max_length=63)
+    priority_class = serializers.ChoiceField(
+        CLASSES, required=False, default="interactive", error_messages=_BAD_CLASS,
+        help_text="its keys' class, unless a key has its own (batch: idle GPUs only)",
+    )  # fmt: skip
+
+
+class TeamChange(serializers.Serializer):  # type: ignore[type-arg]
+    priority_class = serializers.ChoiceField(
+        CLASSES, error_messages=_BAD_CLASS,
+        help_text="its keys' class, unless a key has its own (batch: idle GPUs only)",
+    )  # fmt: skip
 
 
 class MemberIn(serializers.Serializer):  # type: ignore[type-arg]

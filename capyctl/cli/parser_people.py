@@ -8,6 +8,11 @@ from typing import Any
 
 from capyctl.cli.parsing import Parser, add_json, cmd, count_arg, limit_arg
 
+# The priority classes (capyctl.access.models.CLASSES; not imported: the parser is built
+# before Django is set up). batch: idle GPUs only.
+CLASSES = ("interactive", "batch")
+_CLASS_HELP = "interactive, or batch: idle GPUs only"
+
 
 def build_key(commands: Any) -> None:
     key = cmd(commands, "key", "API keys")
@@ -22,11 +27,17 @@ def build_key(commands: Any) -> None:
     create.add_argument("--max-concurrent", type=count_arg(1), metavar="N",
                         help="requests in flight at once")  # fmt: skip
     create.add_argument("--team", metavar="TEAM", help="charge it to this team of its user's")
-    update = cmd(sub, "update", "change a key's name, models, limits or team", "key_update")
+    create.add_argument("--class", dest="priority_class", choices=CLASSES, default="",
+                        help=f"{_CLASS_HELP} (default: its team's, else interactive)")  # fmt: skip
+    update = cmd(sub, "update", "change a key's name, models, limits, team or class",
+                 "key_update")  # fmt: skip
     update.add_argument("id", help="the key id or its capy_<id> prefix")
     update.add_argument("--name", metavar="LABEL", default=argparse.SUPPRESS)
     update.add_argument("--team", metavar="TEAM|none", default=argparse.SUPPRESS,
                         help="charge it to a team of its user's ('none': to no team)")  # fmt: skip
+    update.add_argument("--class", dest="priority_class", choices=(*CLASSES, "team"),
+                        default=argparse.SUPPRESS,
+                        help=f"{_CLASS_HELP} ('team': its team's, else interactive)")  # fmt: skip
     _limit_flags(update, "")
     listing = cmd(sub, "list", "list keys", "key_list")
     listing.add_argument("--user", help="only this user's keys")
@@ -51,7 +62,15 @@ def build_team(commands: Any) -> None:
     sub = team.add_subparsers(title="actions", metavar="ACTION", parser_class=Parser)
     add = cmd(sub, "add", "add a team", "team_add")
     add.add_argument("name")
-    listing = cmd(sub, "list", "list teams with their members", "team_list")
+    add.add_argument("--class", dest="priority_class", choices=CLASSES, default="interactive",
+                     help=f"its keys' class, unless a key has its own: {_CLASS_HELP} "
+                     "(default: interactive)")  # fmt: skip
+    update = cmd(sub, "update", "set a team's priority class", "team_update")
+    update.add_argument("name")
+    update.add_argument("--class", dest="priority_class", choices=CLASSES, required=True,
+                        help=f"its keys' class, unless a key has its own: {_CLASS_HELP}",
+                        )  # fmt: skip
+    listing = cmd(sub, "list", "list teams with their members and class", "team_list")
     add_json(listing)
     remove = cmd(sub, "remove", "remove a team no key is charged to", "team_remove")
     remove.add_argument("name")

@@ -1,5 +1,5 @@
-"""Handlers of ``capyctl key`` and ``capyctl user``: API keys and the people who own them,
-with the ceilings that bind every key of a user."""
+"""Handlers of ``capyctl key``, ``user`` and ``team``: API keys and the people who own
+them, with the ceilings that bind every key of a user and the teams keys are charged to."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def key_create(args: argparse.Namespace) -> int:
         requests_per_minute=args.rpm,
         max_concurrent=args.max_concurrent,
         team=args.team,
+        priority_class=args.priority_class,
         actor=_actor(),
     )
     print(full_key)
@@ -48,6 +49,8 @@ def key_create(args: argparse.Namespace) -> int:
         details.append("admin scope")
     if key.team is not None:
         details.append(f"charged to team {key.team.name}")
+    if key.priority_class:
+        details.append(f"class {key.priority_class}")
     print(f"capyctl: key created ({', '.join(details)}); it is shown only now", file=sys.stderr)
     return 0
 
@@ -67,6 +70,7 @@ def key_list(args: argparse.Namespace) -> int:
             k["name"],
             "(all)" if k["all_models"] else ",".join(k["models"]) or "(none)",
             k["team"] or "-",
+            _key_class(k),
             "yes" if k["admin"] else "no",
             _key_limits(k),
             k["expires_at"][:16].replace("T", " ") if k["expires_at"] else "never",
@@ -75,10 +79,17 @@ def key_list(args: argparse.Namespace) -> int:
         ]
         for k in keys
     ]
-    headers = ["id", "user", "name", "models", "team", "admin", "limits", "expires", "status",
-               "last used"]  # fmt: skip
+    headers = ["id", "user", "name", "models", "team", "class", "admin", "limits", "expires",
+               "status", "last used"]  # fmt: skip
     print_table(headers, rows, empty="no keys")
     return 0
+
+
+def _key_class(key: dict[str, Any]) -> str:
+    """``batch``: its own class; ``batch (team)``: its team's, which it follows."""
+    if key["priority_class"] or key["team"] is None:
+        return str(key["class"])
+    return f"{key['class']} (team)"
 
 
 def _limit_changes(args: argparse.Namespace) -> dict[str, Any]:
@@ -103,6 +114,8 @@ def key_update(args: argparse.Namespace) -> int:
     prepare()
     if hasattr(args, "team"):
         changes["team"] = None if args.team == "none" else args.team
+    if hasattr(args, "priority_class"):  # "team": its team's (stored empty)
+        changes["priority_class"] = "" if args.priority_class == "team" else args.priority_class
     key = update_api_key(args.id, name=getattr(args, "name", None), actor=_actor(), **changes)
     print(f"key {key.prefix} changed")
     return 0
@@ -133,8 +146,18 @@ def team_add(args: argparse.Namespace) -> int:
     from capyctl.access.teams import add_team
 
     prepare()
-    add_team(args.name, actor=_actor())
-    print(f"team {args.name} added")
+    team = add_team(args.name, priority_class=args.priority_class, actor=_actor())
+    also = f" (class {team.priority_class})" if team.priority_class != "interactive" else ""
+    print(f"team {args.name} added{also}")
+    return 0
+
+
+def team_update(args: argparse.Namespace) -> int:
+    from capyctl.access.teams import update_team
+
+    prepare()
+    update_team(args.name, priority_class=args.priority_class, actor=_actor())
+    print(f"team {args.name} changed: class {args.priority_class}")
     return 0
 
 
@@ -146,8 +169,9 @@ def team_list(args: argparse.Namespace) -> int:
     if args.json:
         print_json(teams)
         return 0
-    rows = [[t["name"], ",".join(t["members"]) or "-", t["keys"]] for t in teams]
-    print_table(["name", "members", "keys"], rows, empty="no teams")
+    rows = [[t["name"], ",".join(t["members"]) or "-", t["keys"], t["priority_class"]]
+            for t in teams]  # fmt: skip
+    print_table(["name", "members", "keys", "class"], rows, empty="no teams")
     return 0
 
 

@@ -157,12 +157,22 @@ class Gateway:
         await self._admit_and_forward(ctx)
 
     async def _admit_and_forward(self, ctx: RequestContext) -> None:
+        """Admit, forward and count the request; while it waits and while it is in flight,
+        its class (its key's) counts for the model it wants, for turns."""
+        _wants(ctx, ctx.route.deployment_id)
+        try:
+            await self._admitted_and_forwarded(ctx)
+        finally:
+            _wants(ctx, None)
+
+    async def _admitted_and_forwarded(self, ctx: RequestContext) -> None:
         try:
             await self.admission.admit(ctx)
         except ClientGone:  # it left the queue, and counts for nothing
             ctx.outcome.status = 499
             return
         deployment_id, adapter = ctx.route.deployment_id, ctx.adapter
+        _wants(ctx, deployment_id)
         if adapter is not None:
             await adapters.begin(adapter)
         try:
@@ -178,6 +188,7 @@ class Gateway:
                 if not await self._failover(ctx, failed):
                     raise
                 deployment_id = ctx.route.deployment_id  # counted there now
+                _wants(ctx, deployment_id)
                 if adapter is not None:
                     await adapters.load(ctx, adapter)
                 await self.forwarding.forward(ctx)
@@ -230,6 +241,18 @@ class Gateway:
         await self.limits.close()
         await self.keys.close()
         await self.routes.close()
+
+
+def _wants(ctx: RequestContext, deployment_id: int | None) -> None:
+    """The request's class (its key's) counts for ``deployment_id`` now (None: for none),
+    for the scheduler's turns (:mod:`capyctl.scheduler.request_classes`)."""
+    if ctx.wants == deployment_id:
+        return
+    if ctx.wants is not None:
+        scheduler.class_end(ctx.wants, ctx.key.batch)
+    if deployment_id is not None:
+        scheduler.class_begin(deployment_id, ctx.key.batch)
+    ctx.wants = deployment_id
 
 
 def _failure(exc: Exception) -> GatewayError:

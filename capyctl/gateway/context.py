@@ -73,6 +73,7 @@ class RequestContext:
     # A request for an adapter: the adapter, loaded into the engine of the route it is
     # admitted on before it is forwarded (the route after a wake is its base's).
     adapter: AdapterRef | None = None
+    wants: int | None = None  # the deployment its class counts for (see app._wants)
 
     @property
     def stream(self) -> bool:

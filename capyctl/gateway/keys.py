@@ -34,7 +34,7 @@ from typing import Any
 from django.conf import settings
 
 from capyctl.access.guessing import MISS_SECONDS, FailureThrottle, address_key, client_ip
-from capyctl.access.models import ApiKey
+from capyctl.access.models import BATCH, ApiKey
 from capyctl.access.services import NO_KEY_HMAC, expires_at, split_key
 from capyctl.gateway.cache import WarmCache
 from capyctl.gateway.errors import GatewayError
@@ -65,6 +65,7 @@ class KeyInfo:
     user_max_concurrent: int | None = None
     expires_at: float | None = None  # time.time() it stops working at (None: never)
     team_id: int | None = None  # the team it is charged to
+    batch: bool = False  # its class (its own, else its team's) is batch
 
     def allows(self, ref: int) -> bool:
         """Whether it may use the deployment ``ref`` (its id) or the adapter (its
@@ -121,13 +122,14 @@ def _info(key: ApiKey) -> KeyInfo:
         user_max_concurrent=user_concurrent,
         expires_at=None if ends is None else ends.timestamp(),
         team_id=key.team_id,
+        batch=key.effective_class == BATCH,
     )
 
 
 def _fetch_many(key_ids: list[str]) -> dict[str, KeyInfo]:
     keys = (
         ApiKey.objects.filter(key_id__in=key_ids)
-        .select_related("user", "user__limits")
+        .select_related("user", "user__limits", "team")
         .prefetch_related(
             "allowed_models",
             "allowed_adapters",

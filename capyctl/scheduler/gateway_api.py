@@ -21,6 +21,7 @@ from capyctl.events.services import record_event
 from capyctl.scheduler import (
     actions,
     redislink,
+    request_classes,
     requests_in_progress,
     routing,
     scaling,
@@ -64,6 +65,8 @@ __all__ = [
     "affinity_key",
     "begin_request",
     "bring_up",
+    "class_begin",
+    "class_end",
     "counts_shared",
     "end_request",
     "is_control_plane_error",
@@ -100,6 +103,17 @@ async def begin_request(deployment_id: int) -> bool:
 async def end_request(deployment_id: int) -> None:
     """The request counted by :func:`begin_request` is over (its last byte sent)."""
     await requests_in_progress.aend(deployment_id)
+
+
+def class_begin(deployment_id: int, batch: bool) -> None:
+    """A request of that class (batch, or interactive) wants the deployment: it waits for
+    it or is in flight on it (turns are decided on the classes: a dictionary's update)."""
+    request_classes.begin(deployment_id, batch)
+
+
+def class_end(deployment_id: int, batch: bool) -> None:
+    """The request counted by :func:`class_begin` no longer wants the deployment."""
+    request_classes.end(deployment_id, batch)
 
 
 async def adapter_loaded(

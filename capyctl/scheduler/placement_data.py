@@ -19,6 +19,10 @@ RESIDUAL_SHARE = 0.1
 MIN_RESIDUAL_BYTES = 512 * 1024**2
 # Among contenders for the same GPUs, each point of priority counts as this much waiting.
 TURN_PRIORITY_SECONDS = 10.0
+# A model only batch requests wait for: its waiting counts for this share of an
+# interactive one's; a model busy only with batch requests keeps its GPUs against an
+# interactive one's wait for this share of its max_turn_seconds.
+BATCH_SHARE = 0.25
 # How a model's replicas are spread (Need.spread): over hosts first, or only over GPUs.
 SPREAD_HOSTS = "hosts"
 SPREAD_GPUS = "gpus"
@@ -65,6 +69,9 @@ class Resident:
     # Why it may not park deep though its engine can ("": it may): its engine's releases
     # fail to wake from one with its adapter slots (LoRA enabled).
     deep_refused: str = ""
+    # Busy with batch requests only (the classes of its requests known, no interactive one
+    # waiting for it or in flight on it): an interactive need ends its turn sooner.
+    batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,10 +84,11 @@ class Contender:
     priority: int = 0
     pools: tuple[str, ...] = ()  # the GPU pools it waits for; () = any of the host's
     claim_per_gpu_bytes: int = 0  # what it needs on each of them; 0 = not known
+    batch: bool = False  # only batch requests wait for it
 
     @property
     def standing(self) -> float:
-        return standing(self.waited_seconds, self.priority)
+        return standing(self.waited_seconds, self.priority, self.batch)
 
     def goes_before(self, deployment_id: int, standing: float) -> bool:
         """Whether it goes before a deployment of that standing (ties: the older one)."""
@@ -93,10 +101,11 @@ def is_gpu_pool(pool: str) -> bool:
     return pool == "unified" or (pool.startswith("gpu") and pool[3:].isdigit())
 
 
-def standing(waited_seconds: float, priority: int) -> float:
-    """Who goes first among contenders: the longest wait, each point of priority counted
-    as :data:`TURN_PRIORITY_SECONDS` of it."""
-    return waited_seconds + TURN_PRIORITY_SECONDS * priority
+def standing(waited_seconds: float, priority: int, batch: bool = False) -> float:
+    """Who goes first among contenders: the longest wait (a batch-only wait counted for
+    :data:`BATCH_SHARE` of its seconds), each point of priority counted as
+    :data:`TURN_PRIORITY_SECONDS` of it."""
+    return waited_seconds * (BATCH_SHARE if batch else 1.0) + TURN_PRIORITY_SECONDS * priority
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,7 @@ class Need:
     # never evicted for this one.
     siblings: frozenset[int] = frozenset()
     spread: str = SPREAD_HOSTS  # "hosts": fewer siblings on a host first; "gpus": no host order
+    batch: bool = False  # only batch requests wait for it (none interactive)
 
     def __post_init__(self) -> None:
         if self.spread not in (SPREAD_HOSTS, SPREAD_GPUS):
@@ -145,7 +155,7 @@ class Need:
 
     @property
     def standing(self) -> float:
-        return standing(self.waited_seconds, self.priority)
+        return standing(self.waited_seconds, self.priority, self.batch)
 
 
 @dataclass(frozen=True)

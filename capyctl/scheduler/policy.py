@@ -20,6 +20,9 @@ and answers is :mod:`capyctl.scheduler.placement_data`, whose names it offers to
   then the contender that has waited longest (each point of priority counts as
   :data:`TURN_PRIORITY_SECONDS` of waiting) goes next. A contender with another ahead of it
   on the same GPUs waits too, so switching is paid once per turn, not per request.
+  Priority classes change both (:mod:`capyctl.scheduler.turn_rules`): a model only batch
+  requests wait for never ends the turn of one serving interactive requests, and its
+  wait counts for :data:`BATCH_SHARE` of its seconds.
 - Park mode per victim (DESIGN §5): ``ram`` if its engine can and its weights copy fits
   in the RAM pool (never on unified memory, where the copy would come out of the pool it
   is meant to free); else ``deep`` if its engine can; else ``stop``.
@@ -37,11 +40,13 @@ and answers is :mod:`capyctl.scheduler.placement_data`, whose names it offers to
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from itertools import combinations
 
 from capyctl.scheduler.park_modes import expected_residual, gib, park_mode
 from capyctl.scheduler.placement_data import (
+    BATCH_SHARE,
     DEEP,
     MIN_RESIDUAL_BYTES,
     RAM,
@@ -71,6 +76,7 @@ from capyctl.scheduler.turn_rules import (
 )
 
 __all__ = [
+    "BATCH_SHARE",
     "DEEP",
     "MIN_RESIDUAL_BYTES",
     "RAM",
@@ -465,9 +471,14 @@ def _blocker(resident: Resident, need: Need) -> str | None:
         return None if _stoppable_parked(resident, need) else f"{resident.name} ({resident.state})"
     if resident.ready_for_seconds < resident.min_ready_seconds:
         return f"{resident.name} (ready for less than {resident.min_ready_seconds:.0f}s)"
-    if in_its_turn(resident, need):
-        return f"{resident.name} (busy, its turn: {turn_left_for(resident, need):.0f} s left)"
-    return None
+    return _turn_blocker(resident, need) if in_its_turn(resident, need) else None
+
+
+def _turn_blocker(resident: Resident, need: Need) -> str:
+    left = turn_left_for(resident, need)
+    if math.isinf(left):  # a batch-only need: it waits until the model is idle
+        return f"{resident.name} (busy with interactive requests; batch waits)"
+    return f"{resident.name} (busy, its turn: {left:.0f} s left)"
 
 
 def _why_not(hosts: list[HostSnapshot], need: Need) -> NoCapacity:

@@ -39,6 +39,7 @@ __all__ = [
     "end",
     "idle_seconds",
     "reopen",
+    "serves_here",
     "tracker",
     "wait_drained",
 ]
@@ -175,6 +176,11 @@ def serving() -> None:
     """This process serves ``/v1``: its counts are the installation's (standalone)."""
     global _serving  # noqa: PLW0603 - one flag a process, set once by the gateway
     _serving = True
+
+
+def serves_here() -> bool:
+    """Whether this process serves ``/v1`` (:func:`serving` was called)."""
+    return _serving
 
 
 def count_if_known(deployment_id: int) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 from django.db.models import Q
 
@@ -15,8 +16,8 @@ from capyctl.deployments.models import Deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import LedgerRead, device_total, pool_usage
-from capyctl.scheduler import estimates, requests_in_progress, steps, turns
-from capyctl.scheduler.policy import HostSnapshot, Need, Pool, Resident
+from capyctl.scheduler import estimates, request_classes, requests_in_progress, steps, turns
+from capyctl.scheduler.policy import Contender, HostSnapshot, Need, Pool, Resident
 from hostagent.kinds import get_kind
 from hostagent.probe import ProcessUsage
 
@@ -101,9 +102,15 @@ def turn_holders(waits: list[tuple[str, int, tuple[str, ...]]]) -> dict[str, lis
     }  # fmt: skip
 
 
-def residents(host: Host, now: float, read: LedgerRead | None = None) -> list[Resident]:
+def residents(
+    host: Host,
+    now: float,
+    read: LedgerRead | None = None,
+    classes: request_classes.Counts | None = None,
+) -> list[Resident]:
     """The deployments with ledger entries on ``host`` (``read``: its entries, when the
-    caller read them under this lock hold)."""
+    caller read them under this lock hold; ``classes``: the classes of the requests that
+    want each, when known)."""
     entries: dict[int, dict[str, int]] = {}
     rows: Iterable[tuple[int, str, str, int]]
     if read is not None:
@@ -131,6 +138,7 @@ def residents(host: Host, now: float, read: LedgerRead | None = None) -> list[Re
         held = entries[deployment.pk]
         changed = deployment.state_changed_at or deployment.created_at
         used = deployment.last_request_at or changed
+        is_busy = deployment.observed_state == "ready" and busy(deployment, now)
         residents.append(
             Resident(
                 deployment_id=deployment.pk,
@@ -153,9 +161,10 @@ def residents(host: Host, now: float, read: LedgerRead | None = None) -> list[Re
                 ready_for_seconds=now - changed.timestamp(),
                 min_ready_seconds=deployment.setting("min_ready_seconds"),
                 ram_bytes=ram.get(deployment.pk, 0),
-                busy=deployment.observed_state == "ready" and busy(deployment, now),
+                busy=is_busy,
                 max_turn_seconds=deployment.setting("max_turn_seconds"),
                 parks_unverified=deployment.engine.park_unverified_at is not None,
+                batch=is_busy and request_classes.batch_only(classes, deployment.pk, busy=True),
             )
         )
     return residents
@@ -168,14 +177,24 @@ def snapshot(host: Host, read: LedgerRead | None = None) -> HostSnapshot:
         u.pool: Pool(u.pool, u.capacity_bytes, u.used_bytes, u.foreign_bytes)
         for u in (read.usage() if read is not None else pool_usage(host))
     }
+    classes = request_classes.demand()
     return HostSnapshot(
         host_id=host.pk,
         name=host.name,
         unified=bool((host.inventory or {}).get("unified")),
         pools=pools,
-        residents=residents(host, time.time(), read),
+        residents=residents(host, time.time(), read, classes),
         online=host.state != Host.State.UNREACHABLE,
-        contenders=tuple(turns.contenders(host.pk)),
+        contenders=contenders(host.pk, classes),
+    )
+
+
+def contenders(host_id: int, classes: request_classes.Counts | None) -> tuple[Contender, ...]:
+    """Those waiting for room on the host, each with its class (``classes``: the counts of
+    :func:`capyctl.scheduler.request_classes.demand`)."""
+    return tuple(
+        replace(c, batch=request_classes.batch_only(classes, c.deployment_id))
+        for c in turns.contenders(host_id)
     )
 
 
@@ -191,6 +210,7 @@ def need(deployment: Deployment, host: Host) -> Need:
         priority=deployment.priority,
         siblings=siblings(deployment),
         spread=deployment.spread,
+        batch=request_classes.batch_only(request_classes.demand(), deployment.pk),
     )
 
 

@@ -1,25 +1,57 @@
 """Turns: while a busy model keeps its GPUs against the models that wait for them, and
 which of those goes next (the contender that has waited longest, each point of priority
 counting as :data:`~capyctl.scheduler.placement_data.TURN_PRIORITY_SECONDS` of waiting).
-Read by the policy (:mod:`capyctl.scheduler.policy`); plain data, no clock."""
+Read by the policy (:mod:`capyctl.scheduler.policy`); plain data, no clock.
+
+Priority classes (a key's, or its team's): a model only batch requests wait for never
+ends the turn of a busy model that interactive requests wait for or are served by (not
+batch-only): it waits until that model is idle. Its wait counts for
+:data:`~capyctl.scheduler.placement_data.BATCH_SHARE` of its seconds among contenders.
+A model busy with batch requests only keeps its GPUs against an interactive need for that
+share of its ``max_turn_seconds``. Between two of the same class, turns are as without
+classes."""
 
 from __future__ import annotations
 
-from capyctl.scheduler.placement_data import Contender, HostSnapshot, Need, NoCapacity, Resident
+import math
+
+from capyctl.scheduler.placement_data import (
+    BATCH_SHARE,
+    Contender,
+    HostSnapshot,
+    Need,
+    NoCapacity,
+    Resident,
+)
 
 
-def turn_left(busy: bool, max_turn_seconds: float, waited: float, ready_for: float) -> float:
+def turn_left(
+    busy: bool,
+    max_turn_seconds: float,
+    waited: float,
+    ready_for: float,
+    *,
+    need_batch: bool = False,
+    resident_batch: bool = False,
+) -> float:
     """Seconds left of a busy resident's turn against a need that has ``waited`` (0 or
     less: it has no turn to keep): its turn runs from when the need began to wait (or from
-    when it became ready, ``ready_for`` seconds ago, if later) for its ``max_turn_seconds``."""
+    when it became ready, ``ready_for`` seconds ago, if later) for its ``max_turn_seconds``;
+    never ends for a batch-only need while the resident is not batch-only; a batch-only
+    resident's turn against an interactive need is a :data:`BATCH_SHARE` of it."""
     if not busy:
         return 0.0
+    if need_batch and not resident_batch:
+        return math.inf
+    if resident_batch and not need_batch:
+        max_turn_seconds *= BATCH_SHARE
     return max_turn_seconds - min(waited, ready_for)
 
 
 def turn_left_for(resident: Resident, need: Need) -> float:
     return turn_left(resident.busy, resident.max_turn_seconds, need.waited_seconds,
-                     resident.ready_for_seconds)  # fmt: skip
+                     resident.ready_for_seconds, need_batch=need.batch,
+                     resident_batch=resident.batch)  # fmt: skip
 
 
 def in_its_turn(resident: Resident, need: Need) -> bool:

@@ -86,6 +86,7 @@ def keys_page(request: HttpRequest) -> HttpResponse:
             requests_per_minute=_count(request, "requests_per_minute"),
             max_concurrent=_count(request, "max_concurrent"),
             team=request.POST.get("team", "").strip() or None,
+            priority_class=request.POST.get("priority_class", "").strip(),
             actor=request.user.get_username(),
         )
     except UserError as exc:

@@ -112,6 +112,8 @@ class Adapters(Serving):
             self._answer(index, 503, code, self.now - request.at)
             self._ended(model, request)
             model.in_flight -= 1
+            model.batch_in_flight -= self._is_batch(request)
+            model.last_batch = self._is_batch(request)
             model.last_used = model.last_end = self.now
             if model.group is not None:
                 model.group.version += 1

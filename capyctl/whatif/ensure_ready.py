@@ -18,9 +18,11 @@ from typing import Any
 from capyctl.scheduler import steps
 from capyctl.scheduler.errors import NoCapacityError, SchedulerError, UnavailableError
 from capyctl.scheduler.policy import (
+    BATCH_SHARE,
     DEEP,
     RAM,
     STOP,
+    TURN_PRIORITY_SECONDS,
     NoCapacity,
     Victim,
     is_gpu_pool,
@@ -79,6 +81,8 @@ class EnsureReady(Adapters):
             return
         model.queue.append((request, index))
         self._queued += 1
+        if self.scenario.batch_keys and model.wait_host is not None:
+            self._fire(model.wait_host.changed)  # its class may change: turns with it
         self._note_waiting()
         if not model.waking:
             model.waking = True
@@ -174,6 +178,7 @@ class EnsureReady(Adapters):
         soonest = math.inf
         since = model.wait_since if model.wait_since is not None else self.now
         grace = self._busy_grace()
+        batch = self._batch_only(model)
         for other in host.models.values():
             if other is model:
                 continue
@@ -185,9 +190,35 @@ class EnsureReady(Adapters):
                 idle = other.last_end + grace
                 if idle > self.now:
                     soonest = min(soonest, idle)
-            turn_over = max(since, other.changed_at) + spec.max_turn_seconds
+            turn = spec.max_turn_seconds
+            if self.scenario.batch_keys and self._busy(other):
+                other_batch = self._batch_only(other, busy=True)
+                if batch and not other_batch:
+                    continue  # a batch-only wait never ends its turn (its requests do)
+                if other_batch and not batch:
+                    turn *= BATCH_SHARE
+            turn_over = max(since, other.changed_at) + turn
             if turn_over > self.now:
                 soonest = min(soonest, turn_over)
+        if self.scenario.batch_keys:
+            soonest = min(soonest, self._order_flips(host, model, since, batch))
+        return soonest
+
+    def _order_flips(self, host: _Host, model: _Model, since: float, batch: bool) -> float:
+        """The first moment at which ``model`` and another waiter of ``host`` of the other
+        class trade places (a batch wait's standing grows at a quarter of the rate)."""
+        soonest = math.inf
+        share = BATCH_SHARE if batch else 1.0
+        for other in host.waiters.values():
+            if other is model or other.wait_since is None:
+                continue
+            other_share = BATCH_SHARE if self._batch_only(other) else 1.0
+            if other_share == share:
+                continue
+            gap = TURN_PRIORITY_SECONDS * (other.spec.priority - model.spec.priority)
+            flips = (share * since - other_share * other.wait_since + gap) / (share - other_share)
+            if flips > self.now:
+                soonest = min(soonest, flips)
         return soonest
 
     def _try_once(self, model: _Model) -> Generator[Any, Any, NoCapacity | None]:
@@ -274,7 +305,7 @@ class EnsureReady(Adapters):
                 free = {p: host.capacity[p] - used[p] for p in host.capacity if is_gpu_pool(p)}
                 taking = {p: claim - mine.get(p, 0) for p in pools}
                 waited = self.now - model.wait_since if model.wait_since is not None else 0.0
-                standing_now = standing(waited, model.spec.priority)
+                standing_now = standing(waited, model.spec.priority, self._batch_only(model))
                 before = room_kept_for(self._contenders(host), model.id, standing_now, free,
                                        taking)  # fmt: skip
                 if before is None:

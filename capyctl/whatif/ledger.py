@@ -21,7 +21,7 @@ from capyctl.scheduler.policy import (
     turn_left,
 )
 from capyctl.whatif.clock import Clock
-from capyctl.whatif.model import Scenario
+from capyctl.whatif.model import Request, Scenario
 from capyctl.whatif.outcome import Hold, Outcome, Switch
 from capyctl.whatif.state import _Group, _Host, _Model, _phase, _ram
 
@@ -48,6 +48,25 @@ class Ledger(Clock):
             for pool, num in model.entries.items():
                 used[pool] = used.get(pool, 0) + num
         return used
+
+    def _is_batch(self, request: Request) -> bool:
+        return request.key is not None and request.key in self.scenario.batch_keys
+
+    def _batch_only(self, model: _Model, *, busy: bool = False) -> bool:
+        """Whether only batch requests want ``model``: some wait for it or are in flight
+        on it, no interactive one; for a ``busy`` model with none (its last ended a moment
+        ago), whether that one was batch (as the gateway counts them for turns:
+        :func:`capyctl.scheduler.request_classes.batch_only`)."""
+        if not self.scenario.batch_keys:
+            return False
+        batch = model.batch_in_flight
+        if batch < model.in_flight:
+            return False
+        for request, _ in model.queue:
+            if not self._is_batch(request):
+                return False
+            batch += 1
+        return batch > 0 or (busy and model.in_flight == 0 and model.last_batch)
 
     def _busy(self, model: _Model) -> bool:
         if model.in_flight > 0:
@@ -92,6 +111,9 @@ class Ledger(Clock):
                     busy=model.state == "ready" and self._busy(model),
                     max_turn_seconds=spec.max_turn_seconds,
                     parks_unverified=spec.parks_unverified,
+                    batch=model.state == "ready"
+                    and self._busy(model)
+                    and self._batch_only(model, busy=True),
                 )
             )
         return HostSnapshot(host.id, host.name, host.spec.unified, pools, residents,
@@ -101,7 +123,13 @@ class Ledger(Clock):
         """Those waiting for room on ``host`` (as the server's turns hold them)."""
         return tuple(
             Contender(
-                m.id, m.name, self.now - m.wait_since, m.spec.priority, m.wait_pools, m.wait_claim
+                m.id,
+                m.name,
+                self.now - m.wait_since,
+                m.spec.priority,
+                m.wait_pools,
+                m.wait_claim,
+                self._batch_only(m),
             )
             for m in host.waiters.values()
             if m.wait_since is not None
@@ -148,21 +176,29 @@ class Ledger(Clock):
             busy = other.state == "ready" and self._busy(other)
             ready_for = self.now - other.changed_at
             spec = other.spec
+            batch = busy and self._batch_only(other, busy=True)
             residents.append((
                 spec.priority, other.last_used or other.changed_at, other.id, busy,
                 ready_for >= spec.min_ready_seconds,
-                turn_left(busy, spec.max_turn_seconds, need.waited_seconds, ready_for) > 0,
+                turn_left(busy, spec.max_turn_seconds, need.waited_seconds, ready_for,
+                          need_batch=need.batch, resident_batch=batch) > 0,
             ))  # fmt: skip
         residents.sort()
         order = tuple(r[2:] for r in residents)
-        return (host.version, need.claim_per_gpu_bytes, order)
+        if not self.scenario.batch_keys:
+            return (host.version, need.claim_per_gpu_bytes, order)
+        # With classes, who goes first among those waiting may change with time alone.
+        ahead = tuple(c.goes_before(need.deployment_id, need.standing)
+                      for c in self._contenders(host))  # fmt: skip
+        return (host.version, need.claim_per_gpu_bytes, order, need.batch, ahead)
 
     def _need(self, model: _Model, host: _Host, claim: int | None = None) -> Need:
         return Need(model.id, model.name, model.spec.gpus,
                     model.spec.claim_bytes if claim is None else claim,
                     self._engine_ram if claim is None else 0, (host.id,),
                     self.now - model.wait_since if model.wait_since is not None else 0.0,
-                    model.spec.priority, model.siblings, model.spec.spread)  # fmt: skip
+                    model.spec.priority, model.siblings, model.spec.spread,
+                    self._batch_only(model))  # fmt: skip
 
     # -- state changes ----------------------------------------------------------------------
 

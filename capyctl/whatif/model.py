@@ -192,6 +192,9 @@ class Scenario:
     # as busy a second longer after it (:func:`capyctl.scheduler.steps.busy_grace`).
     server_mode: bool = False
     adapters: list[SimAdapter] = field(default_factory=list)
+    # The keys whose requests are batch (their own class, or their team's): the others'
+    # are interactive (:mod:`capyctl.scheduler.turn_rules`).
+    batch_keys: frozenset[int] = frozenset()
 
     def model(self, name: str) -> SimModel | None:
         return next((m for m in self.models if m.name == name or name in m.aliases), None)

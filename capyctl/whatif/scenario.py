@@ -12,7 +12,8 @@ through :mod:`capyctl.scheduler.estimates`, as a start would.
 Changes: ``--set NAME.FIELD=VALUE`` (NAME a name or a shell pattern: ``*`` every model,
 ``ft-*``) for the fields in :data:`SETTABLE` (``replicas``: ``N`` or ``MIN:MAX``, as
 ``capyctl deployment scale`` takes them; ``adapter_of``: models made adapters of a base,
-and back), and ``--hosts 2x80GiB,1x24GiB`` (hosts of N GPUs of a size each, host RAM
+and back; ``key.ID.class``: ``batch`` or ``interactive``, the class of that key's
+requests in the trace), and ``--hosts 2x80GiB,1x24GiB`` (hosts of N GPUs of a size each, host RAM
 after a colon: ``2x80GiB:512GiB``), which replaces the hosts: models then go where they
 fit.
 """
@@ -64,6 +65,7 @@ SETTABLE: dict[str, str] = {
 }
 _ADAPTER_FIELDS = ("adapter_of", "adapter_load_seconds")
 _PARK_POLICIES = ("auto", "ram", "deep", "stop", "never")
+_KEY_RE = re.compile(r"^key\.(\d{1,18})$")
 _REPLICAS_RE = re.compile(r"^(?:(\d{1,6}):)?(\d{1,6})$")
 _HOSTS_RE = re.compile(r"^(\d{1,3})x([0-9.]+[A-Za-z]*)(?::([0-9.]+[A-Za-z]*))?$")
 
@@ -110,7 +112,17 @@ def current() -> dict[str, Any]:
             row["timings"] = measured[row["name"]]
     found = {key: data[key] for key in ("mode", "hosts", "engines", "deployments", "ledger")}
     found["adapters"] = scenario_adapters.current(data["adapters"])
+    found["batch_keys"] = batch_keys()
     return found
+
+
+def batch_keys() -> list[int]:
+    """The ids of the keys whose requests are batch (their own class, or their team's)."""
+    from capyctl.access.models import BATCH, ApiKey  # noqa: PLC0415 - Django only here
+
+    own = ApiKey.objects.filter(priority_class=BATCH)
+    by_team = ApiKey.objects.filter(priority_class="", team__priority_class=BATCH)
+    return sorted({*own.values_list("pk", flat=True), *by_team.values_list("pk", flat=True)})
 
 
 def measured_timings() -> dict[str, dict[str, float]]:
@@ -168,6 +180,9 @@ def apply_sets(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
         name, dot, field = target.rpartition(".")
         if not sep or not dot or not name:
             raise UserError(f"--set {item!r}: use NAME.FIELD=VALUE, like chat.min_ready_seconds=30")
+        if field == "class":
+            _set_class(data, name, value, item)
+            continue
         if field not in SETTABLE:
             raise UserError(
                 f"--set {item!r}: no field {field!r}; one of {', '.join(sorted(SETTABLE))}"
@@ -189,6 +204,24 @@ def apply_sets(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
         for row in rows:
             _set(row, field, kind, parsed_value)
     return data
+
+
+def _set_class(data: dict[str, Any], name: str, value: str, item: str) -> None:
+    """``key.ID.class=batch|interactive``: the class of a key's requests in the replay."""
+    match = _KEY_RE.match(name)
+    if match is None:
+        raise UserError(
+            f"--set {item!r}: a class is a key's: key.ID.class=batch, like key.3.class=batch"
+        )
+    if value not in ("interactive", "batch"):
+        raise UserError(f"--set {item!r}: a class is interactive or batch")
+    keys = set(_batch_keys(data))
+    key = int(match.group(1))
+    if value == "batch":
+        keys.add(key)
+    else:
+        keys.discard(key)
+    data["batch_keys"] = sorted(keys)
 
 
 # Each kind of number: its type, its bounds, and what a value of it is called.
@@ -365,7 +398,17 @@ def build(data: dict[str, Any], name: str = "current", *, warm: bool = False) ->
         models.append(model)
     adapters = scenario_adapters.build(data, models)
     return Scenario(hosts, models, name, server_mode=data.get("mode") == "server",
-                    adapters=adapters)  # fmt: skip
+                    adapters=adapters, batch_keys=_batch_keys(data))  # fmt: skip
+
+
+def _batch_keys(data: dict[str, Any]) -> frozenset[int]:
+    """The keys a scenario's ``batch_keys`` lists (ids): their requests are batch."""
+    listed = data.get("batch_keys") or []
+    if not isinstance(listed, list):
+        raise UserError("scenario: `batch_keys` must be a list of key ids")
+    if not all(isinstance(k, int) and not isinstance(k, bool) for k in listed):
+        raise UserError("scenario: `batch_keys` must be a list of key ids")
+    return frozenset(listed)
 
 
 def _host(row: dict[str, Any]) -> SimHost:

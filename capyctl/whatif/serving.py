@@ -27,6 +27,7 @@ class Serving(Ledger):
         if model.host is not None:
             self._fire(model.host.changed)
         model.in_flight += 1
+        model.batch_in_flight += self._is_batch(request)
         model.last_used = self.now
         group = model.group
         if group is not None:
@@ -62,6 +63,8 @@ class Serving(Ledger):
         if model.host is not None:
             self._fire(model.host.changed)
         model.in_flight -= 1
+        model.batch_in_flight -= self._is_batch(request)
+        model.last_batch = self._is_batch(request)
         model.running -= 1
         model.last_used = model.last_end = self.now
         group = model.group

@@ -49,6 +49,8 @@ class _Model:
         self.last_used = 0.0
         self.last_end: float | None = None
         self.in_flight = 0  # requests sent to its engine, served or waiting in it
+        self.batch_in_flight = 0  # those of them of batch keys
+        self.last_batch = False  # the request that ended last was a batch key's
         self.running = 0  # those its engine works on (max_concurrency at most)
         self.backlog: deque[tuple[Request, int]] = deque()  # those waiting in its engine
         self.queue: list[tuple[Request, int]] = []  # waiting requests, with their index

@@ -13,7 +13,7 @@ from capyctl.deployments.models import Deployment, ObservedState
 from capyctl.hosts.models import Host
 from capyctl.ledger.pools import device_total, read_ledger
 from capyctl.ledger.services import InsufficientMemoryError, host_lock
-from capyctl.scheduler import estimates, snapshots, transitions, turns
+from capyctl.scheduler import estimates, request_classes, snapshots, transitions, turns
 from capyctl.scheduler.actions.common import MAX_SWITCH_ROUNDS, instance_key, live_instance, load
 from capyctl.scheduler.actions.evict import make_room
 from capyctl.scheduler.actions.start import start_engine
@@ -105,9 +105,11 @@ def admit_wake(
             # It fits; but room freed for a model that has waited longer is kept for it.
             free = {p: u.free_bytes for p, u in usage.items() if is_gpu_pool(p)}
             taking = {p: claim - mine.get(p, 0) for p in pools}
-            standing_now = standing(turns.waited(deployment.pk), deployment.priority)
-            before = room_kept_for(turns.contenders(locked.pk), deployment.pk, standing_now,
-                                   free, taking)  # fmt: skip
+            classes = request_classes.demand()
+            batch = request_classes.batch_only(classes, deployment.pk)
+            standing_now = standing(turns.waited(deployment.pk), deployment.priority, batch)
+            before = room_kept_for(snapshots.contenders(locked.pk, classes), deployment.pk,
+                                   standing_now, free, taking)  # fmt: skip
             if before is not None:
                 raise turns.refused(deployment.pk, deployment.name,
                                     turn_refusal(deployment.name, before, tuple(pools)),
@@ -137,9 +139,11 @@ def admit_wake(
             [r for r in snap.residents if r.deployment_id != deployment.pk],
             contenders=snap.contenders,
         )
+        batch = request_classes.batch_only(request_classes.demand(), deployment.pk)
         need = Need(deployment.pk, deployment.name, len(pools), claim - residual, 0, (host.pk,),
                     turns.waited(deployment.pk), deployment.priority,
-                    siblings=snapshots.siblings(deployment), spread=deployment.spread)  # fmt: skip
+                    siblings=snapshots.siblings(deployment), spread=deployment.spread,
+                    batch=batch)  # fmt: skip
         result = plan([others], need)
         if isinstance(result, NoCapacity):
             raise turns.refused(deployment.pk, deployment.name, result, pools=tuple(pools),

@@ -1,0 +1,214 @@
+"""The classes of the requests that want each model: what priority classes decide turns on.
+
+The gateway counts, per deployment, the requests of each class (``interactive`` or
+``batch``: a key's, else its team's) that wait for it or are in flight on it
+(:func:`begin`, :func:`end`: a dictionary's update, nothing more on the request path). The
+scheduler reads every process's counts (:func:`demand`) when it decides turns
+(:mod:`capyctl.scheduler.turn_rules`).
+
+A model whose last request ended a moment ago still counts as busy (a client that loops
+sends its next one within it): its class is then that of the request that ended last,
+kept for :data:`RECENT_SECONDS`.
+
+Standalone keeps them in the process that serves ``/v1``, where the scheduler runs too.
+Server mode: each API process publishes its own counts in one field of a Redis hash (a
+thread, at most :data:`PUBLISH_SECONDS` after a change and every second while any is
+not zero); a field not renewed for :data:`STALE_SECONDS` was left by a process that is
+gone. When the counts cannot be read (Redis does not answer; a process that does not
+serve ``/v1``, in standalone), :func:`demand` answers None and turns are decided as
+without classes: classes only ever order who waits, so a guess is not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from django.conf import settings
+
+from capyctl.scheduler import redislink, requests_in_progress
+
+logger = logging.getLogger("capyctl.scheduler")
+
+_KEY = "capyctl:classes"  # a hash: process -> {"at": epoch, "counts": {deployment: [i, b]}}
+PUBLISH_SECONDS = 0.05  # a change is published this soon (changes meanwhile go with it)
+RENEW_SECONDS = 1.0
+STALE_SECONDS = 3.0
+# How long the class of a deployment's last ended request is kept (past server mode's
+# busy grace: capyctl.scheduler.steps.busy_grace).
+RECENT_SECONDS = 2.0
+
+# deployment -> (interactive, batch, whether the request that ended last was batch)
+Counts = dict[int, tuple[int, int, bool]]
+
+
+class Classes:
+    """This process's counts, and (server mode) the thread that publishes them."""
+
+    def __init__(self, url: str | None) -> None:
+        self._counts: dict[int, list[int]] = {}
+        self._last: dict[int, tuple[bool, float]] = {}  # class and time.monotonic() of an end
+        self._lock = threading.Lock()
+        self._url = url
+        self._changed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._process = uuid.uuid4().hex
+        self._client: Any = None
+
+    def _redis(self) -> Any:
+        if self._client is None:
+            self._client = redislink.client(str(self._url))
+        return self._client
+
+    def begin(self, deployment_id: int, batch: bool) -> None:
+        with self._lock:
+            counts = self._counts.setdefault(deployment_id, [0, 0])
+            counts[batch] += 1
+        self._publish_soon()
+
+    def end(self, deployment_id: int, batch: bool) -> None:
+        with self._lock:
+            counts = self._counts.get(deployment_id)
+            if counts is None:
+                return
+            counts[batch] = max(counts[batch] - 1, 0)
+            if counts == [0, 0]:
+                del self._counts[deployment_id]
+            self._last[deployment_id] = (batch, time.monotonic())
+        self._publish_soon()
+
+    def own(self) -> Counts:
+        with self._lock:
+            now = time.monotonic()
+            for pk in [pk for pk, (_, at) in self._last.items() if now - at > RECENT_SECONDS]:
+                del self._last[pk]
+            found = {pk: (0, 0, batch) for pk, (batch, _) in self._last.items()}
+            for pk, (interactive, batch) in self._counts.items():
+                last = self._last.get(pk, (False, 0.0))[0]
+                found[pk] = (interactive, batch, last)
+            return found
+
+    def demand(self) -> Counts | None:
+        """Every process's counts (standalone: this one's), or None when not known."""
+        if self._url is None:
+            return self.own() if requests_in_progress.serves_here() else None
+        link = redislink.link(self._url)
+        if not link.answers():
+            return None
+        try:
+            raw = self._redis().hgetall(_KEY)
+        except redislink.errors() as exc:
+            link.failed(exc)
+            return None
+        link.answered()
+        now = time.time()
+        found: dict[int, tuple[int, int, bool]] = {}
+        latest: dict[int, float] = {}  # whose last end is the latest, among processes
+        for value in raw.values():
+            try:
+                data: dict[str, Any] = json.loads(value)
+                at = float(data["at"])
+                if now - at >= STALE_SECONDS:
+                    continue
+                for pk, (interactive, batch, last, ended) in data["counts"].items():
+                    key = int(pk)
+                    had = found.get(key, (0, 0, False))
+                    if float(ended) >= latest.get(key, -1.0):
+                        latest[key] = float(ended)
+                        had = (had[0], had[1], bool(last))
+                    found[key] = (had[0] + int(interactive), had[1] + int(batch), had[2])
+            except (KeyError, TypeError, ValueError):
+                continue  # not a field this version wrote
+        return found
+
+    # -- server mode: publishing ----------------------------------------------------------
+
+    def _publish_soon(self) -> None:
+        if self._url is None:
+            return
+        self._changed.set()
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._publish_loop, name="capyctl-classes", daemon=True
+                    )
+                    self._thread.start()
+
+    def _publish_loop(self) -> None:
+        published_any = False
+        while True:
+            changed = self._changed.wait(RENEW_SECONDS)
+            if changed:
+                time.sleep(PUBLISH_SECONDS)  # what changes meanwhile goes in the same write
+            self._changed.clear()
+            counts = self.own()
+            if not counts and not published_any:
+                continue
+            try:
+                self._write(counts)
+                published_any = bool(counts)
+            except Exception as exc:  # the next change or second tries again
+                logger.debug("could not publish the request classes: %s", exc)
+                self._changed.set()
+                time.sleep(RENEW_SECONDS)
+
+    def _write(self, counts: Counts) -> None:
+        client = self._redis()
+        if not counts:
+            client.hdel(_KEY, self._process)
+            return
+        with self._lock:  # when each last end was, on the wall clock (processes compare them)
+            ago = {pk: time.monotonic() - at for pk, (_, at) in self._last.items()}
+        now = time.time()
+        rows = {str(pk): [i, b, last, now - ago.get(pk, RECENT_SECONDS)]
+                for pk, (i, b, last) in counts.items()}  # fmt: skip
+        body = json.dumps({"at": now, "counts": rows})
+        pipe = client.pipeline()
+        pipe.hset(_KEY, self._process, body)
+        pipe.expire(_KEY, 3600)
+        pipe.execute()
+
+
+_classes: Classes | None = None
+_classes_lock = threading.Lock()
+
+
+def classes() -> Classes:
+    global _classes  # noqa: PLW0603 - one a process, made on first use
+    with _classes_lock:
+        if _classes is None:
+            _classes = Classes(settings.REDIS_URL or None)
+        return _classes
+
+
+def begin(deployment_id: int, batch: bool) -> None:
+    """A request of that class waits for the deployment, or is in flight on it."""
+    classes().begin(deployment_id, batch)
+
+
+def end(deployment_id: int, batch: bool) -> None:
+    """The request counted by :func:`begin` is over (answered, refused or gone)."""
+    classes().end(deployment_id, batch)
+
+
+def demand() -> Counts | None:
+    """Per deployment, the interactive and batch requests that wait for it or are in
+    flight on it, in every process; None when that cannot be known now."""
+    return classes().demand()
+
+
+def batch_only(counts: Counts | None, deployment_id: int, *, busy: bool = False) -> bool:
+    """Whether only batch requests want the deployment: some do, no interactive one; for
+    a ``busy`` model none of whose requests is counted now (its last ended a moment ago),
+    whether that last one was batch."""
+    if counts is None:
+        return False
+    interactive, batch, last = counts.get(deployment_id, (0, 0, False))
+    if interactive or batch:
+        return interactive == 0
+    return busy and last
