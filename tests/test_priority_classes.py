@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
+from capyctl.errors import UserError
 from capyctl.scheduler import redislink, request_classes
+from capyctl.whatif import scenario
 from capyctl.whatif.engine import replay
 from capyctl.whatif.model import GIB, Request, Scenario, SimHost, SimModel, Timings
 from capyctl.whatif.outcome import Outcome
@@ -199,3 +201,41 @@ def test_through_a_server_interactive_waits_halve_and_every_batch_request_is_ans
                               if r["class"] == "interactive"])  # fmt: skip
     assert waits[False] >= TURN, waits
     assert waits[True] <= waits[False] / 2, waits
+
+
+@pytest.mark.parametrize(
+    ("item", "says"),
+    [
+        ("key.x.class=batch", "a class is a key's: key.ID.class=batch"),
+        ("chat.class=batch", "a class is a key's"),
+        ("key.3.class=urgent", "a class is interactive or batch"),
+        ("key.-1.class=batch", "a class is a key's"),
+    ],
+)
+def test_a_class_set_on_anything_but_a_key_id_is_one_line(item: str, says: str) -> None:
+    with pytest.raises(UserError, match=says):
+        scenario.apply_sets({"deployments": []}, [item])
+
+
+def test_a_key_made_batch_and_back_in_the_scenario() -> None:
+    data = scenario.apply_sets({"deployments": [], "batch_keys": [5]},
+                               ["key.3.class=batch", "key.5.class=interactive"])  # fmt: skip
+    assert data["batch_keys"] == [3]
+    with pytest.raises(UserError, match="`batch_keys` must be a list of key ids"):
+        scenario._batch_keys({"batch_keys": ["3"]})
+
+
+def test_the_live_scenario_lists_the_keys_that_are_batch_by_their_own_class_or_team(db):
+    from django.contrib.auth.models import User
+
+    from capyctl.access.models import ApiKey, Team
+
+    user = User.objects.create(username="bob")
+    nightly = Team.objects.create(name="nightly", priority_class="batch")
+    nightly.members.add(user)
+    own = ApiKey.objects.create(key_id="k1", secret_hmac="x", user=user, priority_class="batch")
+    by_team = ApiKey.objects.create(key_id="k2", secret_hmac="x", user=user, team=nightly)
+    ApiKey.objects.create(key_id="k3", secret_hmac="x", user=user, team=nightly,
+                          priority_class="interactive")  # fmt: skip
+    ApiKey.objects.create(key_id="k4", secret_hmac="x", user=user)
+    assert scenario.current()["batch_keys"] == sorted([own.pk, by_team.pk])
