@@ -429,17 +429,31 @@ def test_a_model_busy_with_batch_requests_only_keeps_a_quarter_turn_against_inte
 
 
 def test_a_batch_wait_counts_for_a_quarter_and_priority_as_before():
-    """a's turn is over for both: c (batch) has waited 100 s, standing 25; b (interactive)
-    30 s goes first. With priority 1 (10 s) c's standing is 35 and c goes first."""
+    """a is idle: c (batch) has waited 100 s, standing 25; b (interactive) 30 s goes
+    first. With priority 1 (10 s) c's standing is 35 and c goes first; with b batch too,
+    both count for a quarter and the longer wait goes first."""
     c = Contender(5, "c", 100.0, pools=("gpu0",), batch=True)
-    assert isinstance(plan([contended(c)], need("b", waited_seconds=30.0)), Placement)
+    assert isinstance(plan([contended(c, holder_busy=False)], need("b", waited_seconds=30.0)),
+                      Placement)  # fmt: skip
     c_high = Contender(5, "c", 100.0, priority=1, pools=("gpu0",), batch=True)
-    behind = plan([contended(c_high)], need("b", waited_seconds=30.0))
+    behind = plan([contended(c_high, holder_busy=False)], need("b", waited_seconds=30.0))
     assert isinstance(behind, NoCapacity)
     assert behind.blockers == ("c (waiting longer)",)
-    # b batch too: both count for a quarter, the longer wait goes first
-    assert isinstance(plan([contended(c)], need("b", waited_seconds=90.0, batch=True)),
-                      NoCapacity)  # fmt: skip
+    batch_b = need("b", waited_seconds=90.0, batch=True)
+    assert isinstance(plan([contended(c, holder_busy=False)], batch_b), NoCapacity)
+    longer_b = need("b", waited_seconds=101.0, batch=True)
+    assert isinstance(plan([contended(c, holder_busy=False)], longer_b), Placement)
+
+
+def test_a_batch_model_held_back_by_interactive_work_holds_back_no_interactive_one():
+    """x (batch) has waited 400 s for gpu0, which a (busy, interactive) will not give it;
+    y (interactive) has waited past a's turn: y goes, not behind x."""
+    x = Contender(5, "x", 400.0, pools=("gpu0",), batch=True)
+    assert isinstance(plan([contended(x)], need("y", waited_seconds=30.0)), Placement)
+    # once a is batch-only itself, x could have it: x goes first (standing 100 > 30)
+    behind = plan([contended(x, batch=True)], need("y", waited_seconds=30.0))
+    assert isinstance(behind, NoCapacity)
+    assert behind.blockers == ("x (waiting longer)",)
 
 
 # --- parked residuals ------------------------------------------------------------------------

@@ -239,3 +239,48 @@ def test_the_live_scenario_lists_the_keys_that_are_batch_by_their_own_class_or_t
                           priority_class="interactive")  # fmt: skip
     ApiKey.objects.create(key_id="k4", secret_hmac="x", user=user)
     assert scenario.current()["batch_keys"] == sorted([own.pk, by_team.pk])
+
+
+def test_a_replica_brought_up_for_batch_requests_is_batch() -> None:
+    """A replica that nobody's requests name yet (a scale-up) has its model's class: the
+    counts of its siblings' requests."""
+    counts = {1: (0, 3, False)}
+    assert request_classes.batch_only(counts, 2, group=frozenset({1}))
+    assert not request_classes.batch_only(counts | {3: (1, 0, False)}, 2,
+                                          group=frozenset({1, 3}))  # fmt: skip
+    assert not request_classes.batch_only(counts, 2)
+
+
+def test_fields_of_another_shape_or_left_by_a_gone_process_count_for_nothing_and_go(redis_url):
+    reader = request_classes.Classes(redis_url)
+    client = redislink.client(redis_url)
+    now = time.time()
+    fresh = json.dumps({"at": now, "counts": {"5": [0, 2, False, now]}})
+    for field, value in {
+        "ok": fresh,
+        "list": json.dumps({"at": now, "counts": [[5, 1, 0, False, now]]}),
+        "huge": f'{{"at": {now}, "counts": {{"5": [1e400, 0, false, 0]}}}}',
+        "negative": json.dumps({"at": now, "counts": {"5": [-4, 0, False, now]}}),
+        "half": json.dumps({"at": now, "counts": {"5": [1, 0, False, now], "6": "x"}}),
+        "stale": json.dumps({"at": now - 60, "counts": {"5": [1, 0, False, now]}}),
+    }.items():
+        client.hset(request_classes._KEY, field, value)
+    assert reader.demand() == {5: (0, 2, False)}
+    assert client.hkeys(request_classes._KEY) == [b"ok"]  # the others removed
+
+
+def test_a_busy_model_idle_on_a_tick_is_seen_idle_whether_or_not_tries_are_skipped():
+    """r's last request ends at 12.55 s; with a 0.1 s grace it is idle at 12.65, a tick of
+    x's wait, which a clock that added its quarter seconds one by one reaches a hair
+    early: x (batch, waiting on r) starts at 12.75 either way."""
+    models = [SimModel(n, claim_bytes=16 * GIB, min_ready_seconds=0, max_turn_seconds=0.5,
+                       timings=Timings(**FAST)) for n in ("r", "y", "x")]  # fmt: skip
+    requests = [Request(0.6 + k, "r", 0.95, INTERACTIVE_KEY) for k in range(12)]
+    requests += [Request(3.8, "x", 0.15, BATCH_KEY), Request(4.05, "y", 0.15, INTERACTIVE_KEY)]
+    requests.sort(key=lambda r: r.at)
+    scenario = Scenario([SimHost("h1", [24 * GIB], 64 * GIB)], models,
+                        batch_keys=frozenset({BATCH_KEY}))  # fmt: skip
+    for every in (False, True):
+        outcome = replay(scenario, requests, every_try=every)
+        start = next(s for s in outcome.switches if s.model == "x" and s.kind == "start")
+        assert round(start.at, 6) == 12.75, every

@@ -108,22 +108,27 @@ class Classes:
         now = time.time()
         found: dict[int, tuple[int, int, bool]] = {}
         latest: dict[int, float] = {}  # whose last end is the latest, among processes
-        for value in raw.values():
-            try:
-                data: dict[str, Any] = json.loads(value)
-                at = float(data["at"])
-                if now - at >= STALE_SECONDS:
-                    continue
-                for pk, (interactive, batch, last, ended) in data["counts"].items():
-                    key = int(pk)
-                    had = found.get(key, (0, 0, False))
-                    if float(ended) >= latest.get(key, -1.0):
-                        latest[key] = float(ended)
-                        had = (had[0], had[1], bool(last))
-                    found[key] = (had[0] + int(interactive), had[1] + int(batch), had[2])
-            except (KeyError, TypeError, ValueError):
-                continue  # not a field this version wrote
+        stale = []
+        for field, value in raw.items():
+            rows = _rows(value, now)
+            if rows is None:
+                stale.append(field)  # left by a process that is gone, or not one we wrote
+                continue
+            for key, interactive, batch, last, ended in rows:
+                had = found.get(key, (0, 0, False))
+                if ended >= latest.get(key, -1.0):
+                    latest[key] = ended
+                    had = (had[0], had[1], last)
+                found[key] = (had[0] + interactive, had[1] + batch, had[2])
+        if stale:
+            self._forget(stale)
         return found
+
+    def _forget(self, fields: list[Any]) -> None:
+        try:
+            self._redis().hdel(_KEY, *fields)
+        except redislink.errors() as exc:  # the next read tries again
+            logger.debug("could not remove stale request classes: %s", exc)
 
     # -- server mode: publishing ----------------------------------------------------------
 
@@ -174,6 +179,25 @@ class Classes:
         pipe.execute()
 
 
+def _rows(value: Any, now: float) -> list[tuple[int, int, int, bool, float]] | None:
+    """One process's published counts: ``(deployment, interactive, batch, last was
+    batch, when it ended)`` each; None when stale or not of the shape this version writes
+    (a field is taken whole or not at all)."""
+    try:
+        data = json.loads(value)
+        if now - float(data["at"]) >= STALE_SECONDS:
+            return None
+        rows = []
+        for pk, (interactive, batch, last, ended) in data["counts"].items():
+            counts = (int(pk), int(interactive), int(batch), bool(last), float(ended))
+            if counts[1] < 0 or counts[2] < 0:
+                return None
+            rows.append(counts)
+        return rows
+    except Exception:  # any other shape: another version's, or garbled
+        return None
+
+
 _classes: Classes | None = None
 _classes_lock = threading.Lock()
 
@@ -202,13 +226,23 @@ def demand() -> Counts | None:
     return classes().demand()
 
 
-def batch_only(counts: Counts | None, deployment_id: int, *, busy: bool = False) -> bool:
+def batch_only(
+    counts: Counts | None,
+    deployment_id: int,
+    *,
+    busy: bool = False,
+    group: frozenset[int] = frozenset(),
+) -> bool:
     """Whether only batch requests want the deployment: some do, no interactive one; for
     a ``busy`` model none of whose requests is counted now (its last ended a moment ago),
-    whether that last one was batch."""
+    whether that last one was batch. ``group``: the other replicas of its model, whose
+    requests count too (a replica brought up for them has none of its own)."""
     if counts is None:
         return False
-    interactive, batch, last = counts.get(deployment_id, (0, 0, False))
+    interactive = batch = 0
+    for pk in (deployment_id, *group):
+        found = counts.get(pk, (0, 0, False))
+        interactive, batch = interactive + found[0], batch + found[1]
     if interactive or batch:
         return interactive == 0
-    return busy and last
+    return busy and counts.get(deployment_id, (0, 0, False))[2]

@@ -170,14 +170,18 @@ def residents(
     return residents
 
 
-def snapshot(host: Host, read: LedgerRead | None = None) -> HostSnapshot:
+def snapshot(
+    host: Host, read: LedgerRead | None = None, classes: request_classes.Counts | None = None
+) -> HostSnapshot:
     """The host as the policy sees it: pools with what the ledger counts, and residents.
-    ``read``: the host's ledger entries, when the caller read them under this lock hold."""
+    ``read``: the host's ledger entries, when the caller read them under this lock hold;
+    ``classes``: the request classes read for this try (else read here)."""
     pools = {
         u.pool: Pool(u.pool, u.capacity_bytes, u.used_bytes, u.foreign_bytes)
         for u in (read.usage() if read is not None else pool_usage(host))
     }
-    classes = request_classes.demand()
+    if classes is None:
+        classes = request_classes.demand()
     return HostSnapshot(
         host_id=host.pk,
         name=host.name,
@@ -198,7 +202,12 @@ def contenders(host_id: int, classes: request_classes.Counts | None) -> tuple[Co
     )
 
 
-def need(deployment: Deployment, host: Host) -> Need:
+def need(deployment: Deployment, host: Host, classes: request_classes.Counts | None = None) -> Need:
+    """What ``deployment`` needs on ``host`` (``classes``: the request classes read for
+    this try, else read here)."""
+    group = siblings(deployment)
+    if classes is None:
+        classes = request_classes.demand()
     return Need(
         deployment_id=deployment.pk,
         name=deployment.name,
@@ -208,9 +217,9 @@ def need(deployment: Deployment, host: Host) -> Need:
         host_ids=(host.pk,),
         waited_seconds=turns.waited(deployment.pk),
         priority=deployment.priority,
-        siblings=siblings(deployment),
+        siblings=group,
         spread=deployment.spread,
-        batch=request_classes.batch_only(request_classes.demand(), deployment.pk),
+        batch=request_classes.batch_only(classes, deployment.pk, group=group),
     )
 
 

@@ -58,14 +58,29 @@ def in_its_turn(resident: Resident, need: Need) -> bool:
     return turn_left_for(resident, need) > 0
 
 
+def held_from_batch(host: HostSnapshot, contender: Contender) -> bool:
+    """Whether ``contender``, batch-only, waits on GPUs a busy model that is not batch-only
+    holds: it cannot have them now however long it has waited, so it holds nobody back."""
+    if not contender.batch:
+        return False
+    pools = set(contender.pools or host.gpu_pools)
+    return any(
+        r.state == "ready" and r.busy and not r.batch and pools & set(r.gpu_bytes)
+        for r in host.residents
+    )
+
+
 def _ahead(host: HostSnapshot, need: Need, pools: tuple[str, ...]) -> Contender | None:
     """The contender for any of ``pools`` that goes before ``need`` (waited longer,
-    weighted by priority), if any."""
+    weighted by priority), if any; a batch-only one that cannot switch now does not
+    (:func:`held_from_batch`)."""
     best = None
     for contender in host.contenders:
         if contender.deployment_id == need.deployment_id:
             continue
         if contender.pools and not set(contender.pools) & set(pools):
+            continue
+        if held_from_batch(host, contender):
             continue
         ahead = contender.goes_before(need.deployment_id, need.standing)
         if ahead and (best is None or contender.standing > best.standing):

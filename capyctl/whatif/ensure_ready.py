@@ -35,6 +35,9 @@ from capyctl.whatif.clock import _Until
 from capyctl.whatif.model import Request
 from capyctl.whatif.state import _Host, _Model, _pool_names, _ram
 
+# A moment after a tie of two floating-point times (the try that follows it sees it).
+_EPSILON = 1e-6
+
 
 class _Step:
     """The step's world for one model in the replay (:class:`steps.ReadyWorld`)."""
@@ -162,7 +165,7 @@ class EnsureReady(Adapters):
             return
         horizon = min(self._horizon(host, model), deadline)
         wait = max(horizon - began, first)
-        ticks = math.ceil((wait - first) / step - 1e-9)
+        ticks = math.ceil((wait - first) / step - _EPSILON)  # early is harmless: late is not
         yield _Until(host.changed, first + max(ticks, 0) * step)
         waited = self.now - began
         if waited < first - 1e-9:
@@ -178,7 +181,7 @@ class EnsureReady(Adapters):
         soonest = math.inf
         since = model.wait_since if model.wait_since is not None else self.now
         grace = self._busy_grace()
-        batch = self._batch_only(model)
+        batch = self._group_batch_only(model)
         for other in host.models.values():
             if other is model:
                 continue
@@ -190,6 +193,8 @@ class EnsureReady(Adapters):
                 idle = other.last_end + grace
                 if idle > self.now:
                     soonest = min(soonest, idle)
+                elif self._busy(other):  # the same moment, rounded the other way: next try
+                    soonest = min(soonest, self.now + _EPSILON)
             turn = spec.max_turn_seconds
             if self.scenario.batch_keys and self._busy(other):
                 other_batch = self._batch_only(other, busy=True)
@@ -217,8 +222,8 @@ class EnsureReady(Adapters):
                 continue
             gap = TURN_PRIORITY_SECONDS * (other.spec.priority - model.spec.priority)
             flips = (share * since - other_share * other.wait_since + gap) / (share - other_share)
-            if flips > self.now:
-                soonest = min(soonest, flips)
+            if flips > self.now - _EPSILON:  # a tie goes to the older: the order turns just after
+                soonest = min(soonest, max(flips, self.now) + _EPSILON)
         return soonest
 
     def _try_once(self, model: _Model) -> Generator[Any, Any, NoCapacity | None]:
@@ -305,7 +310,8 @@ class EnsureReady(Adapters):
                 free = {p: host.capacity[p] - used[p] for p in host.capacity if is_gpu_pool(p)}
                 taking = {p: claim - mine.get(p, 0) for p in pools}
                 waited = self.now - model.wait_since if model.wait_since is not None else 0.0
-                standing_now = standing(waited, model.spec.priority, self._batch_only(model))
+                standing_now = standing(waited, model.spec.priority,
+                                        self._group_batch_only(model))  # fmt: skip
                 before = room_kept_for(self._contenders(host), model.id, standing_now, free,
                                        taking)  # fmt: skip
                 if before is None:

@@ -68,11 +68,32 @@ class Ledger(Clock):
             batch += 1
         return batch > 0 or (busy and model.in_flight == 0 and model.last_batch)
 
+    def _group_batch_only(self, model: _Model) -> bool:
+        """:meth:`_batch_only` of ``model`` with its model's other replicas (a replica
+        brought up for their requests has none of its own)."""
+        if not self.scenario.batch_keys:
+            return False
+        if model.group is None:
+            return self._batch_only(model)
+        kinds = {self._wanted_by(r) for r in model.group.replicas} - {None}
+        return kinds == {True}
+
+    def _wanted_by(self, model: _Model) -> bool | None:
+        """True: only batch requests want ``model``; False: an interactive one does; None:
+        none does."""
+        if model.batch_in_flight < model.in_flight:
+            return False
+        if any(not self._is_batch(request) for request, _ in model.queue):
+            return False
+        return True if model.in_flight or model.queue else None
+
     def _busy(self, model: _Model) -> bool:
         if model.in_flight > 0:
             return True
         grace = steps.busy_grace(ends_seen_here=not self.scenario.server_mode)
-        return model.last_end is not None and self.now - model.last_end < grace
+        # (to a nanosecond: a clock that added quarter seconds one by one, or at once, may
+        # stand a hair either side of the moment the grace ends)
+        return model.last_end is not None and self.now - model.last_end < grace - 1e-9
 
     def _snapshot(self, host: _Host, leave_out: int | None = None) -> HostSnapshot:
         used = self._used(host)
@@ -181,7 +202,7 @@ class Ledger(Clock):
                 spec.priority, other.last_used or other.changed_at, other.id, busy,
                 ready_for >= spec.min_ready_seconds,
                 turn_left(busy, spec.max_turn_seconds, need.waited_seconds, ready_for,
-                          need_batch=need.batch, resident_batch=batch) > 0,
+                          need_batch=need.batch, resident_batch=batch) > 0, batch,
             ))  # fmt: skip
         residents.sort()
         order = tuple(r[2:] for r in residents)
@@ -198,7 +219,7 @@ class Ledger(Clock):
                     self._engine_ram if claim is None else 0, (host.id,),
                     self.now - model.wait_since if model.wait_since is not None else 0.0,
                     model.spec.priority, model.siblings, model.spec.spread,
-                    self._batch_only(model))  # fmt: skip
+                    self._group_batch_only(model))  # fmt: skip
 
     # -- state changes ----------------------------------------------------------------------
 

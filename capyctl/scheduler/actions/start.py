@@ -19,7 +19,7 @@ from capyctl.engines import services as engines
 from capyctl.hosts.models import Host
 from capyctl.ledger.pools import device_total
 from capyctl.ledger.services import InsufficientMemoryError, host_lock
-from capyctl.scheduler import estimates, snapshots, transitions, turns
+from capyctl.scheduler import estimates, request_classes, snapshots, transitions, turns
 from capyctl.scheduler.actions import adapters
 from capyctl.scheduler.actions.common import MAX_SWITCH_ROUNDS, STOP_GRACE_SECONDS, load
 from capyctl.scheduler.actions.evict import make_room
@@ -178,7 +178,9 @@ def source_host(deployment: Deployment) -> Host:
         raise NoCapacityError(f"no host can run {deployment.name}: {where}", lasting=True)
     for host in hosts:
         with host_lock(host.pk) as locked:
-            result = plan([snapshots.snapshot(locked)], snapshots.need(deployment, locked))
+            classes = request_classes.demand()
+            result = plan([snapshots.snapshot(locked, classes=classes)],
+                          snapshots.need(deployment, locked, classes))  # fmt: skip
         if not isinstance(result, NoCapacity):
             return host
     return hosts[0]
@@ -192,7 +194,9 @@ def fits_elsewhere(deployment: Deployment) -> bool:
         others = others.exclude(pk=deployment.host_id)
     for host in others:
         with host_lock(host.pk) as locked:
-            result = plan([snapshots.snapshot(locked)], snapshots.need(deployment, locked))
+            classes = request_classes.demand()
+            result = plan([snapshots.snapshot(locked, classes=classes)],
+                          snapshots.need(deployment, locked, classes))  # fmt: skip
         if not isinstance(result, NoCapacity):
             return True
     return False
@@ -220,8 +224,9 @@ def admit_start(
     memory promised, the instance row made), or the victims to evict first. ``None``:
     another caller started or stopped it meanwhile, and nothing was admitted."""
     with host_lock(host.pk) as locked:
-        need = snapshots.need(deployment, locked)
-        result = plan([snapshots.snapshot(locked)], need)
+        classes = request_classes.demand()
+        need = snapshots.need(deployment, locked, classes)
+        result = plan([snapshots.snapshot(locked, classes=classes)], need)
         if isinstance(result, NoCapacity):
             raise turns.refused(deployment.pk, deployment.name, result,
                                 priority=deployment.priority, host_id=locked.pk,

@@ -106,7 +106,8 @@ def admit_wake(
             free = {p: u.free_bytes for p, u in usage.items() if is_gpu_pool(p)}
             taking = {p: claim - mine.get(p, 0) for p in pools}
             classes = request_classes.demand()
-            batch = request_classes.batch_only(classes, deployment.pk)
+            batch = request_classes.batch_only(classes, deployment.pk,
+                                               group=snapshots.siblings(deployment))  # fmt: skip
             standing_now = standing(turns.waited(deployment.pk), deployment.priority, batch)
             before = room_kept_for(snapshots.contenders(locked.pk, classes), deployment.pk,
                                    standing_now, free, taking)  # fmt: skip
@@ -129,7 +130,8 @@ def admit_wake(
         )
         if current != (ObservedState.PARKED, "running"):
             return None
-        snap = snapshots.snapshot(locked, read)
+        classes = request_classes.demand()
+        snap = snapshots.snapshot(locked, read, classes)
         residual = min((mine.get(p, 0) for p in pools), default=0)
         others = HostSnapshot(
             snap.host_id,
@@ -139,11 +141,11 @@ def admit_wake(
             [r for r in snap.residents if r.deployment_id != deployment.pk],
             contenders=snap.contenders,
         )
-        batch = request_classes.batch_only(request_classes.demand(), deployment.pk)
+        group = snapshots.siblings(deployment)
+        batch = request_classes.batch_only(classes, deployment.pk, group=group)
         need = Need(deployment.pk, deployment.name, len(pools), claim - residual, 0, (host.pk,),
                     turns.waited(deployment.pk), deployment.priority,
-                    siblings=snapshots.siblings(deployment), spread=deployment.spread,
-                    batch=batch)  # fmt: skip
+                    siblings=group, spread=deployment.spread, batch=batch)  # fmt: skip
         result = plan([others], need)
         if isinstance(result, NoCapacity):
             raise turns.refused(deployment.pk, deployment.name, result, pools=tuple(pools),
