@@ -7,9 +7,11 @@ Standalone (the default): CapyCTL in one process with SQLite. A round awaits the
 gateway's wake call (``gateway_api.ready``, as ``/v1`` does for a model that is not
 ready), then sends the request straight to the engine, and times it to the first byte of
 the answer. The engine's own time, its answers to the park and wake calls (``/sleep``,
-``/wake_up``) and to the request, is timed apart; the rest is CapyCTL's own share. The
-same share with the host driver's whole park and wake calls counted as the engine's is
-printed too (how this benchmark measured it before).
+``/wake_up``), to the calls that check its state after them (``/is_sleeping``,
+``/health``) and to the request, is timed apart; the rest is CapyCTL's own share. Printed
+too: the share with the state checks counted as CapyCTL's (how this benchmark measured it
+until they were timed apart), and with the host driver's whole park and wake calls
+counted as the engine's.
 
 ``--server``: server mode as a user runs it: PostgreSQL (a database of the benchmark's
 own, dropped after), Redis (an empty database index, claimed), ``capyctl start server``
@@ -90,7 +92,7 @@ class InProcess:
         from capyctl.engines.services import add_engine
         from capyctl.scheduler import drivers
 
-        self.engine_ms = {"park": 0.0, "wake": 0.0, "driver": 0.0}
+        self.engine_ms = {"park": 0.0, "wake": 0.0, "checks": 0.0, "driver": 0.0}
         self._time_engine_calls(httpx.Client)
         add_engine(
             "sim",
@@ -130,6 +132,8 @@ class InProcess:
                 which = "park" if path in PARK_PATHS else "wake" if path in WAKE_PATHS else None
                 if which and request.method == "POST":
                     engine_ms[which] += (time.perf_counter() - started) * 1000
+                elif not path.startswith("/v1/"):  # its state asked: asleep? healthy?
+                    engine_ms["checks"] += (time.perf_counter() - started) * 1000
 
         client_class.send = timed_send
 
@@ -174,13 +178,15 @@ class InProcess:
                 pass
         total = (first_byte - started) * 1000
         request = (first_byte - request_started) * 1000
-        engine = self.engine_ms["park"] + self.engine_ms["wake"] + request
+        calls = self.engine_ms["park"] + self.engine_ms["wake"] + request
         return {
             "total": total,
-            "own": total - engine,
+            "own": total - calls - self.engine_ms["checks"],
+            "own_posts": total - calls,
             "own_driver": total - self.engine_ms["driver"] - request,
             "engine_park": self.engine_ms["park"],
             "engine_wake": self.engine_ms["wake"],
+            "engine_checks": self.engine_ms["checks"],
             "request": request,
             "switch": header,
         }
@@ -282,9 +288,11 @@ FIGURES = {
     "standalone": [
         ("total", "request -> first byte"),
         ("own", "CapyCTL's own share"),
+        ("own_posts", "  with the engine's state checks"),
         ("own_driver", "  outside the driver's park/wake"),
         ("engine_park", "engine: park call"),
         ("engine_wake", "engine: wake call"),
+        ("engine_checks", "engine: its state checks"),
         ("request", "engine: the request"),
     ],
     "server": [

@@ -53,7 +53,10 @@ def _closing(function: Any, *args: Any) -> Any:
     try:
         return function(*args)
     finally:
-        connection.close()  # these threads come and go; no connection outlives the call
+        # The pool's threads stay (64 at most): each keeps its SQLite connection (opening
+        # one is a good part of a wake's own time); a server's are closed after each call.
+        if connection.vendor != "sqlite" or connection.errors_occurred:
+            connection.close()
 
 
 async def run(function: Any, *args: Any) -> Any:

@@ -70,6 +70,7 @@ class _Here:
         self._wanted = wanted
         self._flight = deployment_locks.flight(deployment.pk)
         self._known = True  # the row held is as it is now (just read, or just tried)
+        self._first = True  # no try yet: the row was read just before
 
     def now(self) -> float:
         return time.monotonic()
@@ -78,6 +79,7 @@ class _Here:
         if self._known:  # no need to read it again
             self._known = False
             return self.deployment.observed_state
+        self._first = False
         row = (
             Deployment.objects.filter(pk=self.deployment.pk)
             .values_list("observed_state", "desired_state")
@@ -90,22 +92,29 @@ class _Here:
         return row[0]
 
     def try_lock(self) -> bool:
-        return self._flight.acquire(timeout=steps.SWITCH_POLL_SECONDS)
+        if self._flight.acquire(timeout=steps.SWITCH_POLL_SECONDS):
+            return True
+        self._first = False  # another caller's switch ran meanwhile: read the row again
+        return False
 
     def unlock(self) -> None:
         self._flight.release()
 
     def try_once(self) -> Generator[Any, Any, NoCapacityError | None]:
         yield from ()  # it runs on real time: it never pauses the loop
-        current = (
-            Deployment.objects.filter(pk=self.deployment.pk)
-            .values_list("observed_state", "parked_mode")
-            .first()
-        )
-        if current is None:
-            raise SchedulerError(f"deployment {self.deployment.pk} no longer exists")
-        if current != (self.deployment.observed_state, self.deployment.parked_mode):
-            self.deployment = load(self.deployment.pk)
+        # The first try, its lock taken at once, acts on the row just read (the verbs check
+        # the state again under the host lock: a row a moment old costs nothing more).
+        if not self._first:
+            current = (
+                Deployment.objects.filter(pk=self.deployment.pk)
+                .values_list("observed_state", "parked_mode")
+                .first()
+            )
+            if current is None:
+                raise SchedulerError(f"deployment {self.deployment.pk} no longer exists")
+            if current != (self.deployment.observed_state, self.deployment.parked_mode):
+                self.deployment = load(self.deployment.pk)
+        self._first = False
         self._known = True
         try:
             if self.deployment.observed_state in _NEEDS_START:

@@ -94,7 +94,7 @@ def admit_wake(
     """Under the host lock: if the claim fits back on its own GPUs, move PARKED -> WAKING
     and promise it (returns ``()``); else name who must make room. ``None``: it is no
     longer a parked model that should run (another caller woke or stopped it)."""
-    with host_lock(host.pk) as locked:
+    with host_lock(host) as locked:  # the row this wake read (see host_lock)
         # Its own entries (held residual, or unconfirmed: they still count the whole claim)
         # are replaced by the promise, so they count as room for it. One read of the
         # host's entries serves the check, the promise and the plan.
