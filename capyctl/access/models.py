@@ -9,9 +9,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-INTERACTIVE = "interactive"
-BATCH = "batch"
-CLASSES = (INTERACTIVE, BATCH)
+from capyctl.access.classes import CLASSES, INTERACTIVE
+
 CLASS_CHOICES = [(c, c) for c in CLASSES]
 
 

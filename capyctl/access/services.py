@@ -19,8 +19,9 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
+from capyctl.access.classes import CLASSES
 from capyctl.access.guessing import RecentMisses
-from capyctl.access.models import CLASSES, ApiKey, Ceilings, Team, UserLimits
+from capyctl.access.models import ApiKey, Ceilings, Team, UserLimits
 from capyctl.deployments.models import Adapter, Deployment
 from capyctl.deployments.services import get_deployment
 from capyctl.errors import NotFoundError, UserError

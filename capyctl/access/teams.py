@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from capyctl.access.models import INTERACTIVE, ApiKey, Team
+from capyctl.access.classes import INTERACTIVE
+from capyctl.access.models import ApiKey, Team
 from capyctl.access.services import check_class, get_team, get_user
 from capyctl.errors import UserError
 from capyctl.events.services import record_event

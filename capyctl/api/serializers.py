@@ -10,7 +10,7 @@ from rest_framework import serializers
 from rest_framework.fields import empty
 
 from capyctl import reports
-from capyctl.access.models import CLASSES
+from capyctl.access.classes import CLASSES
 from capyctl.deployments import guards, settings_spec
 from capyctl.deployments.settings_spec import (
     CHOICE,

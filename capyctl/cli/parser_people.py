@@ -6,11 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from capyctl.access.classes import CLASSES
 from capyctl.cli.parsing import Parser, add_json, cmd, count_arg, limit_arg
 
-# The priority classes (capyctl.access.models.CLASSES; not imported: the parser is built
-# before Django is set up). batch: idle GPUs only.
-CLASSES = ("interactive", "batch")
 _CLASS_HELP = "interactive, or batch: idle GPUs only"
 
 

@@ -33,8 +33,9 @@ from typing import Any
 
 from django.conf import settings
 
+from capyctl.access.classes import BATCH
 from capyctl.access.guessing import MISS_SECONDS, FailureThrottle, address_key, client_ip
-from capyctl.access.models import BATCH, ApiKey
+from capyctl.access.models import ApiKey
 from capyctl.access.services import NO_KEY_HMAC, expires_at, split_key
 from capyctl.gateway.cache import WarmCache
 from capyctl.gateway.errors import GatewayError

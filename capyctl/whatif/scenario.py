@@ -28,6 +28,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from capyctl.access.classes import BATCH, CLASSES
 from capyctl.deployments.settings_spec import MAX_REPLICAS, SPREAD_CHOICES, builtin_default
 from capyctl.errors import UserError
 from capyctl.whatif import scenario_adapters
@@ -118,7 +119,7 @@ def current() -> dict[str, Any]:
 
 def batch_keys() -> list[int]:
     """The ids of the keys whose requests are batch (their own class, or their team's)."""
-    from capyctl.access.models import BATCH, ApiKey  # noqa: PLC0415 - Django only here
+    from capyctl.access.models import ApiKey  # noqa: PLC0415 - Django only here
 
     own = ApiKey.objects.filter(priority_class=BATCH)
     by_team = ApiKey.objects.filter(priority_class="", team__priority_class=BATCH)
@@ -213,11 +214,11 @@ def _set_class(data: dict[str, Any], name: str, value: str, item: str) -> None:
         raise UserError(
             f"--set {item!r}: a class is a key's: key.ID.class=batch, like key.3.class=batch"
         )
-    if value not in ("interactive", "batch"):
+    if value not in CLASSES:
         raise UserError(f"--set {item!r}: a class is interactive or batch")
     keys = set(_batch_keys(data))
     key = int(match.group(1))
-    if value == "batch":
+    if value == BATCH:
         keys.add(key)
     else:
         keys.discard(key)
