@@ -204,6 +204,8 @@ _classes_lock = threading.Lock()
 
 def classes() -> Classes:
     global _classes  # noqa: PLW0603 - one a process, made on first use
+    if _classes is not None:  # every /v1 request asks: no lock once it is made
+        return _classes
     with _classes_lock:
         if _classes is None:
             _classes = Classes(settings.REDIS_URL or None)
