@@ -16,6 +16,7 @@ from capyctl.deployments.models import Deployment
 from capyctl.hosts.models import Host
 from capyctl.ledger.models import LedgerEntry
 from capyctl.ledger.pools import LedgerRead, device_total, pool_usage
+from capyctl.prepared import Prepared
 from capyctl.scheduler import estimates, request_classes, requests_in_progress, steps, turns
 from capyctl.scheduler.policy import Contender, HostSnapshot, Need, Pool, Resident
 from hostagent.kinds import get_kind
@@ -66,6 +67,21 @@ _RESIDENT_FIELDS = (
     "engine__version",
     "engine__flags",
     "engine__version_note",
+)
+
+# The deployments with ledger entries on a host (its residents, and those holding only a
+# copy in its RAM), as a snapshot reads them: once a try, so their SQL is built once.
+_RESIDENTS = Prepared(
+    lambda host_id: (
+        Deployment.objects.filter(
+            pk__in=LedgerEntry.objects.filter(host_id=host_id, deployment__isnull=False).values(
+                "deployment_id"
+            )
+        )
+        .select_related("engine")
+        .only(*_RESIDENT_FIELDS)
+    ),
+    arity=1,
 )
 
 
@@ -130,8 +146,9 @@ def residents(
         else:
             ram[int(deployment_id)] = num_bytes
     residents = []
-    wanted = Deployment.objects.filter(pk__in=entries).select_related("engine")
-    for deployment in wanted.only(*_RESIDENT_FIELDS):
+    for deployment in _RESIDENTS(host.pk):
+        if deployment.pk not in entries:
+            continue  # holds host RAM only (a parked copy), or entered since ``read``
         kind = get_kind(deployment.engine.kind)
         capabilities = kind.capabilities(deployment.engine.options, deployment.engine.features())
         deep_refused = deep_park_refused(deployment, capabilities.deep)

@@ -8,6 +8,7 @@ from datetime import timedelta
 from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, Instance
+from capyctl.prepared import Prepared, first
 from capyctl.scheduler.errors import SchedulerError
 from capyctl.scheduler.steps import MAX_SWITCH_ROUNDS
 
@@ -15,22 +16,41 @@ from capyctl.scheduler.steps import MAX_SWITCH_ROUNDS
 STOP_GRACE_SECONDS = 10.0
 
 
+# Each verb reads these at least once a switch: their SQL is built once (capyctl.prepared).
+_DEPLOYMENT = Prepared(
+    lambda pk: Deployment.objects.select_related("engine", "host").filter(pk=pk), arity=1
+)
+_LIVE_INSTANCE = Prepared(
+    lambda pk: (
+        Instance.objects.filter(deployment_id=pk)
+        .exclude(state=Instance.State.EXITED)
+        .only("pk", "pid", "port", "gpu_indices", "key", "claim_bytes", "state")
+        .order_by("pk")[:1]
+    ),
+    arity=1,
+)
+_STATES = Prepared(
+    lambda pk: Deployment.objects.filter(pk=pk).values_list("observed_state", "desired_state"),
+    arity=1,
+)
+
+
 def load(deployment_id: int) -> Deployment:
     """The deployment's row as it is now, with its engine and host."""
-    try:
-        return Deployment.objects.select_related("engine", "host").get(pk=deployment_id)
-    except Deployment.DoesNotExist:
-        raise SchedulerError(f"deployment {deployment_id} no longer exists") from None
+    row = first(_DEPLOYMENT(deployment_id))
+    if row is None:
+        raise SchedulerError(f"deployment {deployment_id} no longer exists")
+    return row
 
 
 def live_instance(deployment: Deployment) -> Instance | None:
     """Its engine process that has not exited (at most one), if any."""
-    return (
-        Instance.objects.filter(deployment_id=deployment.pk)
-        .exclude(state=Instance.State.EXITED)
-        .only("pk", "pid", "port", "gpu_indices", "key", "claim_bytes", "state")
-        .first()
-    )
+    return first(_LIVE_INSTANCE(deployment.pk))
+
+
+def states(deployment_id: int) -> tuple[str, str] | None:
+    """Its (observed, desired) state as it is now; None when it no longer exists."""
+    return first(_STATES(deployment_id))
 
 
 def instance_key(instance: Instance) -> str:
@@ -52,5 +72,6 @@ __all__ = [
     "instance_key",
     "live_instance",
     "load",
+    "states",
     "touch",
 ]

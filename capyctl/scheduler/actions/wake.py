@@ -14,7 +14,13 @@ from capyctl.hosts.models import Host
 from capyctl.ledger.pools import device_total, read_ledger
 from capyctl.ledger.services import InsufficientMemoryError, host_lock
 from capyctl.scheduler import estimates, request_classes, snapshots, transitions, turns
-from capyctl.scheduler.actions.common import MAX_SWITCH_ROUNDS, instance_key, live_instance, load
+from capyctl.scheduler.actions.common import (
+    MAX_SWITCH_ROUNDS,
+    instance_key,
+    live_instance,
+    load,
+    states,
+)
 from capyctl.scheduler.actions.evict import make_room
 from capyctl.scheduler.actions.start import start_engine
 from capyctl.scheduler.actions.stop import end_engine_and_fail
@@ -123,12 +129,7 @@ def admit_wake(
             except InsufficientMemoryError as exc:
                 raise NoCapacityError(f"{deployment.name}: {exc}", lasting=False) from exc
             return () if won else None
-        current = (
-            Deployment.objects.filter(pk=deployment.pk)
-            .values_list("observed_state", "desired_state")
-            .first()
-        )
-        if current != (ObservedState.PARKED, "running"):
+        if states(deployment.pk) != (ObservedState.PARKED, "running"):
             return None
         classes = request_classes.demand()
         snap = snapshots.snapshot(locked, read, classes)
