@@ -46,7 +46,7 @@ class _Built:
     sql: str
     params: tuple[Any, ...]
     slots: tuple[tuple[int, int], ...]  # (position among the parameters, argument)
-    compiler: Any
+    converters: dict[int, tuple[list[Any], Any]]  # a column's converters, and its expression
     model: Any  # the model of the rows, or None for values_list's tuples
     init_list: tuple[str, ...]
     fields: tuple[int, int]  # the model's columns in a row
@@ -76,12 +76,13 @@ class Prepared(Generic[T]):
         with connection.cursor() as cursor:
             cursor.execute(built.sql, params)
             rows = cursor.fetchall()
-        results = built.compiler.results_iter([rows], tuple_expected=built.model is None)
+        if built.converters:
+            rows = [_converted(row, built.converters, connection) for row in rows]
         if built.model is None:
-            return list(results)
+            return [tuple(row) for row in rows]  # type: ignore[misc]  # T: values_list's tuple
         start, end = built.fields
         found = []
-        for row in results:
+        for row in rows:
             obj = built.model.from_db(DEFAULT_DB_ALIAS, built.init_list, row[start:end])
             for populator in built.populators:
                 populator.populate(row, obj)
@@ -108,7 +109,11 @@ class Prepared(Generic[T]):
             init_list = tuple(s[0].target.attname for s in compiler.select[fields[0] : fields[1]])
             # Django 5.2's signature (the stubs know a later one)
             populators = tuple(get_related_populators(info, compiler.select, DEFAULT_DB_ALIAS))  # type: ignore[call-arg]
-        built = _Built(sql, tuple(params), slots, compiler, model, init_list, fields, populators)
+        columns = [s[0] for s in compiler.select[: compiler.col_count]]
+        converters = compiler.get_converters(columns)  # as results_iter() finds them
+        if compiler.has_composite_fields(columns):
+            raise ValueError("a query of composite fields cannot be prepared")
+        built = _Built(sql, tuple(params), slots, converters, model, init_list, fields, populators)
         self._built[vendor] = built  # built alike by any thread that got here first
         return built
 
@@ -174,6 +179,19 @@ class PreparedUpdate:
             built = _BuiltUpdate(sql, tuple(f for f, _v in set_to), where, _slots(where, stand_ins))
         self._built[key] = built
         return built
+
+
+def _converted(
+    row: Sequence[Any], converters: dict[int, tuple[list[Any], Any]], connection: Any
+) -> list[Any]:
+    """A row's values as the ORM converts them (``SQLCompiler.apply_converters``)."""
+    values = list(row)
+    for position, (functions, expression) in converters.items():
+        value = values[position]
+        for function in functions:
+            value = function(value, expression, connection)
+        values[position] = value
+    return values
 
 
 def _stand_ins(arity: int) -> list[int]:

@@ -84,3 +84,52 @@ def test_engine_args_cannot_override_what_capyctl_sets(flag):
 def test_harmless_engine_args_pass():
     get_kind("vllm").check_args(["--gpu-memory-utilization", "0.5", "--max-model-len", "8192"])
     get_kind("llamacpp").check_args(["-c", "2048", "-t", "1"])
+
+
+def test_engine_control_calls_reach_the_same_urls_as_httpx_would_build():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    from hostagent.kinds.base import EngineClient
+
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        client = EngineClient(port, "key")
+        plain = httpx.Client(base_url=f"http://127.0.0.1:{port}")
+        calls = [
+            ("/sleep", {"level": 1}),
+            ("/sleep", {"level": 2}),
+            ("/wake_up", {"tags": "weights"}),
+            ("/reset_prefix_cache", None),
+            ("/wake_up", {"tags": "a&b=c"}),  # not plain: left to httpx
+            ("//elsewhere/x", None),  # not plain: left to httpx
+            ("/a b", None),
+        ]
+        for path, params in calls * 2:  # the second time from its kept URLs
+            client.request("POST", path, params=params)
+            plain.post(path, params=params)
+        assert seen[0::2] == seen[1::2]  # each call as httpx itself sends it
+        assert (
+            seen[:6]
+            == ["/sleep?level=1"] * 2 + ["/sleep?level=2"] * 2 + ["/wake_up?tags=weights"] * 2
+        )
+        client.close()
+        plain.close()
+    finally:
+        server.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import shlex
 import time
 from collections.abc import Iterator
@@ -19,6 +20,12 @@ if TYPE_CHECKING:
     import httpx
 
 LOOPBACK = "127.0.0.1"
+
+# Engine control calls whose whole URL a client keeps (EngineClient._url): paths and
+# parameter values of these characters only, and at most this many.
+_PLAIN_PATH = re.compile(r"(/[A-Za-z0-9_.-]+)+")
+_PLAIN_VALUE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_KEPT_URLS = 32
 # Engine control calls under /v1 (hostagent.routes lists the routes /v1 serves; these are
 # CapyCTL's own calls to an engine): its model list, and vLLM's adapter routes.
 MODELS_PATH = "/v1/models"
@@ -127,6 +134,7 @@ class EngineClient:
         self.socket_path = socket_path
         self.api_key = api_key
         self.closed = False
+        self._urls: dict[tuple[Any, ...], httpx.URL] = {}
         self._client = httpx.Client(
             base_url=self.base_url,
             timeout=timeout,
@@ -174,10 +182,11 @@ class EngineClient:
 
         if self.closed:
             raise EngineCallError(f"{method} {path}: the engine was stopped meanwhile")
+        url, params = self._url(path, params)
         try:
             response = self._client.request(
                 method,
-                path,
+                url,
                 json=json,
                 params=params,
                 headers=headers,
@@ -194,6 +203,25 @@ class EngineClient:
             )
         return response
 
+    def _url(self, path: str, params: dict[str, Any] | None) -> tuple[Any, dict[str, Any] | None]:
+        """The call's URL and the parameters still to add: a plain path with plain
+        parameters (``/sleep?level=1``) gets its whole URL made once (httpx parses a relative
+        path against the base URL and merges the parameters at every call: a good part of a
+        park's own time); anything else goes to httpx as given."""
+        key = (path, *sorted((params or {}).items()))
+        url = self._urls.get(key)
+        if url is not None:
+            return url, None
+        values = [str(v) for v in (params or {}).values() if type(v) in (int, str)]
+        plain = _PLAIN_PATH.fullmatch(path) and all(_PLAIN_VALUE.fullmatch(v) for v in values)
+        if not plain or len(values) != len(params or {}) or len(self._urls) >= _KEPT_URLS:
+            return path, params
+        url = self._client.base_url.copy_with(raw_path=path.encode("ascii"))
+        if params:
+            url = url.copy_merge_params(params)
+        self._urls[key] = url
+        return url, None
+
     def healthy(self, path: str) -> bool:
         """Whether ``GET path`` answers 200 now (a refused connection is just "not yet")."""
         import httpx  # noqa: PLC0415 - kinds are read by every command, calls are rare
@@ -201,7 +229,7 @@ class EngineClient:
         if self.closed:
             return False
         try:
-            return self._client.get(path, timeout=2.0).status_code == 200
+            return self._client.get(self._url(path, None)[0], timeout=2.0).status_code == 200
         except (httpx.HTTPError, RuntimeError):  # RuntimeError: closed by a concurrent stop
             return False
 
