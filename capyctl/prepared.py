@@ -18,7 +18,8 @@ first built, and an argument that is not an int runs the query through the ORM.
 :class:`PreparedUpdate` does the same for an ``UPDATE`` of one table by a filter of one
 shape (the scheduler's conditional state moves: five a switch): its SQL is built once per
 set of columns it sets (and which of them are set to NULL); each value is converted for
-the database by its field, as the ORM converts it. ``tests/test_prepared.py`` holds both
+the database by its field, as the ORM converts it. :class:`PreparedInsert`: a model's
+``objects.create()`` (the events: two a switch). ``tests/test_prepared.py`` holds both
 ways to the same answers.
 """
 
@@ -29,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
-from django.db.models import QuerySet
+from django.db.models import AutoField, Model, QuerySet, signals
 from django.db.models.query import ModelIterable, ValuesListIterable, get_related_populators
-from django.db.models.sql.subqueries import UpdateQuery
+from django.db.models.sql.subqueries import InsertQuery, UpdateQuery
 
 T = TypeVar("T")
 
@@ -174,11 +175,88 @@ class PreparedUpdate:
         set_to = [(field, value) for field, _model, value in query.values if value is not None]
         converted = [f.get_db_prep_save(v, connection=connection) for f, v in set_to]
         built = None
-        if list(params[: len(set_to)]) == converted:  # else a value its SQL holds otherwise
+        if _alike(params[: len(set_to)], converted):  # else a value its SQL holds otherwise
             where = tuple(params[len(set_to) :])
             built = _BuiltUpdate(sql, tuple(f for f, _v in set_to), where, _slots(where, stand_ins))
         self._built[key] = built
         return built
+
+
+@dataclass(frozen=True)
+class _BuiltInsert:
+    sql: str
+    fields: tuple[Any, ...]  # the columns written, in order
+    returning: tuple[Any, ...]  # the columns the database gives back (its key)
+    returns_columns: bool  # given back by the INSERT itself (RETURNING), else its last id
+
+
+class PreparedInsert:
+    """``model.objects.create(**values)``, its SQL built once per database backend; returns
+    the new row (its key set). A model whose saves something listens to (``pre_save``,
+    ``post_save``), or a value its SQL would hold other than as a parameter, is saved
+    through the ORM."""
+
+    def __init__(self, model: type[Model]) -> None:
+        self._model = model
+        self._built: dict[str, _BuiltInsert | None] = {}
+
+    def __call__(self, **values: Any) -> Any:
+        model = self._model
+        row = model(**values)
+        connection = connections[DEFAULT_DB_ALIAS]
+        built = None
+        if not (signals.pre_save.has_listeners(model) or signals.post_save.has_listeners(model)):
+            vendor = connection.vendor
+            built = self._built[vendor] if vendor in self._built else self._prepare(row, vendor)
+        if built is None:  # as the ORM saves it
+            row.save(force_insert=True)
+            return row
+        params = [f.get_db_prep_save(f.pre_save(row, True), connection=connection)
+                  for f in built.fields]  # fmt: skip
+        with transaction.mark_for_rollback_on_error(), connection.cursor() as cursor:
+            cursor.execute(built.sql, params)
+            if built.returns_columns:
+                given = connection.ops.fetch_returned_insert_columns(cursor, ())  # type: ignore[attr-defined]  # Django 5.2's
+            else:
+                given = (connection.ops.last_insert_id(cursor, model._meta.db_table,
+                                                       built.returning[0].column),)  # fmt: skip
+        for field, value in zip(built.returning, given, strict=True):
+            setattr(row, field.attname, value)
+        row._state.adding = False
+        row._state.db = DEFAULT_DB_ALIAS
+        return row
+
+    def _prepare(self, row: Model, vendor: str) -> _BuiltInsert | None:
+        meta = self._model._meta
+        fields = tuple(f for f in meta.local_concrete_fields
+                       if not f.generated and f is not meta.auto_field)  # fmt: skip
+        returning = tuple(meta.db_returning_fields)
+        connection = connections[DEFAULT_DB_ALIAS]
+        query = InsertQuery(self._model)
+        query.insert_values(fields, [row])
+        compiler = query.get_compiler(using=DEFAULT_DB_ALIAS)
+        compiler.returning_fields = list(returning)
+        statements = compiler.as_sql()
+        built = None
+        columns = connection.features.can_return_columns_from_insert
+        # The row's values as its fields gave them to the SQL just built (their pre_save
+        # ran there), converted as a call converts them.
+        converted = [f.get_db_prep_save(getattr(row, f.attname), connection=connection)
+                     for f in fields]  # fmt: skip
+        plain = len(returning) == 1 and (columns or isinstance(returning[0], AutoField))
+        if len(statements) == 1 and plain and _alike(statements[0][1], converted):
+            built = _BuiltInsert(statements[0][0], fields, returning, columns)
+        self._built[vendor] = built
+        return built
+
+
+def _alike(built: Sequence[Any], converted: Sequence[Any]) -> bool:
+    """Whether the parameters the SQL was built with are the values as converted: equal,
+    or wrapping equal values alike (PostgreSQL's JSON parameters: ``Jsonb(obj)``)."""
+    return len(built) == len(converted) and all(
+        a == b or (type(a) is type(b) and hasattr(a, "obj") and a.obj == b.obj)
+        for a, b in zip(built, converted, strict=True)
+    )
 
 
 def _converted(

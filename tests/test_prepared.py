@@ -4,13 +4,15 @@ rows, fields, converted values and related rows, on SQLite and PostgreSQL."""
 import pytest
 from django.db import connection
 from django.db.models import Count, F
-from django.db.models.sql.compiler import SQLCompiler, SQLUpdateCompiler
+from django.db.models.signals import post_save
+from django.db.models.sql.compiler import SQLCompiler, SQLInsertCompiler, SQLUpdateCompiler
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from capyctl.deployments.models import Deployment, Instance
 from capyctl.engines.models import Engine
-from capyctl.prepared import Prepared, PreparedUpdate
+from capyctl.events.models import Event
+from capyctl.prepared import Prepared, PreparedInsert, PreparedUpdate
 from capyctl.scheduler import actions, snapshots
 from capyctl.scheduler.actions.common import live_instance, load, states
 from capyctl.scheduler.errors import SchedulerError
@@ -155,3 +157,45 @@ def test_a_prepared_update_writes_what_the_orms_update_writes(two_models, monkey
     # An expression is the ORM's to write; the count of rows updated is the same.
     assert ready(a.pk, priority=F("priority") + 2) == 1
     assert Deployment.objects.get(pk=a.pk).priority == a.priority + 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_prepared_insert_writes_what_the_orms_create_writes(monkeypatch):
+    built: list[str] = []
+    as_sql = SQLInsertCompiler.as_sql
+
+    def building(compiler):
+        built.append("insert")
+        return as_sql(compiler)
+
+    monkeypatch.setattr(SQLInsertCompiler, "as_sql", building)
+    insert = PreparedInsert(Event)
+    values = {"kind": "test.kind", "message": "m", "subject": "s", "level": "warning",
+              "actor": "me", "duration_ms": 7, "data": {"mode": "ram", "n": [1, 2]}}  # fmt: skip
+    before = timezone.now()
+    first, second = insert(**values), insert(**{**values, "data": {}, "duration_ms": None})
+    assert built == ["insert"]  # built once, run twice
+    assert second.pk > first.pk
+    assert not first._state.adding
+    for row in (first, second):
+        saved = Event.objects.get(pk=row.pk)
+        assert saved.created_at == row.created_at
+        assert saved.created_at >= before
+        assert (saved.kind, saved.level, saved.data, saved.duration_ms) == (
+            row.kind, row.level, row.data, row.duration_ms)  # fmt: skip
+    orm = Event.objects.create(**values)
+    assert Event.objects.filter(pk=orm.pk).values("data", "level").get() == {
+        "data": first.data, "level": first.level}  # fmt: skip
+
+    # A model whose saves something listens to is saved by the ORM (the receiver sees it).
+    heard: list[int] = []
+
+    def receiver(sender, instance, created, **kwargs):
+        heard.append(instance.pk)
+
+    post_save.connect(receiver, sender=Event)
+    try:
+        third = insert(**values)
+    finally:
+        post_save.disconnect(receiver, sender=Event)
+    assert heard == [third.pk]

@@ -16,10 +16,12 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from capyctl.events.models import Event
+from capyctl.prepared import PreparedInsert
 
 logger = logging.getLogger("capyctl.events")
 
 DASHBOARD_GROUP = "capyctl-dashboard"
+_INSERT = PreparedInsert(Event)  # every state change writes one: its SQL built once
 _dashboard_loop: asyncio.AbstractEventLoop | None = None
 
 _LOG_LEVELS: dict[str, int] = {
@@ -42,7 +44,7 @@ def record_event(
     data: dict[str, Any] | None = None,
 ) -> Event:
     """Save an Event and log the same line, so logs and ``capyctl events`` agree."""
-    event = Event.objects.create(
+    event: Event = _INSERT(
         kind=kind,
         message=message,
         subject=subject,

@@ -32,6 +32,7 @@ from django.utils import timezone
 
 from capyctl.deployments.models import Adapter, Deployment, Instance, LoadedAdapter, ObservedState
 from capyctl.events.services import record_event
+from capyctl.prepared import Prepared
 from capyctl.scheduler import requests_in_progress, transitions
 from capyctl.scheduler.drivers import HostDriver, driver_for
 from capyctl.scheduler.errors import EngineFailedError, SchedulerError, SourceError
@@ -42,6 +43,14 @@ from hostagent.units import format_size
 logger = logging.getLogger("capyctl.scheduler")
 FETCH_POLL_SECONDS = 0.1
 SLOT_POLL_SECONDS = 0.02  # how often a load that waits for a free slot looks again
+
+# What an engine process holds (read at each deep park: its SQL built once).
+_LOADED = Prepared(
+    lambda instance_id: LoadedAdapter.objects.filter(instance_id=instance_id).select_related(
+        "adapter"
+    ),
+    arity=1,
+)
 
 _locks: dict[int, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -283,7 +292,7 @@ def unload(adapter_id: int, *, reason: str, actor: str = "system") -> list[str]:
 def forget(instance: Instance, reason: str) -> None:
     """The engine no longer holds its adapters (parked deep, or ended): its rows go, each
     with an ``adapter.unloaded`` event saying why; they load again when asked for."""
-    for row in LoadedAdapter.objects.filter(instance=instance).select_related("adapter"):
+    for row in _LOADED(instance.pk):
         row.delete()
         record_event(
             "adapter.unloaded",
