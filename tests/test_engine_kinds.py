@@ -112,7 +112,7 @@ def test_engine_control_calls_reach_the_same_urls_as_httpx_would_build():
         port = server.server_address[1]
         client = EngineClient(port, "key")
         plain = httpx.Client(base_url=f"http://127.0.0.1:{port}")
-        calls = [
+        calls: list[tuple[str, dict[str, int | str] | None]] = [
             ("/sleep", {"level": 1}),
             ("/sleep", {"level": 2}),
             ("/wake_up", {"tags": "weights"}),
