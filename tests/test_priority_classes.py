@@ -180,6 +180,16 @@ def test_server_mode_shares_the_classes_through_redis_and_forgets_a_gone_process
     away = request_classes.Classes("redis://127.0.0.1:1/0")
     assert away.demand() is None
 
+    # A process that closes its counts takes them out at once, and publishes no more
+    # (its thread once renewed them into the next test's Redis, a second later).
+    one.close()
+    assert reader.demand() == {5: (0, 1, False), 6: (0, 0, True)}
+    two.close()
+    assert client.hkeys(request_classes._KEY) == []
+    one.begin(7, False)
+    time.sleep(request_classes.RENEW_SECONDS + 0.2)
+    assert client.hkeys(request_classes._KEY) == []
+
 
 @pytest.mark.e2e
 def test_through_a_server_interactive_waits_halve_and_every_batch_request_is_answered():

@@ -58,6 +58,7 @@ class Classes:
         self._thread: threading.Thread | None = None
         self._process = uuid.uuid4().hex
         self._client: Any = None
+        self._closed = False
 
     def _redis(self) -> Any:
         if self._client is None:
@@ -132,8 +133,21 @@ class Classes:
 
     # -- server mode: publishing ----------------------------------------------------------
 
+    def close(self) -> None:
+        """Stop publishing, and take this process's counts out of Redis at once (rather
+        than after :data:`STALE_SECONDS`)."""
+        self._closed = True
+        self._changed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=RENEW_SECONDS + 1)
+        if self._url is not None:
+            try:
+                self._redis().hdel(_KEY, self._process)
+            except redislink.errors() as exc:  # it goes stale, and its readers remove it
+                logger.debug("could not remove this process's request classes: %s", exc)
+
     def _publish_soon(self) -> None:
-        if self._url is None:
+        if self._url is None or self._closed:
             return
         self._changed.set()
         if self._thread is None:
@@ -146,10 +160,12 @@ class Classes:
 
     def _publish_loop(self) -> None:
         published_any = False
-        while True:
+        while not self._closed:
             changed = self._changed.wait(RENEW_SECONDS)
-            if changed:
+            if changed and not self._closed:
                 time.sleep(PUBLISH_SECONDS)  # what changes meanwhile goes in the same write
+            if self._closed:
+                return
             self._changed.clear()
             counts = self.own()
             if not counts and not published_any:
