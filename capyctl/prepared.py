@@ -67,7 +67,7 @@ class Prepared(Generic[T]):
     def __call__(self, *args: Any) -> list[T]:
         if len(args) != self._arity:
             raise TypeError(f"{self._arity} argument(s) expected, got {len(args)}")
-        if not all(type(arg) is int for arg in args):
+        if not all(_key_like(arg) for arg in args):
             return list(self._build(*args))  # as the ORM runs it
         connection = connections[DEFAULT_DB_ALIAS]
         built = self._built.get(connection.vendor) or self._prepare(connection.vendor)
@@ -96,6 +96,8 @@ class Prepared(Generic[T]):
         query = queryset.query
         if queryset._iterable_class not in (ModelIterable, ValuesListIterable):
             raise ValueError("only a model's rows or values_list of fields can be prepared")
+        if queryset._prefetch_related_lookups or query.select_for_update:  # type: ignore[attr-defined]
+            raise ValueError("a query that prefetches or locks rows cannot be prepared")
         if query.extra_select or query.annotation_select or queryset._known_related_objects:  # type: ignore[attr-defined]
             raise ValueError("a query with extra columns or annotations cannot be prepared")
         compiler = query.get_compiler(using=DEFAULT_DB_ALIAS)
@@ -111,7 +113,9 @@ class Prepared(Generic[T]):
             # Django 5.2's signature (the stubs know a later one)
             populators = tuple(get_related_populators(info, compiler.select, DEFAULT_DB_ALIAS))  # type: ignore[call-arg]
         columns = [s[0] for s in compiler.select[: compiler.col_count]]
-        converters = compiler.get_converters(columns)  # as results_iter() finds them
+        # As results_iter() finds them. The backend's are methods of this thread's
+        # connection; they read only its settings (the time zone), alike in every thread.
+        converters = compiler.get_converters(columns)
         if compiler.has_composite_fields(columns):
             raise ValueError("a query of composite fields cannot be prepared")
         built = _Built(sql, tuple(params), slots, converters, model, init_list, fields, populators)
@@ -143,7 +147,7 @@ class PreparedUpdate:
             raise TypeError(f"{self._arity} argument(s) expected, got {len(args)}")
         connection = connections[DEFAULT_DB_ALIAS]
         built = None
-        plain = all(type(a) is int for a in args) and not any(
+        plain = all(_key_like(a) for a in args) and not any(
             hasattr(v, "resolve_expression") or hasattr(v, "prepare_database_save")
             for v in values.values()
         )
@@ -270,6 +274,12 @@ def _converted(
             value = function(value, expression, connection)
         values[position] = value
     return values
+
+
+def _key_like(value: Any) -> bool:
+    """An int within a 64-bit column's range, as the stand-ins are (the ORM answers a value
+    out of a column's range without asking the database; the driver would refuse it)."""
+    return type(value) is int and -(2**63) <= value < 2**63
 
 
 def _stand_ins(arity: int) -> list[int]:

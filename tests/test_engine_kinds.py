@@ -1,5 +1,7 @@
 """The engine-kind registry and what each kind accepts."""
 
+from typing import Any
+
 import pytest
 
 from hostagent.kinds import (
@@ -112,7 +114,7 @@ def test_engine_control_calls_reach_the_same_urls_as_httpx_would_build():
         port = server.server_address[1]
         client = EngineClient(port, "key")
         plain = httpx.Client(base_url=f"http://127.0.0.1:{port}")
-        calls: list[tuple[str, dict[str, int | str] | None]] = [
+        calls: list[tuple[str, dict[str, Any] | None]] = [
             ("/sleep", {"level": 1}),
             ("/sleep", {"level": 2}),
             ("/wake_up", {"tags": "weights"}),
@@ -120,6 +122,8 @@ def test_engine_control_calls_reach_the_same_urls_as_httpx_would_build():
             ("/wake_up", {"tags": "a&b=c"}),  # not plain: left to httpx
             ("//elsewhere/x", None),  # not plain: left to httpx
             ("/a b", None),
+            ("/sleep", {"level": True}),  # after level=1: httpx writes true
+            ("/wake_up", {"tags": ["weights", "kv_cache"]}),
         ]
         for path, params in calls * 2:  # the second time from its kept URLs
             client.request("POST", path, params=params)

@@ -12,6 +12,8 @@ from django.utils import timezone
 from capyctl.deployments.models import Deployment, Instance
 from capyctl.engines.models import Engine
 from capyctl.events.models import Event
+from capyctl.ledger.models import LedgerEntry
+from capyctl.ledger.pools import read_ledger
 from capyctl.prepared import Prepared, PreparedInsert, PreparedUpdate
 from capyctl.scheduler import actions, snapshots
 from capyctl.scheduler.actions.common import live_instance, load, states
@@ -54,6 +56,8 @@ def test_a_prepared_row_is_the_orms_row_with_its_engine_and_host(two_models):
     assert load(two_models[1].pk).host is None  # a LEFT JOIN's empty row: no host
     with pytest.raises(SchedulerError, match="deployment 99999 no longer exists"):
         load(99999)
+    with pytest.raises(SchedulerError, match=f"deployment {2**63} no longer exists"):
+        load(2**63)  # past any key's range: the ORM's answer, not the driver's overflow
 
 
 @pytest.mark.django_db(transaction=True)
@@ -76,6 +80,7 @@ def test_prepared_reads_of_processes_states_and_residents_match_the_orm(two_mode
         Deployment.objects.filter(pk=b.pk).values_list("observed_state", "desired_state")[0]
     )
     assert states(99999) is None
+    assert states(2**63) is None
 
     host = load(a.pk).host
     assert host is not None
@@ -83,6 +88,10 @@ def test_prepared_reads_of_processes_states_and_residents_match_the_orm(two_mode
     assert [r.deployment_id for r in residents] == [a.pk]
     assert residents[0].gpu_bytes == {"gpu0": entries("a")["gpu0"][1]}
     assert residents[0].state == "ready"
+    # Entries read under the host lock stand, even if gone from the table since.
+    read = read_ledger(host)
+    LedgerEntry.objects.filter(deployment=a).delete()
+    assert [r.deployment_id for r in snapshots.residents(host, 0.0, read=read)] == [a.pk]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -114,6 +123,8 @@ def test_what_cannot_be_given_as_the_orm_gives_it_is_refused():
         Prepared(lambda pk: Engine.objects.filter(pk=pk).annotate(n=Count("deployments")), 1)(1)
     with pytest.raises(ValueError, match=r"argument\(s\) \[1\] are not values"):
         Prepared(lambda pk, other: Engine.objects.filter(pk=pk), 2)(1, 2)
+    with pytest.raises(ValueError, match="prefetches or locks"):
+        Prepared(lambda pk: Engine.objects.filter(pk=pk).prefetch_related("deployments"), 1)(1)
     with pytest.raises(TypeError, match="1 argument"):
         Prepared(lambda pk: Engine.objects.filter(pk=pk), 1)(1, 2)
 

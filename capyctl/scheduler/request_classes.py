@@ -58,7 +58,7 @@ class Classes:
         self._thread: threading.Thread | None = None
         self._process = uuid.uuid4().hex
         self._client: Any = None
-        self._closed = False
+        self._closed = threading.Event()
 
     def _redis(self) -> Any:
         if self._client is None:
@@ -136,7 +136,7 @@ class Classes:
     def close(self) -> None:
         """Stop publishing, and take this process's counts out of Redis at once (rather
         than after :data:`STALE_SECONDS`)."""
-        self._closed = True
+        self._closed.set()
         self._changed.set()
         if self._thread is not None:
             self._thread.join(timeout=RENEW_SECONDS + 1)
@@ -147,7 +147,7 @@ class Classes:
                 logger.debug("could not remove this process's request classes: %s", exc)
 
     def _publish_soon(self) -> None:
-        if self._url is None or self._closed:
+        if self._url is None or self._closed.is_set():
             return
         self._changed.set()
         if self._thread is None:
@@ -160,11 +160,11 @@ class Classes:
 
     def _publish_loop(self) -> None:
         published_any = False
-        while not self._closed:
+        while not self._closed.is_set():
             changed = self._changed.wait(RENEW_SECONDS)
-            if changed and not self._closed:
+            if changed and not self._closed.is_set():
                 time.sleep(PUBLISH_SECONDS)  # what changes meanwhile goes in the same write
-            if self._closed:
+            if self._closed.is_set():
                 return
             self._changed.clear()
             counts = self.own()

@@ -146,9 +146,7 @@ def residents(
         else:
             ram[int(deployment_id)] = num_bytes
     residents = []
-    for deployment in _RESIDENTS(host.pk):
-        if deployment.pk not in entries:
-            continue  # holds host RAM only (a parked copy), or entered since ``read``
+    for deployment in _resident_rows(host, entries):
         kind = get_kind(deployment.engine.kind)
         capabilities = kind.capabilities(deployment.engine.options, deployment.engine.features())
         deep_refused = deep_park_refused(deployment, capabilities.deep)
@@ -185,6 +183,19 @@ def residents(
             )
         )
     return residents
+
+
+def _resident_rows(host: Host, entries: dict[int, dict[str, int]]) -> list[Deployment]:
+    """The rows of the deployments in ``entries``, by name: those the host's ledger names
+    now (one prepared query), and any whose entries went since they were read."""
+    rows = [d for d in _RESIDENTS(host.pk) if d.pk in entries]  # not those of host RAM only
+    gone = set(entries) - {d.pk for d in rows}
+    if gone:
+        rows += (
+            Deployment.objects.filter(pk__in=gone).select_related("engine").only(*_RESIDENT_FIELDS)
+        )
+        rows.sort(key=lambda d: d.name)
+    return rows
 
 
 def snapshot(

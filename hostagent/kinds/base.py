@@ -208,13 +208,17 @@ class EngineClient:
         parameters (``/sleep?level=1``) gets its whole URL made once (httpx parses a relative
         path against the base URL and merges the parameters at every call: a good part of a
         park's own time); anything else goes to httpx as given."""
-        key = (path, *sorted((params or {}).items()))
+        given = params or {}
+        if not all(type(v) in (int, str) for v in given.values()):
+            return path, params  # True, 1.0, lists: httpx writes each its own way
+        key = (path, *sorted((k, type(v).__name__, v) for k, v in given.items()))
         url = self._urls.get(key)
         if url is not None:
             return url, None
-        values = [str(v) for v in (params or {}).values() if type(v) in (int, str)]
-        plain = _PLAIN_PATH.fullmatch(path) and all(_PLAIN_VALUE.fullmatch(v) for v in values)
-        if not plain or len(values) != len(params or {}) or len(self._urls) >= _KEPT_URLS:
+        plain = _PLAIN_PATH.fullmatch(path) and all(
+            _PLAIN_VALUE.fullmatch(str(v)) for v in given.values()
+        )
+        if not plain or len(self._urls) >= _KEPT_URLS:
             return path, params
         url = self._client.base_url.copy_with(raw_path=path.encode("ascii"))
         if params:

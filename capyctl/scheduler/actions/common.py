@@ -24,8 +24,7 @@ _LIVE_INSTANCE = Prepared(
     lambda pk: (
         Instance.objects.filter(deployment_id=pk)
         .exclude(state=Instance.State.EXITED)
-        .only("pk", "pid", "port", "gpu_indices", "key", "claim_bytes", "state")
-        .order_by("pk")[:1]
+        .only("pk", "pid", "port", "gpu_indices", "key", "claim_bytes", "state")[:1]
     ),
     arity=1,
 )
