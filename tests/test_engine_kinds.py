@@ -94,7 +94,7 @@ def test_engine_control_calls_reach_the_same_urls_as_httpx_would_build():
 
     import httpx
 
-    from hostagent.kinds.base import EngineClient
+    from hostagent.kinds.client import EngineClient
 
     seen: list[str] = []
 

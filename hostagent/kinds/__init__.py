@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from hostagent.kinds.base import (
     Capabilities,
-    EngineClient,
     EngineKind,
     KindError,
     Launch,
     LaunchSpec,
 )
+from hostagent.kinds.client import EngineClient
 from hostagent.kinds.custom import CustomKind
 from hostagent.kinds.llamacpp import LlamaCppKind
 from hostagent.kinds.sglang import SGLangKind

@@ -29,9 +29,7 @@ from typing import Any
 
 from hostagent.errors import AdapterError, CannotParkError
 from hostagent.kinds.base import (
-    LOOPBACK,
     Capabilities,
-    EngineClient,
     KindError,
     Launch,
     LaunchSpec,
@@ -41,6 +39,7 @@ from hostagent.kinds.base import (
     one_token_completion,
     split_command,
 )
+from hostagent.kinds.client import LOOPBACK, EngineClient
 from hostagent.versions import EngineFeatures, ProbeCommands
 
 PLACEHOLDERS = frozenset({"port", "api_key_file", "model", "source", "host"})

@@ -12,12 +12,12 @@ import math
 
 from hostagent.kinds.base import (
     RESERVED_FLAGS,
-    EngineClient,
     KindError,
     LaunchSpec,
     ProgramKind,
     loopback_flags,
 )
+from hostagent.kinds.client import EngineClient
 from hostagent.versions import EngineFeatures, ProbeCommands
 
 MIB = 1024**2

@@ -31,7 +31,6 @@ from hostagent.kinds.adapters import ANY_STATUS, engine_message
 from hostagent.kinds.base import (
     MODELS_PATH,
     RESERVED_FLAGS,
-    EngineClient,
     KindError,
     LaunchSpec,
     ProgramKind,
@@ -41,6 +40,7 @@ from hostagent.kinds.base import (
     one_token_completion,
     uds_flags,
 )
+from hostagent.kinds.client import EngineClient
 from hostagent.kinds.media import FLAG as MEDIA_FLAG
 from hostagent.kinds.media import media_domain_flags
 from hostagent.versions import EngineFeatures, ProbeCommands

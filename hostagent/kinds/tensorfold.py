@@ -28,12 +28,12 @@ from hostagent.errors import CannotParkError
 from hostagent.kinds.base import (
     RESERVED_FLAGS,
     Capabilities,
-    EngineClient,
     LaunchSpec,
     ProgramKind,
     loopback_flags,
     wait_until,
 )
+from hostagent.kinds.client import EngineClient
 from hostagent.versions import EngineFeatures, ProbeCommands
 
 # The cap on TensorFold's memory budget, in GiB (``cuda/capacity.py``: the budget is

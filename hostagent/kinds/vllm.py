@@ -33,7 +33,6 @@ from hostagent.kinds.base import (
     RESERVED_FLAGS,
     VLLM_LOAD_ADAPTER_PATH,
     VLLM_UNLOAD_ADAPTER_PATH,
-    EngineClient,
     KindError,
     LaunchSpec,
     ProgramKind,
@@ -43,6 +42,7 @@ from hostagent.kinds.base import (
     uds_flags,
     wait_until,
 )
+from hostagent.kinds.client import EngineClient
 from hostagent.kinds.media import FLAG as MEDIA_FLAG
 from hostagent.kinds.media import media_domain_flags
 from hostagent.versions import EngineFeatures, ProbeCommands
