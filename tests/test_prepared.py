@@ -30,6 +30,19 @@ def _fields(row) -> dict[str, object]:
             if f.attname in loaded}  # fmt: skip
 
 
+def _builds(monkeypatch, compiler: type[SQLCompiler], name: str) -> list[str]:
+    """``name`` once for each SQL statement the compiler builds from now on."""
+    built: list[str] = []
+    as_sql = compiler.as_sql
+
+    def building(self, *args, **kwargs):
+        built.append(name)
+        return as_sql(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiler, "as_sql", building)
+    return built
+
+
 @pytest.fixture
 def two_models(gpu24):
     """``a`` ready on the simulated GPU (with a host and an engine process), ``b`` never
@@ -97,14 +110,7 @@ def test_prepared_reads_of_processes_states_and_residents_match_the_orm(two_mode
 @pytest.mark.django_db(transaction=True)
 def test_a_prepared_query_is_counted_as_any_other_and_takes_new_arguments(two_models, monkeypatch):
     a, b = two_models
-    built: list[str] = []
-    as_sql = SQLCompiler.as_sql
-
-    def building(compiler, *args, **kwargs):
-        built.append("select")
-        return as_sql(compiler, *args, **kwargs)
-
-    monkeypatch.setattr(SQLCompiler, "as_sql", building)
+    built = _builds(monkeypatch, SQLCompiler, "select")
     names = Prepared(lambda pk: Deployment.objects.filter(pk__gte=pk).values_list("name"), 1)
     with CaptureQueriesContext(connection) as queries:
         assert names(a.pk) == [("a",), ("b",)]
@@ -132,14 +138,7 @@ def test_what_cannot_be_given_as_the_orm_gives_it_is_refused():
 @pytest.mark.django_db(transaction=True)
 def test_a_prepared_update_writes_what_the_orms_update_writes(two_models, monkeypatch):
     a, b = two_models
-    built: list[str] = []
-    as_sql = SQLUpdateCompiler.as_sql
-
-    def building(compiler):
-        built.append("update")
-        return as_sql(compiler)
-
-    monkeypatch.setattr(SQLUpdateCompiler, "as_sql", building)
+    built = _builds(monkeypatch, SQLUpdateCompiler, "update")
     when = timezone.now()
     ready = PreparedUpdate(lambda pk: Deployment.objects.filter(pk=pk, observed_state="ready"), 1)
     seen: list[str] = []
@@ -172,14 +171,7 @@ def test_a_prepared_update_writes_what_the_orms_update_writes(two_models, monkey
 
 @pytest.mark.django_db(transaction=True)
 def test_a_prepared_insert_writes_what_the_orms_create_writes(monkeypatch):
-    built: list[str] = []
-    as_sql = SQLInsertCompiler.as_sql
-
-    def building(compiler):
-        built.append("insert")
-        return as_sql(compiler)
-
-    monkeypatch.setattr(SQLInsertCompiler, "as_sql", building)
+    built = _builds(monkeypatch, SQLInsertCompiler, "insert")
     insert = PreparedInsert(Event)
     values = {"kind": "test.kind", "message": "m", "subject": "s", "level": "warning",
               "actor": "me", "duration_ms": 7, "data": {"mode": "ram", "n": [1, 2]}}  # fmt: skip
