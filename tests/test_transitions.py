@@ -162,6 +162,14 @@ def test_reconcile_does_not_overwrite_a_wake_promised_meanwhile(gpu24, monkeypat
     assert entries("a")["gpu0"] == ("promised", 16 * GIB)
 
 
+def _one_parked(name: str) -> int:
+    """A parked deployment (of a simulated vLLM), for a wake a worker is sent."""
+    vllm_engine()
+    parked = deployment(name)
+    Deployment.objects.filter(pk=parked.pk).update(observed_state="parked")
+    return int(parked.pk)
+
+
 @pytest.mark.django_db(transaction=True)
 async def test_a_wake_whose_failure_notice_is_lost_ends_at_the_next_database_read(
     settings, monkeypatch
@@ -179,13 +187,7 @@ async def test_a_wake_whose_failure_notice_is_lost_ends_at_the_next_database_rea
 
     settings.CELERY_TASK_ALWAYS_EAGER = False
 
-    def set_up() -> int:
-        vllm_engine()
-        a = deployment("a")
-        Deployment.objects.filter(pk=a.pk).update(observed_state="parked")
-        return int(a.pk)
-
-    a_id = await sync_to_async(set_up)()
+    a_id = await sync_to_async(_one_parked)("a")
 
     def worker_fails_and_its_notice_is_lost(deployment_id: int) -> None:
         Deployment.objects.filter(pk=deployment_id).update(
@@ -200,6 +202,50 @@ async def test_a_wake_whose_failure_notice_is_lost_ends_at_the_next_database_rea
         with pytest.raises(EngineFailedError, match="its engine exited with status 1"):
             await wakes.ready(a_id, timeout=120)
         assert time.monotonic() - started < 60, "it waited for the wake timeout"
+    finally:
+        await sync_to_async(_close_connection)()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_switch_told_a_second_after_its_ready_row_is_still_said(
+    settings, monkeypatch, redis_url
+):
+    """Server mode: the worker commits the ready row, then tells the waiters what it
+    switched once its task ends. On a busy machine that word came more than a quarter of a
+    second after the row; the waiter, which had read the row at its half-second poll,
+    answered without the switch (``x-capyctl-switch`` missing, a failure seen in CI)."""
+    import threading
+    import time
+
+    from asgiref.sync import sync_to_async
+
+    from capyctl.scheduler import notify, tasks, wakes
+
+    settings.CELERY_TASK_ALWAYS_EAGER = False
+    settings.CHANNEL_LAYERS = {  # server mode's layer: the worker tells from its own thread
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [redis_url], "prefix": "capyctl"},
+        }
+    }
+
+    b_id = await sync_to_async(_one_parked)("b")
+    said = "parked a (ram) 412 ms; woke b 688 ms"
+
+    def worker(deployment_id: int) -> None:
+        try:
+            time.sleep(0.1)
+            Deployment.objects.filter(pk=deployment_id).update(observed_state="ready")
+            time.sleep(1.0)  # the rest of its task, on a machine busy with other work
+            notify.announce(deployment_id, ok=True, switch=said)
+        finally:
+            _close_connection()
+
+    monkeypatch.setattr(
+        tasks.ensure_ready, "delay", lambda pk: threading.Thread(target=worker, args=(pk,)).start()
+    )
+    try:
+        assert await wakes.ready(b_id, timeout=30) == said
     finally:
         await sync_to_async(_close_connection)()
 

@@ -5,7 +5,8 @@ How a wake runs is decided here, not by the caller. Standalone runs the schedule
 its own: slow starts never take the threads that the gateway's route and key lookups run
 on, so a ready model answers while others start. Server mode sends the wake to a Celery
 worker and waits for its outcome on the channel layer, reading the database every half
-second too, so a lost message (a success or a failure) costs half a second, not the wake
+second too, so a lost message costs half a second (a failure) or
+:data:`TOLD_AFTER_READY_SECONDS` (a success: the wait for what it switched), not the wake
 timeout.
 
 Failures are raised as the scheduler's typed errors (:mod:`capyctl.scheduler.errors`).
@@ -192,11 +193,18 @@ async def _send(
             await asyncio.sleep(0.5)
 
 
+# How long a waiter that read the model ready listens for the worker's word (what it
+# switched, sent once its task ends, a moment after the row): on a busy machine that moment
+# passed a quarter of a second. Only a word that never comes (its worker killed just then)
+# costs all of it.
+TOLD_AFTER_READY_SECONDS = 2.0
+
+
 async def _switch_told(layer: Any, channel: str) -> str:
-    """What the worker says it switched, when its word comes right after the database
-    showed the model ready (it is sent once the task ends); empty if it does not come."""
+    """What the worker says it switched, when its word comes after the database showed the
+    model ready (it is sent once the task ends); empty if it does not come."""
     with contextlib.suppress(Exception):
-        outcome = await asyncio.wait_for(layer.receive(channel), timeout=0.25)
+        outcome = await asyncio.wait_for(layer.receive(channel), timeout=TOLD_AFTER_READY_SECONDS)
         if outcome.get("ok"):
             return str(outcome.get("switch") or "")
     return ""
