@@ -58,6 +58,7 @@ class HostRuntime:
         self.sources = SourceCache(models_dir or log_dir.parent / "models")
         self.state_file = state_file
         self._instances: dict[str, Instance] = {}
+        self._ending: dict[str, Instance] = {}  # stopped, not yet known to have exited
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()
 
@@ -237,11 +238,14 @@ class HostRuntime:
     def stop(self, instance_id: str, grace_seconds: float) -> int:
         with self._lock:
             instance = self._instances.pop(instance_id, None)
-        if instance is None:
-            return 0
+            if instance is None:
+                return 0
+            self._ending[instance_id] = instance  # its memory is its own until it exits
         try:
             return self.runtime.stop(instance, grace_seconds)
         finally:
+            with self._lock:
+                self._ending.pop(instance_id, None)
             self._save()
 
     def usage(self, instance_id: str) -> ProcessUsage:
@@ -273,22 +277,45 @@ class HostRuntime:
             return list(self._instances.values())
 
     def foreign(self, unified: bool) -> dict[str, int]:
-        """Memory used by processes this host did not start, per pool, from the probe."""
+        """Memory used by processes this host did not start, per pool, from the probe.
+
+        The devices are read between two readings of what each engine holds, and each
+        engine counts with the larger of its two: one that grows (a wake) or is ending
+        while the devices are read is never taken for someone else's (foreign memory can
+        be under-counted for a moment, until the next reading, never made up). A GPU that
+        a measured step holds (the device path: an engine's share is known only once its
+        step ends) is left out: its last figure stands."""
+        moving = self.runtime.meter.leases.busy()
+        before = self._holdings()
+        readings = self.devices()
+        ram = None if unified else self.probe.ram()
+        after = self._holdings()
+        moving |= self.runtime.meter.leases.busy()
         ours: dict[int, int] = {}
         ram_ours = 0
-        for instance in self.instances():
-            usage = self.runtime.usage(instance)
-            for index, used in usage.gpu.items():
-                ours[index] = ours.get(index, 0) + (used or 0)
-            ram_ours += usage.host_bytes
+        for instance_id in before.keys() | after.keys():
+            first, second = before.get(instance_id), after.get(instance_id)
+            gpus = {**(first.gpu if first else {}), **(second.gpu if second else {})}
+            for index in gpus:
+                used = max((u.gpu.get(index) or 0) for u in (first, second) if u is not None)
+                ours[index] = ours.get(index, 0) + used
+            ram_ours += max(u.host_bytes for u in (first, second) if u is not None)
         figures: dict[str, int] = {}
-        for reading in self.devices():
+        for reading in readings:
+            if reading.index in moving:
+                continue
             pool = "unified" if unified else f"gpu{reading.index}"
             figures[pool] = max(reading.used_bytes - ours.get(reading.index, 0), 0)
-        if not unified:
-            total, available = self.probe.ram()
+        if ram is not None:
+            total, available = ram
             figures["ram"] = max(total - available - ram_ours - _own_rss(), 0)
         return figures
+
+    def _holdings(self) -> dict[str, ProcessUsage]:
+        """What each engine this host started holds now, those being stopped included."""
+        with self._lock:
+            instances = {**self._ending, **self._instances}
+        return {key: self.runtime.usage(instance) for key, instance in instances.items()}
 
     def stop_all(self, grace_seconds: float = 10.0) -> None:
         """End every engine this process started (at shutdown)."""

@@ -122,6 +122,13 @@ class DeviceLeases:
             lease.lost = True
             self._drop(lease)
 
+    def busy(self) -> set[int]:
+        """The GPUs a measured step holds now (their use is moving: whose it is, the step
+        says when it ends)."""
+        now = time.monotonic()
+        with self._changed:
+            return {index for index, lease in self._held.items() if lease.until > now}
+
     def _drop(self, lease: Lease) -> None:
         for index in lease.indices:
             if self._held.get(index) is lease:

@@ -11,6 +11,7 @@ import pynvml
 import pytest
 
 from hostagent import probe as probe_module
+from hostagent import process as process_module
 from hostagent.agent import AgentError, AgentFiles, probe_from_env
 from hostagent.errors import MemoryNotReleasedError
 from hostagent.host import HostRuntime
@@ -459,6 +460,85 @@ def test_on_the_device_path_one_step_at_a_time_changes_a_gpu(tmp_path, engines):
     parking.join(60)
     assert host.usage("b").gpu == {0: 8 * GIB}
     assert parked["a"].gpu == {0: 512 * MIB}
+    assert host.foreign(unified=False)["gpu0"] == 2 * GIB
+
+
+def test_an_engine_that_grows_or_ends_while_foreign_memory_is_read_is_not_foreign(
+    tmp_path, engines, monkeypatch
+):
+    """Foreign memory is the GPU's use less what the host's engines hold, read one after
+    the other: an engine woken between the two reads, or one that had not yet exited
+    after its stop was asked, was counted as someone else's. A reconcile pass then held up
+    to 7.5 GiB of that as foreign until the next pass, and the scheduler stopped a model
+    it would have parked (a failure of the what-if agreement test on a busy machine)."""
+    host, launch = nvml_host(tmp_path, "matching")
+    engines.append(host)
+    launch("a")
+    host.wait_ready("a", 60)
+    host.park("a", "ram", 60)
+    read_devices = host.devices
+
+    def woken_meanwhile():
+        host.wake("a", "ram", 60)
+        return read_devices()
+
+    monkeypatch.setattr(host, "devices", woken_meanwhile)
+    assert host.foreign(unified=False)["gpu0"] == 2 * GIB  # only the other process
+    monkeypatch.setattr(host, "devices", read_devices)
+
+    # A stop whose engine takes its time to exit: its memory is still its own.
+    exiting, go = threading.Event(), threading.Event()
+    slow_exit = process_module.stop_process
+
+    def stop_process(process, grace_seconds):
+        exiting.set()
+        go.wait(30)
+        return slow_exit(process, grace_seconds=grace_seconds)
+
+    monkeypatch.setattr("hostagent.runtime.stop_process", stop_process)
+    stopping = threading.Thread(target=host.stop, args=("a", 10))
+    stopping.start()
+    try:
+        assert exiting.wait(30)
+        assert host.foreign(unified=False)["gpu0"] == 2 * GIB
+    finally:
+        go.set()
+        stopping.join(30)
+    assert host.foreign(unified=False)["gpu0"] == 2 * GIB  # gone, and not counted
+
+
+def test_on_the_device_path_a_gpu_a_step_holds_is_not_read_for_foreign_memory(
+    tmp_path, engines, monkeypatch
+):
+    """Where NVML cannot tell the engine's pids, an engine's share is what its steps
+    measured: while a wake is under way its GPU has grown and its share is not yet known,
+    so the growth read as foreign. That GPU is now left out of the reading (its last
+    figure stands) until the step ends."""
+    host, launch = nvml_host(tmp_path, "foreign")
+    engines.append(host)
+    launch("a")
+    host.wait_ready("a", 60)
+    host.park("a", "ram", 60)
+    pid = host.instance("a").pid
+    read_devices = host.devices
+    waking = threading.Thread(target=host.wake, args=("a", "ram", 60))
+
+    def woken_meanwhile():
+        waking.start()
+        deadline = time.monotonic() + 30
+        while not any(a.pid == pid and a.gpu.get(0, 0) >= 16 * GIB
+                      for a in read_allocations(tmp_path / "sim")):  # fmt: skip
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        return read_devices()  # the engine holds its 16 GiB; its wake has not yet ended
+
+    monkeypatch.setattr(host, "devices", woken_meanwhile)
+    try:
+        assert "gpu0" not in host.foreign(unified=False)
+    finally:
+        monkeypatch.setattr(host, "devices", read_devices)
+        waking.join(60)
+    assert host.usage("a").gpu == {0: 16 * GIB}
     assert host.foreign(unified=False)["gpu0"] == 2 * GIB
 
 
