@@ -19,7 +19,7 @@ import psutil
 
 from hostagent.errors import AdapterError, EngineExitedError
 from hostagent.kinds.adapters import check_adapter_name
-from hostagent.probe import DeviceReading, Inventory, Probe, ProcessUsage
+from hostagent.probe import DEVICE, DeviceReading, Inventory, Probe, ProcessUsage, process_tree
 from hostagent.runtime import DEFAULT_RELEASE_SECONDS, EngineRuntime, Instance, InstanceRequest
 from hostagent.sources import FetchStatus, SourceCache, classify
 
@@ -42,6 +42,41 @@ class Launched:
         return asdict(self)
 
 
+@dataclass
+class Ending:
+    """An engine being stopped, with its processes as they were when its stop began."""
+
+    instance: Instance
+    processes: list[psutil.Process]
+
+    def running(self) -> bool:
+        return any(process.is_running() for process in self.processes)
+
+    def usage(self, runtime: EngineRuntime) -> ProcessUsage | None:
+        """What it still holds, read from each of its processes that still runs (its
+        workers may outlive its leader); None once none runs. Where its share was measured
+        by device, that share, while any of them runs."""
+        alive = [process for process in self.processes if process.is_running()]
+        if not alive:
+            return None
+        if self.instance.measured_by == DEVICE:
+            return runtime.usage(self.instance)
+        pids = {process.pid for process in alive}
+        gpu: dict[int, int | None] = {}
+        host_bytes = 0
+        for process in alive:
+            try:
+                if process.ppid() in pids:
+                    continue  # read with the process above it
+            except psutil.Error:
+                continue
+            seen = runtime.probe.process_usage(process.pid)
+            for index, used in seen.gpu.items():
+                gpu[index] = (gpu.get(index) or 0) + (used or 0)
+            host_bytes += seen.host_bytes
+        return ProcessUsage(gpu=gpu, host_bytes=host_bytes)
+
+
 class HostRuntime:
     """Engines as children of this process, through :class:`EngineRuntime`."""
 
@@ -58,7 +93,7 @@ class HostRuntime:
         self.sources = SourceCache(models_dir or log_dir.parent / "models")
         self.state_file = state_file
         self._instances: dict[str, Instance] = {}
-        self._ending: dict[str, Instance] = {}  # stopped, not yet known to have exited
+        self._ending: dict[str, Ending] = {}  # stopped, not yet known to have exited
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()
 
@@ -240,12 +275,16 @@ class HostRuntime:
             instance = self._instances.pop(instance_id, None)
             if instance is None:
                 return 0
-            self._ending[instance_id] = instance  # its memory is its own until it exits
+            # Its memory is its own until its processes exit: its workers (which hold the
+            # GPU memory) may outlive its leader by up to the grace, or get stuck.
+            self._ending[instance_id] = Ending(instance, process_tree(instance.pid))
         try:
             return self.runtime.stop(instance, grace_seconds)
         finally:
             with self._lock:
-                self._ending.pop(instance_id, None)
+                ending = self._ending.pop(instance_id, None)
+                if ending is not None and ending.running():
+                    self._ending[instance_id] = ending  # stuck: it still holds its memory
             self._save()
 
     def usage(self, instance_id: str) -> ProcessUsage:
@@ -312,10 +351,21 @@ class HostRuntime:
         return figures
 
     def _holdings(self) -> dict[str, ProcessUsage]:
-        """What each engine this host started holds now, those being stopped included."""
+        """What each engine this host started holds now, those being stopped included
+        (until none of their processes runs)."""
         with self._lock:
-            instances = {**self._ending, **self._instances}
-        return {key: self.runtime.usage(instance) for key, instance in instances.items()}
+            ending = dict(self._ending)
+            running = dict(self._instances)
+        held = {key: self.runtime.usage(instance) for key, instance in running.items()}
+        for key, stopping in ending.items():
+            usage = stopping.usage(self.runtime)
+            if usage is None:
+                with self._lock:
+                    if self._ending.get(key) is stopping:
+                        del self._ending[key]
+            else:
+                held[key] = usage
+        return held
 
     def stop_all(self, grace_seconds: float = 10.0) -> None:
         """End every engine this process started (at shutdown)."""

@@ -71,6 +71,7 @@ class Lease:
     indices: tuple[int, ...]
     until: float
     lost: bool = False
+    start: bool = False  # a start's (its engine's growth is counted as its own meanwhile)
 
 
 @dataclass
@@ -80,7 +81,9 @@ class DeviceLeases:
     _held: dict[int, Lease] = field(default_factory=dict)
     _changed: threading.Condition = field(default_factory=threading.Condition)
 
-    def acquire(self, holder: str, indices: list[int], seconds: float) -> Lease:
+    def acquire(
+        self, holder: str, indices: list[int], seconds: float, *, start: bool = False
+    ) -> Lease:
         """Wait until no live lease holds any of ``indices``, then hold them all for at most
         ``seconds``. A lease past its bound is taken over (and marked lost)."""
         wanted = tuple(sorted(set(indices)))
@@ -102,7 +105,7 @@ class DeviceLeases:
                                ",".join(map(str, lease.indices)), lease.holder)  # fmt: skip
                 lease.lost = True
                 self._drop(lease)
-            taken = Lease(holder, wanted, now + seconds)
+            taken = Lease(holder, wanted, now + seconds, start=start)
             for index in wanted:
                 self._held[index] = taken
             return taken
@@ -123,11 +126,16 @@ class DeviceLeases:
             self._drop(lease)
 
     def busy(self) -> set[int]:
-        """The GPUs a measured step holds now (their use is moving: whose it is, the step
-        says when it ends)."""
+        """The GPUs a measured park, wake or stop holds now (their use is moving: whose it
+        is, the step says when it ends). A start's are not: what its GPUs grew by since
+        its launch is counted as its engine's meanwhile."""
         now = time.monotonic()
         with self._changed:
-            return {index for index, lease in self._held.items() if lease.until > now}
+            return {
+                index
+                for index, lease in self._held.items()
+                if lease.until > now and not lease.start
+            }
 
     def _drop(self, lease: Lease) -> None:
         for index in lease.indices:

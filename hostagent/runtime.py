@@ -204,7 +204,7 @@ class EngineRuntime:
             gpus = self.meter.gpus(request.gpu_indices)
             if gpus and self.meter.leases_starts():
                 lease = self.meter.leases.acquire(
-                    f"the start of {request.served_name}", gpus, LAUNCH_LEASE_SECONDS
+                    f"the start of {request.served_name}", gpus, LAUNCH_LEASE_SECONDS, start=True
                 )
             prepare_run_dir(run_dir, launch.files)
             before = self.meter.used(gpus) if lease is not None else None

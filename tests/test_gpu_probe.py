@@ -1,12 +1,14 @@
 """The NVML probe, driven through a fake pynvml (the boundary: no GPU on test machines)."""
 
 import os
+import shlex
 import sys
 import threading
 import time
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pynvml
 import pytest
 
@@ -507,6 +509,44 @@ def test_an_engine_that_grows_or_ends_while_foreign_memory_is_read_is_not_foreig
     assert host.foreign(unified=False)["gpu0"] == 2 * GIB  # gone, and not counted
 
 
+# An engine whose worker holds the GPU memory and outlives its leader's exit by its own
+# time, as vLLM's engine core can (here: in a session of its own, so the group's signals
+# miss it and the stop waits out its grace for it).
+_LEADER = (
+    "import subprocess, sys; "
+    "sys.exit(subprocess.Popen(sys.argv[1:], start_new_session=True).wait())"
+)
+
+
+def test_a_stopped_engines_worker_that_outlives_its_leader_is_not_foreign(tmp_path, engines):
+    host, _ = nvml_host(tmp_path, "matching")
+    engines.append(host)
+    memory = {**MEMORY, "CAPYCTL_SIM_GPUS": "80GiB", "CAPYCTL_SIM_STATE_DIR": str(tmp_path / "sim")}
+    command = f"{sys.executable} -c {shlex.quote(_LEADER)} {SIM} vllm"
+    host.launch(InstanceRequest(
+        instance_id="a", kind="vllm", command=command, source="/models/a", served_name="a",
+        gpu_indices=[0], env=memory,
+    ))  # fmt: skip
+    host.wait_ready("a", 60)
+    leader = psutil.Process(host.instance("a").pid)
+    (worker,) = leader.children()
+    assert host.foreign(unified=False)["gpu0"] == 2 * GIB
+    stopping = threading.Thread(target=host.stop, args=("a", 3))
+    stopping.start()
+    try:
+        deadline = time.monotonic() + 30
+        while leader.is_running():  # the leader is gone; the stop waits for its worker
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert worker.is_running()
+        assert stopping.is_alive()
+        assert host.foreign(unified=False)["gpu0"] == 2 * GIB
+    finally:
+        worker.kill()
+        stopping.join(30)
+    assert host.foreign(unified=False)["gpu0"] == 2 * GIB  # gone, and not counted
+
+
 def test_on_the_device_path_a_gpu_a_step_holds_is_not_read_for_foreign_memory(
     tmp_path, engines, monkeypatch
 ):
@@ -539,6 +579,28 @@ def test_on_the_device_path_a_gpu_a_step_holds_is_not_read_for_foreign_memory(
         monkeypatch.setattr(host, "devices", read_devices)
         waking.join(60)
     assert host.usage("a").gpu == {0: 16 * GIB}
+    assert host.foreign(unified=False)["gpu0"] == 2 * GIB
+
+
+def test_on_the_device_path_a_start_under_way_is_read_for_foreign_memory(tmp_path, engines):
+    """A start holds its GPUs too (its share is measured when it ends), but what they grew
+    by since its launch already counts as its engine's: the foreign figure of its GPU is
+    read as ever, not left standing for the minutes a load can take."""
+    host, launch = nvml_host(tmp_path, "foreign")
+    engines.append(host)
+    gate = tmp_path / "a-loads"
+    launch("a", CAPYCTL_SIM_LOAD_GATE=str(gate))
+    starting = threading.Thread(target=host.wait_ready, args=("a", 60))
+    starting.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not gate.with_name("a-loads.waiting").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert host.foreign(unified=False)["gpu0"] == 2 * GIB
+    finally:
+        gate.touch()
+        starting.join(60)
     assert host.foreign(unified=False)["gpu0"] == 2 * GIB
 
 

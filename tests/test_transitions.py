@@ -164,7 +164,10 @@ def test_reconcile_does_not_overwrite_a_wake_promised_meanwhile(gpu24, monkeypat
 
 def _one_parked(name: str) -> int:
     """A parked deployment (of a simulated vLLM), for a wake a worker is sent."""
-    vllm_engine()
+    from capyctl.engines.models import Engine
+
+    if not Engine.objects.filter(name="sim-vllm").exists():
+        vllm_engine()
     parked = deployment(name)
     Deployment.objects.filter(pk=parked.pk).update(observed_state="parked")
     return int(parked.pk)
@@ -206,46 +209,102 @@ async def test_a_wake_whose_failure_notice_is_lost_ends_at_the_next_database_rea
         await sync_to_async(_close_connection)()
 
 
-@pytest.mark.django_db(transaction=True)
-async def test_a_switch_told_a_second_after_its_ready_row_is_still_said(
-    settings, monkeypatch, redis_url
-):
-    """Server mode: the worker commits the ready row, then tells the waiters what it
-    switched once its task ends. On a busy machine that word came more than a quarter of a
-    second after the row; the waiter, which had read the row at its half-second poll,
-    answered without the switch (``x-capyctl-switch`` missing, a failure seen in CI)."""
-    import threading
-    import time
-
-    from asgiref.sync import sync_to_async
-
-    from capyctl.scheduler import notify, tasks, wakes
-
+@pytest.fixture
+def worker_layer(settings, redis_url):
+    """Server mode's waiter: wakes go to a worker (a thread here) that tells its outcome on
+    the Redis channel layer, as a Celery worker does from its own process."""
     settings.CELERY_TASK_ALWAYS_EAGER = False
-    settings.CHANNEL_LAYERS = {  # server mode's layer: the worker tells from its own thread
+    settings.CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             "CONFIG": {"hosts": [redis_url], "prefix": "capyctl"},
         }
     }
 
-    b_id = await sync_to_async(_one_parked)("b")
-    said = "parked a (ram) 412 ms; woke b 688 ms"
 
-    def worker(deployment_id: int) -> None:
+def _worker(monkeypatch, *steps: tuple[float, Callable[[int], None]]) -> None:
+    """The wake sent goes to a worker that runs ``steps`` (after so many seconds, each)."""
+    import threading
+    import time
+
+    from capyctl.scheduler import tasks
+
+    def work(deployment_id: int) -> None:
         try:
-            time.sleep(0.1)
-            Deployment.objects.filter(pk=deployment_id).update(observed_state="ready")
-            time.sleep(1.0)  # the rest of its task, on a machine busy with other work
-            notify.announce(deployment_id, ok=True, switch=said)
+            for seconds, step in steps:
+                time.sleep(seconds)
+                step(deployment_id)
         finally:
             _close_connection()
 
     monkeypatch.setattr(
-        tasks.ensure_ready, "delay", lambda pk: threading.Thread(target=worker, args=(pk,)).start()
+        tasks.ensure_ready, "delay", lambda pk: threading.Thread(target=work, args=(pk,)).start()
     )
+
+
+def _made_ready(deployment_id: int) -> None:
+    from django.utils import timezone
+
+    Deployment.objects.filter(pk=deployment_id).update(
+        observed_state="ready", state_changed_at=timezone.now()
+    )
+
+
+SAID = "parked a (ram) 412 ms; woke b 688 ms"
+
+
+def _tells(deployment_id: int) -> None:
+    from capyctl.scheduler import notify
+
+    notify.announce(deployment_id, ok=True, switch=SAID)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_switch_told_a_second_after_its_ready_row_is_still_said(worker_layer, monkeypatch):
+    """Server mode: the worker commits the ready row, then tells the waiters what it
+    switched once its task ends. On a busy machine that word came more than a quarter of a
+    second after the row; the waiter, which had read the row at its half-second poll,
+    answered without the switch (``x-capyctl-switch`` missing, a failure seen in CI)."""
+    from asgiref.sync import sync_to_async
+
+    from capyctl.scheduler import wakes
+
+    b_id = await sync_to_async(_one_parked)("b")
+    # The rest of its task, on a machine busy with other work, takes a second.
+    _worker(monkeypatch, (0.1, _made_ready), (1.0, _tells))
     try:
-        assert await wakes.ready(b_id, timeout=30) == said
+        assert await wakes.ready(b_id, timeout=30) == SAID
+    finally:
+        await sync_to_async(_close_connection)()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_waiter_does_not_listen_for_a_word_that_cannot_come(worker_layer, monkeypatch):
+    """The waiter listens for what was switched only when the model became ready after it
+    sent its wake: one already ready then (another process woke it) is answered at its
+    first read, not after the wait for a word (its own task, queued behind long starts,
+    would only say that nothing was switched). And one read ready near the waiter's
+    deadline is answered before it, not with a timeout."""
+    import asyncio
+    import time
+
+    from asgiref.sync import sync_to_async
+
+    from capyctl.scheduler import wakes
+
+    monkeypatch.setattr(wakes, "TOLD_AFTER_READY_SECONDS", 30.0)
+    a_id = await sync_to_async(_one_parked)("a")
+    await sync_to_async(_made_ready)(a_id)
+    _worker(monkeypatch)  # its task has not begun
+    try:
+        began = time.monotonic()
+        assert await wakes.ready(a_id, timeout=60) == ""
+        assert time.monotonic() - began < 10, "it waited for a word that could not come"
+
+        b_id = await sync_to_async(_one_parked)("b")
+        _worker(monkeypatch, (0.6, _made_ready))  # its word is lost
+        grace = 1 + wakes.OUTCOME_GRACE_SECONDS  # what the gateway gives it (waiting.py)
+        assert await asyncio.wait_for(wakes.ready(b_id, timeout=1), timeout=grace) == ""
     finally:
         await sync_to_async(_close_connection)()
 

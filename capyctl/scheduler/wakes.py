@@ -5,7 +5,7 @@ How a wake runs is decided here, not by the caller. Standalone runs the schedule
 its own: slow starts never take the threads that the gateway's route and key lookups run
 on, so a ready model answers while others start. Server mode sends the wake to a Celery
 worker and waits for its outcome on the channel layer, reading the database every half
-second too, so a lost message costs half a second (a failure) or
+second too, so a lost message costs half a second (a failure), or that and
 :data:`TOLD_AFTER_READY_SECONDS` (a success: the wait for what it switched), not the wake
 timeout.
 
@@ -118,13 +118,16 @@ def _ready_here(deployment_id: int, timeout: float, wanted: Callable[[], bool] |
     return switches.header(steps)
 
 
-def _state(deployment_id: int) -> tuple[str, str] | None:
+def _state(deployment_id: int) -> tuple[str, str, float] | None:
+    """Its state, the reason given, and since when (epoch seconds; 0: unknown)."""
     row = (
         Deployment.objects.filter(pk=deployment_id)
-        .values_list("observed_state", "state_reason")
+        .values_list("observed_state", "state_reason", "state_changed_at")
         .first()
     )
-    return (row[0], row[1]) if row else None
+    if row is None:
+        return None
+    return row[0], row[1], row[2].timestamp() if row[2] is not None else 0.0
 
 
 # The scheduler gives up at the wake timeout and says why (what it waited for); a waiter
@@ -156,10 +159,13 @@ async def _on_worker(deployment_id: int, timeout: float) -> str:
                 current = await run(_state, deployment_id)
                 if current is None:
                     raise SchedulerError("the model no longer exists") from None
-                if current[0] == "ready":  # its outcome, with the steps, follows at once
-                    return await _switch_told(layer, channel)
-                if current[0] == "failed" and await run(_failed_since, deployment_id, sent_at):
-                    raise error_for("engine_failed", current[1]) from None
+                if current[0] == "ready":
+                    if current[2] < sent_at:  # ready before the wake was sent: nothing
+                        return ""  # was switched for it (its task finds it so)
+                    # Its outcome, with the steps, follows once the worker's task ends.
+                    return await _switch_told(layer, channel, deadline)
+                if current[0] == "failed" and current[2] >= sent_at:  # not an earlier one,
+                    raise error_for("engine_failed", current[1]) from None  # being retried
                 continue
             if outcome.get("ok"):
                 return str(outcome.get("switch") or "")
@@ -200,22 +206,13 @@ async def _send(
 TOLD_AFTER_READY_SECONDS = 2.0
 
 
-async def _switch_told(layer: Any, channel: str) -> str:
+async def _switch_told(layer: Any, channel: str, deadline: float) -> str:
     """What the worker says it switched, when its word comes after the database showed the
-    model ready (it is sent once the task ends); empty if it does not come."""
+    model ready (it is sent once the task ends); empty if it does not come in time (the
+    waiter's own deadline comes first: a ready model is never answered with a timeout)."""
+    patience = min(TOLD_AFTER_READY_SECONDS, deadline - time.monotonic() - 0.1)
     with contextlib.suppress(Exception):
-        outcome = await asyncio.wait_for(layer.receive(channel), timeout=TOLD_AFTER_READY_SECONDS)
+        outcome = await asyncio.wait_for(layer.receive(channel), timeout=max(patience, 0.0))
         if outcome.get("ok"):
             return str(outcome.get("switch") or "")
     return ""
-
-
-def _failed_since(deployment_id: int, since: float) -> bool:
-    """Whether its failure came after the wake was sent (not an earlier one, which the
-    wake is about to retry)."""
-    changed = (
-        Deployment.objects.filter(pk=deployment_id)
-        .values_list("state_changed_at", flat=True)
-        .first()
-    )
-    return changed is not None and changed.timestamp() >= since
