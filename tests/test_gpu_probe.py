@@ -559,24 +559,22 @@ def test_on_the_device_path_a_gpu_a_step_holds_is_not_read_for_foreign_memory(
     launch("a")
     host.wait_ready("a", 60)
     host.park("a", "ram", 60)
-    pid = host.instance("a").pid
-    read_devices = host.devices
+    answered, checked = threading.Event(), threading.Event()
+    health = process_module.wait_ready
+
+    def slow_health(*args, **kwargs):  # the engine answered its wake: its 16 GiB are back
+        answered.set()
+        checked.wait(30)
+        return health(*args, **kwargs)
+
+    monkeypatch.setattr("hostagent.parking.wait_ready", slow_health)
     waking = threading.Thread(target=host.wake, args=("a", "ram", 60))
-
-    def woken_meanwhile():
-        waking.start()
-        deadline = time.monotonic() + 30
-        while not any(a.pid == pid and a.gpu.get(0, 0) >= 16 * GIB
-                      for a in read_allocations(tmp_path / "sim")):  # fmt: skip
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        return read_devices()  # the engine holds its 16 GiB; its wake has not yet ended
-
-    monkeypatch.setattr(host, "devices", woken_meanwhile)
+    waking.start()
     try:
+        assert answered.wait(30)
         assert "gpu0" not in host.foreign(unified=False)
     finally:
-        monkeypatch.setattr(host, "devices", read_devices)
+        checked.set()
         waking.join(60)
     assert host.usage("a").gpu == {0: 16 * GIB}
     assert host.foreign(unified=False)["gpu0"] == 2 * GIB
