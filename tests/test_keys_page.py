@@ -67,12 +67,15 @@ def test_errors_are_one_line_and_change_nothing(bob):
 
 
 def test_a_user_revokes_their_own_key_only(alice, bob):
-    mine, full = issue_api_key("bob", name="old")
-    theirs, _ = issue_api_key("alice", name="ops")
+    # Names no random token on the page (a key id, the form's CSRF token) holds by chance:
+    # the page once held "ops" somewhere in one.
+    mine, full = issue_api_key("bob", name="bobs-old-key")
+    theirs, _ = issue_api_key("alice", name="alices-ops-key")
     client = logged_in(bob)
     page = client.get("/keys/").content
-    assert b"old" in page
-    assert b"ops" not in page  # alice's key is not listed
+    assert b"bobs-old-key" in page
+    assert b"alices-ops-key" not in page  # alice's key is not listed
+    assert theirs.key_id.encode() not in page
     refused = client.post(f"/keys/{theirs.key_id}/revoke/")
     assert refused.status_code == 400
     assert b"you have no API key with id" in refused.content
