@@ -75,6 +75,7 @@ def deployment_data(deployment: Deployment) -> dict[str, Any]:
         "measured_gpu_bytes": deployment.measured_gpu_bytes,
         "measured_weights_bytes": deployment.measured_weights_bytes,
         "weights_copy_bytes": deployment.weights_copy_bytes,
+        "measured_residual_bytes": deployment.measured_residual_bytes,
         **deployment.setting_values(),  # each declared setting, as it applies
         "media_domains": list(deployment.media_domains),
         "desired_state": deployment.desired_state,

@@ -6,12 +6,13 @@ import re
 
 import pytest
 
+from capyctl.deployments.models import Deployment
 from capyctl.engines.services import add_engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
 from capyctl.ledger.services import overcommitted
 from capyctl.scheduler import actions
-from tests.scheduling import SIM, SIM_ENV, deployment, entries, state
+from tests.scheduling import MIB, SIM, SIM_ENV, deployment, entries, state
 
 RESIDUAL = "1638MiB"  # about 1.6 GiB left on the GPU by each parked engine
 
@@ -68,4 +69,27 @@ def test_a_wake_stops_a_parked_model_when_parking_the_ready_ones_is_not_enough(g
         "stopped b (parked) to make room for a: its parked residual (3.0 GiB on gpu0) is "
         "needed: parking alone is not enough"
     )
+    assert overcommitted(Host.objects.get(name="local")) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_model_parked_before_is_parked_again_on_what_its_park_left(gpu24):
+    """Two 22 GiB models on a 24 GiB GPU whose engines leave 512 MiB when parked. Waking
+    ``b`` needs 21.5 GiB beside its residual. Parking ``a`` was counted on the policy's
+    guess of what it would leave (a tenth of its claim, 2.2 GiB): 0.2 GiB short, so ``a``
+    was stopped instead and would start cold on its next request. ``a`` was parked
+    before: what that park left is remembered and counted on, and ``a`` is parked."""
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    a, b = deployment("a", gib=22), deployment("b", gib=22)
+    actions.ensure_ready(a.pk)
+    actions.park(a.pk)
+    actions.ensure_ready(b.pk)  # beside a's residual
+    actions.park(b.pk)
+    actions.ensure_ready(a.pk)
+    assert Deployment.objects.get(pk=a.pk).measured_residual_bytes == 512 * MIB
+
+    actions.ensure_ready(b.pk, timeout=5)
+    assert state("b") == ("ready", "")
+    assert state("a")[0] == "parked"
+    assert not Event.objects.filter(kind="deployment.stopped").exists()
     assert overcommitted(Host.objects.get(name="local")) == []

@@ -103,6 +103,22 @@ def test_two_models_that_do_not_fit_together_switch_once_per_burst() -> None:
     assert first_b.waited == pytest.approx(FAST["park_ram"] + FAST["start"], abs=0.06)
 
 
+def test_a_model_parked_before_is_parked_again_on_what_its_park_left() -> None:
+    """As the server does (tests/test_parked_residuals.py): two 22 GiB models on a 24 GiB
+    GPU whose parks leave 512 MiB park and wake each other; on the policy's guess of a
+    ready model's residual (2.2 GiB) the first switch stopped ``a`` instead, 0.2 GiB
+    short."""
+    left = 512 * 1024**2
+    parked = {"host": "h1", "state": "parked", "parked_mode": "ram", "pools": ["gpu0"]}
+    models = [_model(name, claim_bytes=22 * GIB, measured_residual_bytes=left, **parked)
+              for name in "ab"]  # fmt: skip
+    outcome = replay(_one_gpu(*models), _bursts("abab"))
+    assert _switches(outcome) == {"wake ram": 4, "park ram": 3}
+    assert all(r.status == 200 for r in outcome.requests)
+    built = scenario.build(_status(measured_residual_bytes=left, gpu_memory_bytes=22 * GIB))
+    assert built.models[0].measured_residual_bytes == left
+
+
 def test_models_that_fit_together_never_switch() -> None:
     small = {"claim_bytes": 8 * GIB}
     outcome = replay(_one_gpu(_model("a", **small), _model("b", **small)), _bursts("ababab"))
@@ -418,3 +434,6 @@ def test_a_scenario_file_with_values_of_the_wrong_kind_is_one_line(db) -> None:
     broken["hosts"][0]["pools"][0]["capacity_bytes"] = "lots"
     with pytest.raises(UserError, match="a host it cannot read"):
         scenario.build(broken)
+    for left in ("512MiB", -1, True):
+        with pytest.raises(UserError, match=r"^model chat: measured_residual_bytes is a num"):
+            scenario.build(_status(measured_residual_bytes=left))

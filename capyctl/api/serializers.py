@@ -102,6 +102,11 @@ class DeploymentOutBase(_Report):
         help_text="host RAM a ram park promises for its copy: the larger of weights_bytes "
         "(declared) and measured_weights_bytes (its last ram park's copy)",
     )
+    measured_residual_bytes = serializers.IntegerField(
+        allow_null=True,
+        help_text="what its last confirmed park left on each of its GPUs (the most), counted "
+        "on when it is parked again; empty until a park measured it",
+    )
     media_domains = serializers.ListField(
         child=serializers.CharField(),
         help_text="hosts whose http(s) media URLs requests may name (empty: data: URLs only)",

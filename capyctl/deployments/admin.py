@@ -155,6 +155,7 @@ class DeploymentAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "last_request_at",
         "measured_gpu_bytes",
         "measured_weights_bytes",
+        "measured_residual_bytes",
     )
     fieldsets = (
         (None, {"fields": ("name", "aliases_text", "engine", "host", "source", "args_text")}),

@@ -144,6 +144,12 @@ class Deployment(models.Model):
     replica_index = models.PositiveSmallIntegerField(default=0)
     measured_gpu_bytes = models.BigIntegerField(null=True, blank=True)
     measured_weights_bytes = models.BigIntegerField(null=True, blank=True)
+    measured_residual_bytes = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="what its last confirmed park left on each of its GPUs (the most): the "
+        "residual the scheduler counts on when it parks it again",
+    )
 
     # The settings people give it, each declared in capyctl.deployments.settings_spec.
     park = models.CharField(max_length=8, choices=ParkPolicy.choices, **declared("park"))

@@ -55,6 +55,7 @@ _RESIDENT_FIELDS = (
     "source_bytes",
     "weights_bytes",
     "measured_weights_bytes",
+    "measured_residual_bytes",
     "min_ready_seconds",
     "max_turn_seconds",
     "adapter_slots",
@@ -162,10 +163,11 @@ def residents(
                 state=deployment.observed_state,
                 gpu_bytes={p: b for p, b in held.items() if p != "ram"},
                 weights_bytes=estimates.weights_bytes(deployment, sum(held.values())),
-                # A park the probe confirmed: what it still holds is its residual.
+                # A park the probe confirmed: what it still holds is its residual; else
+                # what its last confirmed park left (None: never parked, the guess).
                 residual_bytes=max(held.values(), default=0)
                 if deployment.observed_state == "parked" and deployment.pk not in unconfirmed
-                else None,
+                else deployment.measured_residual_bytes,
                 park_policy=deployment.park,
                 can_park_ram=capabilities.ram,
                 can_park_deep=capabilities.deep and not deep_refused,

@@ -382,6 +382,7 @@ class EnsureReady(Adapters):
             yield seconds
             for pool in model.pools:
                 model.entries[pool] = model.residual(model.entries.get(pool, 0))
+            model.left_parked = max((model.entries[p] for p in model.pools), default=None)
             model.sleep_mode = mode
             self._move(model, "parked")
         finally:

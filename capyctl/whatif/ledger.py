@@ -116,10 +116,11 @@ class Ledger(Clock):
                     gpu_bytes=gpu,
                     weights_bytes=spec.weights_bytes,
                     # A park here is confirmed at once: what it holds is its residual
-                    # (the server's, once its probe confirms); else the policy's guess.
+                    # (the server's, once its probe confirms); else what its last park
+                    # left, as the server remembers it (None: never parked, the guess).
                     residual_bytes=max(gpu.values(), default=0)
                     if model.state == "parked"
-                    else None,
+                    else model.left_parked,
                     park_policy=spec.park,
                     can_park_ram=spec.can_park_ram,
                     can_park_deep=spec.can_park_deep,
@@ -284,5 +285,7 @@ class Ledger(Clock):
                 copy = model.spec.weights_bytes if model.sleep_mode == RAM else 0
                 model.entries = {**{p: model.residual(claim) for p in pools},
                                  "ram": self._engine_ram + copy}  # fmt: skip
+                if pools:
+                    model.left_parked = model.residual(claim)
             model.changed_at = -max(model.spec.min_ready_seconds, 0.0) - 1.0
             model.phase_since = 0.0

@@ -129,6 +129,9 @@ class SimModel:
     claim_bytes: int = 16 * GIB  # per GPU
     weights_bytes: int = 8 * GIB  # the copy a ram park keeps in host RAM
     residual_bytes: int | None = None  # what a park leaves on each GPU; None: the policy's guess
+    # What its last park on the server left (the scheduler counts on it when it parks the
+    # model again); None: never parked there. A park in the replay replaces it.
+    measured_residual_bytes: int | None = None
     park: str = _default("park")
     pinned: bool = _default("pinned")
     priority: int = _default("priority")

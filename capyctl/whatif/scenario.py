@@ -489,6 +489,11 @@ def _model(
     spread = str(row.get("spread") or "hosts")
     if spread not in SPREAD_CHOICES:
         raise UserError(f"model {name}: spread is one of {', '.join(SPREAD_CHOICES)}")
+    left = row.get("measured_residual_bytes")
+    if left is not None and (not isinstance(left, int) or isinstance(left, bool) or left < 0):
+        raise UserError(
+            f"model {name}: measured_residual_bytes is a number of bytes or null (got {left!r})"
+        )
     return SimModel(
         name=name,
         kind=kind,
@@ -496,6 +501,7 @@ def _model(
         gpus=deployment.gpus,
         claim_bytes=claim,
         weights_bytes=weights,
+        measured_residual_bytes=left,
         park=str(row.get("park") or "auto"),
         pinned=bool(row.get("pinned")),
         priority=int(row.get("priority") or 0),

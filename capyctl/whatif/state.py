@@ -42,6 +42,8 @@ class _Model:
         self.home = start.host  # its host's name at the start (None: placed where it fits)
         self.state = start.state if spec.desired == "running" else "stopped"
         self.sleep_mode = start.parked_mode  # ram | deep, when parked
+        # What its last park left on a GPU (counted on when it is parked again).
+        self.left_parked: int | None = spec.measured_residual_bytes
         self.host: _Host | None = None
         self.pools: tuple[str, ...] = tuple(start.pools)
         self.entries: dict[str, int] = {}  # pool -> bytes, on its host
@@ -77,8 +79,13 @@ class _Model:
         self.load_turn = _Signal()  # a load of its engine ended
 
     def residual(self, held: int) -> int:
-        if self.spec.residual_bytes is not None:
-            return min(self.spec.residual_bytes, held)
+        """What a park leaves on a GPU where it held ``held``: as the scenario sets it, else
+        as its parks on the server left, else the policy's guess."""
+        known = self.spec.residual_bytes
+        if known is None:
+            known = self.spec.measured_residual_bytes
+        if known is not None:
+            return min(known, held)
         return expected_residual(_bare_resident(self, held), held)
 
 

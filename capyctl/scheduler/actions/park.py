@@ -145,6 +145,10 @@ def park_ready(  # noqa: PLR0911, PLR0912, PLR0915 - one operation, read top to 
         pools = snapshots.gpu_pools(host, list(instance.gpu_indices))
         figures = snapshots.measured(host, pools, residual, 0)
         remembered: dict[str, Any] = {}
+        left = snapshots.measured(host, pools, residual, -1)  # -1: not known on that GPU
+        if pools and all(left[p] >= 0 for p in pools):
+            # What it leaves on a GPU: counted on when it is parked again.
+            remembered["measured_residual_bytes"] = max(left[p] for p in pools)
         if mode == RAM and "ram" in figures and engine_ram and figures["ram"] > engine_ram:
             # The weights copy, measured: what host RAM grew by when the weights moved there.
             remembered["measured_weights_bytes"] = figures["ram"] - engine_ram

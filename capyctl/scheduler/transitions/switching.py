@@ -202,9 +202,11 @@ def release_confirmed(deployment: Deployment, host: Host, figures: Mapping[str, 
         ).exists()
         if not unconfirmed:
             return False
+        left = [b for pool, b in figures.items() if pool != "ram"]  # what it left on GPUs
+        remembered = {"measured_residual_bytes": max(left)} if left else {}
         if not Deployment.objects.filter(
             pk=deployment.pk, observed_state=ObservedState.PARKED
-        ).update(state_reason=""):
+        ).update(state_reason="", **remembered):
             return False
         set_measured(locked, deployment.pk, figures)
         held_again(locked, deployment.pk)
