@@ -3,10 +3,12 @@ adds up, and once parking the ready model no longer frees enough for another, th
 recently used parked models are stopped to make room (DESIGN §5)."""
 
 import re
+from dataclasses import replace
 
 import pytest
 
 from capyctl.deployments.models import Deployment
+from capyctl.deployments.services import get_deployment, spec_of, update_deployment
 from capyctl.engines.services import add_engine
 from capyctl.events.models import Event
 from capyctl.hosts.models import Host
@@ -93,3 +95,19 @@ def test_a_model_parked_before_is_parked_again_on_what_its_park_left(gpu24):
     assert state("a")[0] == "parked"
     assert not Event.objects.filter(kind="deployment.stopped").exists()
     assert overcommitted(Host.objects.get(name="local")) == []
+
+    # Launched otherwise from its next start, it may leave something else: forgotten.
+    update_deployment("a", replace(spec_of(get_deployment("a")), engine_args=["--enforce-eager"]))
+    assert Deployment.objects.get(pk=a.pk).measured_residual_bytes is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_what_a_replicas_park_left_is_counted_on_for_its_siblings(gpu24):
+    """The same weights on the same engine: a replica's park measures what its siblings'
+    parks will leave too, as its weights copy sizes their first ram parks."""
+    add_engine("sim-vllm", kind="vllm", command=f"{SIM} vllm", env=SIM_ENV)
+    chat = deployment("chat", gib=8, replicas=2)
+    actions.ensure_ready(chat.pk)
+    actions.park(chat.pk)
+    left = dict(Deployment.objects.values_list("name", "measured_residual_bytes"))
+    assert left == {"chat": 512 * MIB, "chat~1": 512 * MIB}

@@ -117,6 +117,9 @@ def test_a_model_parked_before_is_parked_again_on_what_its_park_left() -> None:
     assert all(r.status == 200 for r in outcome.requests)
     built = scenario.build(_status(measured_residual_bytes=left, gpu_memory_bytes=22 * GIB))
     assert built.models[0].measured_residual_bytes == left
+    # A claim set otherwise is a launch the server would not have measured: forgotten.
+    changed = scenario.apply_sets(_status(measured_residual_bytes=left), ["chat.gpu_memory=20GiB"])
+    assert scenario.build(changed).models[0].measured_residual_bytes is None
 
 
 def test_models_that_fit_together_never_switch() -> None:

@@ -381,6 +381,13 @@ def update_deployment(name: str, spec: DeploymentSpec, *, actor: str = "") -> De
             [DeploymentAlias(name=alias, deployment=deployment) for alias in spec.aliases]
         )
     _sync_replicas(deployment, host_changed=host_changed)
+    if moved or _LAUNCH_FIELDS.intersection(changed):
+        # What its parks left was measured on its engine as launched: from its next start
+        # it may leave something else, so its parks are counted on the guess until one
+        # measures it again.
+        Deployment.objects.filter(Q(pk=deployment.pk) | Q(replica_of=deployment)).update(
+            measured_residual_bytes=None
+        )
     if moved:
         changed.append("name/engine/host")
     message = f"deployment {spec.name} changed: {', '.join(changed) or 'nothing'}"

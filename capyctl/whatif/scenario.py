@@ -294,6 +294,8 @@ def _set(row: dict[str, Any], field: str, kind: str, value: Any) -> None:
         row["weights_bytes"] = value
     else:
         row[field] = value
+    if field in ("gpus", "host", "gpu_memory", "weights"):
+        row["measured_residual_bytes"] = None  # as the server forgets it on such a change
     if field in ("gpus", "host", "gpu_memory"):
         row["observed_state"] = "stopped"  # placed afresh
         for replica in _replica_rows(row):

@@ -146,9 +146,14 @@ def park_ready(  # noqa: PLR0911, PLR0912, PLR0915 - one operation, read top to 
         figures = snapshots.measured(host, pools, residual, 0)
         remembered: dict[str, Any] = {}
         left = snapshots.measured(host, pools, residual, -1)  # -1: not known on that GPU
-        if pools and all(left[p] >= 0 for p in pools):
-            # What it leaves on a GPU: counted on when it is parked again.
-            remembered["measured_residual_bytes"] = max(left[p] for p in pools)
+        # What it leaves on a GPU, counted on when it is parked again: where it is known
+        # and not nothing (a device-path figure may read 0 when the GPU fell by more than
+        # its share); on unified memory a deep park's only (a ram park's copy stays in the
+        # same pool).
+        most = max((left[p] for p in pools), default=0)
+        known = all(left[p] >= 0 for p in pools) and most > 0
+        if known and (mode == DEEP or "unified" not in pools):
+            remembered["measured_residual_bytes"] = most
         if mode == RAM and "ram" in figures and engine_ram and figures["ram"] > engine_ram:
             # The weights copy, measured: what host RAM grew by when the weights moved there.
             remembered["measured_weights_bytes"] = figures["ram"] - engine_ram

@@ -130,13 +130,14 @@ def parked(
             hold_measured(locked, deployment, figures, f"parked {mode}")
     if not won:
         return False
-    copy = remembered.get("measured_weights_bytes")
-    if copy and (deployment.replicas > 1 or deployment.replica_of_id is not None):
-        # The same weights: a replica's measured copy sizes its siblings' first ram parks.
+    if deployment.replicas > 1 or deployment.replica_of_id is not None:
+        # The same weights on the same engine: a replica's measured copy sizes its
+        # siblings' first ram parks, and what its park left is counted on for theirs.
         first = deployment.replica_of_id or deployment.pk
-        Deployment.objects.filter(
-            Q(pk=first) | Q(replica_of_id=first), measured_weights_bytes__isnull=True
-        ).update(measured_weights_bytes=copy)
+        siblings = Deployment.objects.filter(Q(pk=first) | Q(replica_of_id=first))
+        for field in ("measured_weights_bytes", "measured_residual_bytes"):
+            if remembered.get(field):
+                siblings.filter(**{f"{field}__isnull": True}).update(**{field: remembered[field]})
     if figures is None:
         record(
             deployment,
@@ -202,8 +203,10 @@ def release_confirmed(deployment: Deployment, host: Host, figures: Mapping[str, 
         ).exists()
         if not unconfirmed:
             return False
-        left = [b for pool, b in figures.items() if pool != "ram"]  # what it left on GPUs
-        remembered = {"measured_residual_bytes": max(left)} if left else {}
+        # What it left on its GPUs, remembered as a park's is (see actions.park_ready).
+        most = max((b for pool, b in figures.items() if pool != "ram"), default=0)
+        deep_if_unified = deployment.parked_mode == "deep" or "unified" not in figures
+        remembered = {"measured_residual_bytes": most} if most > 0 and deep_if_unified else {}
         if not Deployment.objects.filter(
             pk=deployment.pk, observed_state=ObservedState.PARKED
         ).update(state_reason="", **remembered):
