@@ -58,10 +58,15 @@ def test_a_model_declared_smaller_than_its_copy_overshoots_host_ram_once(gpu24, 
         rounds += 1
         assert overcommitted(Host.objects.get(name="local")) == []
 
-    overshoots = Event.objects.filter(kind="ledger.overshoot")
-    assert [e.subject for e in overshoots] == ["c"], list(overshoots.values_list("message"))
+    # An engine's own memory moves by a page or so between two parks (d's once read 4 KiB
+    # over its promise): only a copy's misjudgement (hundreds of MiB) is looked for here.
+    overshoots = [
+        e for e in Event.objects.filter(kind="ledger.overshoot") if e.data["bytes"] > 64 * MIB
+    ]
+    assert [e.subject for e in overshoots] == ["c"], [e.message for e in overshoots]
+    assert overshoots[0].data == {"pool": "ram", "bytes": overshoots[0].data["bytes"]}
     first_park = Event.objects.filter(kind="deployment.parked", subject="c").earliest("pk")
-    assert overshoots.get().pk < first_park.pk  # measured by c's first park, none after
+    assert overshoots[0].pk < first_park.pk  # measured by c's first park, none after
     copies = Deployment.objects.filter(name__in=["c", "d"]).values_list(
         "measured_weights_bytes", flat=True
     )

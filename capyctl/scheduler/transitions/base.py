@@ -147,7 +147,8 @@ def hold_measured(
             "for; the pool's reserve is absorbing it"
         )
         logger.warning(message)
-        record(deployment, "ledger.overshoot", message, level=Event.Level.WARNING)
+        record(deployment, "ledger.overshoot", message, level=Event.Level.WARNING,
+               data={"pool": pool, "bytes": extra})  # fmt: skip
 
 
 def entries(host: Host, deployment_id: int) -> dict[str, int]:
